@@ -1,0 +1,24 @@
+"""ropekit: rotary position embeddings, verified against the mathematics and against Hugging Face.
+
+Layers, bottom to top: reference (float64 NumPy) -> schedules -> config (tables) -> backends -> autograd ->
+functional -> module -> integrations -> CLI.
+"""
+
+from ropekit.config import RopeConfig
+from ropekit.functional import apply_rotary, apply_rotary_qk
+from ropekit.module import RotaryEmbedding
+from ropekit.schedules import register_schedule
+from ropekit.sinusoidal import SinusoidalPositionalEmbedding, sinusoidal_embedding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RopeConfig",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEmbedding",
+    "__version__",
+    "apply_rotary",
+    "apply_rotary_qk",
+    "register_schedule",
+    "sinusoidal_embedding",
+]

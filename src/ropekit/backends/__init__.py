@@ -1,0 +1,48 @@
+"""Backend dispatch: the one place that decides which implementation rotates a tensor.
+
+``backend="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can serve the inputs, logging why
+each earlier one was skipped; the plain torch backend always can. Naming a backend explicitly that cannot serve
+the inputs raises a ValueError with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ropekit.backends.base import Backend
+from ropekit.backends.eager import EagerBackend
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "register_backend", "select_backend"]
+
+log = logging.getLogger("ropekit.backends")
+
+BACKENDS: dict[str, Backend] = {"torch": EagerBackend()}
+# Fastest first; "torch" last because it always works.
+AUTO_ORDER: list[str] = ["torch"]
+
+
+def register_backend(backend: Backend, *, auto_priority: int | None = None) -> None:
+    """Add a backend; with auto_priority, also insert it into AUTO_ORDER at that index."""
+    BACKENDS[backend.name] = backend
+    if auto_priority is not None and backend.name not in AUTO_ORDER:
+        AUTO_ORDER.insert(auto_priority, backend.name)
+
+
+def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
+    """Return the backend to use for these inputs."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            reason = BACKENDS[candidate].unavailable_reason(q, cos)
+            if reason is None:
+                return BACKENDS[candidate]
+            log.debug("ropekit: backend %r skipped: %s", candidate, reason)
+        return BACKENDS["torch"]
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    backend = BACKENDS[name]
+    reason = backend.unavailable_reason(q, cos)
+    if reason is not None:
+        raise ValueError(f"backend: {name!r} cannot serve these inputs: {reason}")
+    return backend

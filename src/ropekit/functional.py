@@ -1,0 +1,133 @@
+"""The functional API: :func:`apply_rotary` and :func:`apply_rotary_qk`.
+
+Shape notation:
+    B batch, S sequence, T total tokens of a packed batch, H heads (Hq, Hk for q and k), D head_dim,
+    R rotary_dim = 2 * cos.shape[-1] <= D, L table_len.
+
+Pair layout (the model families disagree; pick the one your checkpoint was trained with):
+    interleaved=False: "half" / GPT-NeoX / Hugging Face pairing, features (i, i + R/2) rotate together.
+        LLaMA, Mistral, Qwen, Phi, Gemma, GPT-NeoX as loaded through transformers.
+    interleaved=True: GPT-J / Meta pairing, features (2i, 2i+1) rotate together.
+        GPT-J, Meta's original LLaMA code and checkpoints, RoFormer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.autograd import RotaryFunction
+from ropekit.backends import select_backend
+from ropekit.positions import resolve_positions
+from ropekit.validation import check_tables, check_x
+
+__all__ = ["apply_rotary", "apply_rotary_qk"]
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: int | torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    interleaved: bool,
+    inplace: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate everything the caller passed; return (cos, sin, resolved positions)."""
+    varlen = cu_seqlens is not None
+    check_x("q" if k is not None else "x", q, varlen=varlen)
+    if k is not None:
+        check_x("k", k, varlen=varlen)
+        if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+            raise ValueError(
+                f"k: expected the same leading axes and head_dim as q {tuple(q.shape)}, got {tuple(k.shape)}"
+            )
+        if k.dtype != q.dtype or k.device != q.device:
+            raise ValueError(f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}")
+    check_tables(cos, sin, q.shape[-1])
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
+    if not isinstance(inplace, bool):
+        raise ValueError(f"inplace: expected a bool, got {inplace!r}")
+    if cos.device != q.device:
+        cos, sin = cos.to(q.device), sin.to(q.device)
+    pos = resolve_positions(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=cos.shape[0])
+    return cos, sin, pos
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys together (one kernel launch on fused backends).
+
+    q and k may have different head counts (GQA / MQA). Every other argument is as in :func:`apply_rotary`.
+
+    Returns:
+        (q_rotated, k_rotated), with q's and k's shapes and dtype.
+    """
+    if not isinstance(k, torch.Tensor):
+        raise ValueError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+    return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Apply rotary position embeddings to x.
+
+    Args:
+        x: (B, S, H, D), or (T, H, D) when cu_seqlens is given. Any float dtype; math runs in float32
+            (float64 stays float64) and the output has x's dtype.
+        cos, sin: tables of shape (L, R/2); row p serves position p (see :meth:`ropekit.RopeConfig.cos_sin`).
+            Features of x past R pass through unchanged (partial rotary).
+        positions: optional integer tensor (B, S), or (T,) with cu_seqlens: the table row of each token
+            (packing, arbitrary position ids). Mutually exclusive with non-zero offsets.
+        offsets: int or (B,) integer tensor (one per sequence, (N,) with cu_seqlens) added to the default
+            positions arange(S): KV-cache decoding, left padding.
+        cu_seqlens: int32/int64 (N+1,) cumulative sequence lengths of a packed batch, starting at 0 and ending
+            at T. Each packed sequence starts at its own position 0 (plus its offset).
+        interleaved: pair layout; False = half / GPT-NeoX / HF, True = GPT-J / Meta (see the module docstring).
+        inplace: write into x and return it. Otherwise x is never modified.
+        backend: "auto", "torch", "cpu" or "triton".
+
+    Returns:
+        The rotated tensor, shaped like x.
+
+    Raises:
+        ValueError: on a wrong rank, mismatched or too-wide tables, positions of the wrong shape, negative or
+            past the table, malformed cu_seqlens, offsets of the wrong length, or an unavailable backend.
+    """
+    return _apply(x, None, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend)[0]
+
+
+def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend):
+    cos, sin, pos = _prepare(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace)
+    if not isinstance(backend, str):
+        raise ValueError(f"backend: expected a string, got {backend!r}")
+    impl = select_backend(backend, q, cos)
+    if cos.requires_grad or sin.requires_grad:
+        # Learnable tables: let autograd differentiate the plain torch math instead of the fused rule,
+        # which treats the tables as constants.
+        impl = select_backend("torch", q, cos)
+        return impl.rotate_qk(q, k, cos, sin, pos, interleaved=interleaved, conjugate=False, inplace=inplace)
+    return RotaryFunction.apply(q, k, cos, sin, pos, impl, interleaved, inplace)

@@ -1,0 +1,124 @@
+"""RotaryEmbedding: the nn.Module that owns a cos/sin table and rotates q and k.
+
+Shape notation: B batch, S sequence, T packed tokens, H heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ropekit.config import RopeConfig
+from ropekit.functional import apply_rotary_qk
+from ropekit.validation import is_compiling
+
+__all__ = ["RotaryEmbedding"]
+
+LAYOUTS = ("bshd", "bhsd", "thd")
+# Table rows built up front when the config names no context length; grows on demand after that.
+DEFAULT_TABLE_LEN = 2048
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for q and k.
+
+    Args:
+        config: a :class:`RopeConfig`; or None, and pass its arguments as keywords (``head_dim=64, base=1e4``).
+        layout: "bshd" (B, S, H, D) (default, flash-attn's); "bhsd" (B, H, S, D) (Hugging Face's);
+            "thd" (T, H, D) packed, with cu_seqlens.
+        backend: forwarded to :func:`ropekit.apply_rotary_qk`.
+
+    The cos/sin table is a non-persistent buffer (it is never saved in a state_dict). It holds
+    ``max_position_embeddings`` rows (or 2048) to start with, grows when a later position arrives, and follows
+    the inputs' device, and float64 inputs get a float64 table (float32 otherwise: math runs in float32).
+    Under ``torch.compile`` the table is not resized, so size it up front with max_position_embeddings.
+
+    Example:
+        >>> rope = RotaryEmbedding(head_dim=64, base=10000.0)
+        >>> q, k = rope(torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64))
+    """
+
+    def __init__(
+        self, config: RopeConfig | None = None, *, layout: str = "bshd", backend: str = "auto", **config_kwargs: Any
+    ) -> None:
+        super().__init__()
+        if config is None:
+            config = RopeConfig(**config_kwargs)
+        elif config_kwargs:
+            raise ValueError(
+                f"config_kwargs: pass either a RopeConfig or its keyword arguments, not both; got config and "
+                f"{sorted(config_kwargs)}"
+            )
+        if not isinstance(config, RopeConfig):
+            raise ValueError(f"config: expected a RopeConfig or None, got {type(config).__name__}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        self.config = config
+        self.layout = layout
+        self.backend = backend
+        cos, sin = config.cos_sin(config.max_position_embeddings or DEFAULT_TABLE_LEN)
+        self.register_buffer("cos", cos, persistent=False)  # (table_len, rotary_dim // 2)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.config}, layout={self.layout!r}, table_len={self.cos.shape[0]}"
+
+    def _ensure_table(self, needed: int, like: torch.Tensor) -> None:
+        """Grow the table to at least `needed` rows and move it to like's device / precision."""
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        if self.cos.shape[0] >= needed and self.cos.device == like.device and self.cos.dtype == dtype:
+            return
+        length = max(self.cos.shape[0], needed)
+        if length > self.cos.shape[0]:
+            length = 1 << (length - 1).bit_length()  # grow geometrically: amortised O(1) regrowth
+        self.cos, self.sin = self.config.cos_sin(length, dtype=dtype, device=like.device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        offsets: int | torch.Tensor = 0,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k laid out as ``self.layout``; positions / offsets / cu_seqlens as in apply_rotary."""
+        if self.layout == "thd" and cu_seqlens is None and positions is None:
+            raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens (or explicit positions), got None")
+        if self.layout == "bhsd":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
+        if not is_compiling():
+            self._ensure_table(self._needed_rows(q, positions, offsets, cu_seqlens), q)
+        elif self.cos.device != q.device:
+            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
+        if self.layout == "thd" and cu_seqlens is None:
+            # Packed tokens with explicit positions: treat as one sequence of T tokens.
+            q2, k2 = apply_rotary_qk(
+                q[None], k[None], self.cos, self.sin, positions=positions[None], interleaved=self.config.interleaved,
+                backend=self.backend,
+            )
+            return q2[0], k2[0]
+        q, k = apply_rotary_qk(
+            q, k, self.cos, self.sin, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens,
+            interleaved=self.config.interleaved, backend=self.backend,
+        )
+        if self.layout == "bhsd":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return q, k
+
+    @staticmethod
+    def _needed_rows(q, positions, offsets, cu_seqlens) -> int:
+        """1 + the largest position this call touches (validation of bad values happens downstream)."""
+        if positions is not None:
+            return int(positions.max()) + 1 if isinstance(positions, torch.Tensor) and positions.numel() else 1
+        if cu_seqlens is not None:
+            if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() >= 2:
+                longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            else:
+                longest = 0
+        else:
+            longest = q.shape[1] if q.dim() == 4 else 0
+        off = int(offsets.max()) if isinstance(offsets, torch.Tensor) and offsets.numel() else offsets
+        return max(int(off) if isinstance(off, int) else 0, 0) + longest
