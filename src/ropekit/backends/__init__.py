@@ -1,8 +1,8 @@
 """Backend dispatch: the one place that decides which implementation rotates a tensor.
 
-``backend="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can serve the inputs, logging why
-each earlier one was skipped; the plain torch backend always can. Naming a backend explicitly that cannot serve
-the inputs raises a ValueError with the reason.
+``backend="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can serve the inputs, logging
+why each earlier one was skipped; the plain torch backend always can. Naming a backend explicitly that cannot
+serve the inputs raises a ValueError with the reason.
 """
 
 from __future__ import annotations
@@ -12,15 +12,18 @@ import logging
 import torch
 
 from ropekit.backends.base import Backend
+from ropekit.backends.cpu import CpuBackend
 from ropekit.backends.eager import EagerBackend
+from ropekit.backends.triton import TritonBackend
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "register_backend", "select_backend"]
 
 log = logging.getLogger("ropekit.backends")
 
-BACKENDS: dict[str, Backend] = {"torch": EagerBackend()}
+# Both fast backends are always registered, so naming one that cannot serve the inputs gives its reason.
+BACKENDS: dict[str, Backend] = {"triton": TritonBackend(), "cpu": CpuBackend(), "torch": EagerBackend()}
 # Fastest first; "torch" last because it always works.
-AUTO_ORDER: list[str] = ["torch"]
+AUTO_ORDER: list[str] = ["triton", "cpu", "torch"]
 
 
 def register_backend(backend: Backend, *, auto_priority: int | None = None) -> None:
@@ -34,10 +37,13 @@ def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
     """Return the backend to use for these inputs."""
     if name == "auto":
         for candidate in AUTO_ORDER:
-            reason = BACKENDS[candidate].unavailable_reason(q, cos)
+            backend = BACKENDS[candidate]
+            # A backend may refuse auto while still serving an explicit request (Triton's slow interpreter).
+            reason = getattr(backend, "auto_skip_reason", backend.unavailable_reason)(q, cos)
             if reason is None:
-                return BACKENDS[candidate]
-            log.debug("ropekit: backend %r skipped: %s", candidate, reason)
+                return backend
+            if not torch.compiler.is_compiling():  # a logging call would break torch.compile's graph
+                log.debug("ropekit: backend %r skipped: %s", candidate, reason)
         return BACKENDS["torch"]
     if name not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")

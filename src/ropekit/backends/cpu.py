@@ -1,0 +1,235 @@
+"""The CPU fast path: a small C/OpenMP loop compiled at first use, close to the cost of copying the bytes.
+
+RoPE reads q and k once and writes them once, so a copy of the same bytes is its floor. Measured on a 2-core
+Xeon (docs/benchmarks.md), the plain torch backend costs ~19x a ``copy_`` because every elementwise op makes
+a full pass over memory; inductor in-place was ~7x. This loop makes one pass: for each token (one OpenMP
+chunk) it reads the cos/sin row once, rotates each head into a stack scratch, and writes it back, which keeps
+the in-place case vectorised (no possible aliasing between the loads and the stores).
+
+The source is plain C (no torch headers), so building it takes about a second; the shared library is cached in
+``$ROPEKIT_CACHE_DIR`` (default ``~/.cache/ropekit``) under a hash of the source, the flags and the CPU. No
+compiler, or a failed build, makes this backend unavailable with a logged reason, and ``backend="auto"`` falls
+back to the torch backend.
+
+Supported: float32, float16 and bfloat16 storage (math in float32). float64 stays on the torch backend, whose
+math is float64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ropekit.backends.kernel_op import KernelBackend
+
+__all__ = ["CpuBackend", "build_library", "launch"]
+
+log = logging.getLogger("ropekit.backends")
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# Below this many elements, starting OpenMP threads costs more than the work (decode steps).
+PARALLEL_THRESHOLD = 1 << 15
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t bf16_store(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+#define F32_LOAD(v) (v)
+#define F32_STORE(v) (v)
+#define F16_LOAD(v) ((float)(v))
+#define F16_STORE(v) ((_Float16)(v))
+
+/* st: strides in elements, {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
+static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
+                         int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
+                         int interleaved, int copy_tail) { \
+    float ra[2 * half], rb[half]; \
+    for (int64_t h = 0; h < heads; ++h) { \
+        const T *xr = x + h * sx; \
+        T *orow = out + h * so; \
+        if (interleaved) { /* c2, s2: c, s repeated per pair, s2 signed; out[j] = x[j] c2 + x[j^1] s2 */ \
+            for (int64_t j = 0; j < 2 * half; ++j) \
+                ra[j] = LOAD(xr[j]) * c2[j] + LOAD(xr[j ^ 1]) * s2[j]; \
+            for (int64_t j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
+        } else { \
+            for (int64_t i = 0; i < half; ++i) { \
+                float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
+                ra[i] = a * c[i] - b * s[i]; \
+                rb[i] = b * c[i] + a * s[i]; \
+            } \
+            for (int64_t i = 0; i < half; ++i) { \
+                orow[i] = STORE(ra[i]); \
+                orow[i + half] = STORE(rb[i]); \
+            } \
+        } \
+        if (copy_tail) memcpy(orow + 2 * half, xr + 2 * half, (size_t)tail * sizeof(T)); \
+    } \
+} \
+void NAME(const void *q, void *qo, const void *k, void *ko, const int64_t *st, int64_t batch, \
+          int64_t seq, int64_t q_heads, int64_t k_heads, int64_t half, int64_t tail, const float *cos, \
+          const float *sin, int64_t cos_stride, const int64_t *pos, int interleaved, int conjugate, \
+          int copy_tail, int threads) { \
+    float sign = conjugate ? -1.0f : 1.0f; \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
+    for (int64_t token = 0; token < batch * seq; ++token) { \
+        int64_t b = token / seq, t = token % seq; \
+        const float *c = cos + pos[token] * cos_stride; \
+        float s[half], c2[2 * half], s2[2 * half]; \
+        for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[pos[token] * cos_stride + i]; \
+        if (interleaved) \
+            for (int64_t i = 0; i < half; ++i) { \
+                c2[2 * i] = c2[2 * i + 1] = c[i]; \
+                s2[2 * i] = -s[i]; \
+                s2[2 * i + 1] = s[i]; \
+            } \
+        NAME##_heads((const T *)q + b * st[0] + t * st[1], (T *)qo + b * st[3] + t * st[4], st[2], \
+                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail); \
+        if (k) \
+            NAME##_heads((const T *)k + b * st[6] + t * st[7], (T *)ko + b * st[9] + t * st[10], st[8], \
+                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail); \
+    } \
+}
+
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+"""
+
+_ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat16: "rotary_bf16"}
+_ARGTYPES = (
+    [ctypes.c_void_p] * 5
+    + [ctypes.c_int64] * 6
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    + [ctypes.c_int] * 4
+)
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ropekit"
+    return Path(os.environ.get("ROPEKIT_CACHE_DIR", default))
+
+
+def _cpu_signature() -> str:
+    """The CPU's flags: -march=native code built on one CPU may not run on another sharing the cache."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build_library(compiler: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile (or load from the cache) the C loop; returns the loaded library.
+
+    Raises:
+        RuntimeError: if no compiler is found or the build fails; the message says why.
+    """
+    compiler = compiler or os.environ.get("CC") or "cc"
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no C compiler found (looked for {compiler!r}; install gcc or set CC)")
+    key = hashlib.sha256("\n".join([_SOURCE, *FLAGS, path, _cpu_signature()]).encode()).hexdigest()[:16]
+    directory = cache_dir or _cache_dir()
+    target = directory / f"rotary_cpu_{key}.so"
+    if not target.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            src = Path(tmp) / "rotary_cpu.c"
+            src.write_text(_SOURCE)
+            built = Path(tmp) / target.name
+            cmd = [path, *FLAGS, str(src), "-o", str(built)]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                err = result.stderr.strip()[-500:]
+                raise RuntimeError(f"building the CPU kernel with {path} failed: {err}")
+            os.replace(built, target)  # atomic: concurrent builders (xdist workers) never see half a file
+    lib = ctypes.CDLL(str(target))
+    for entry in _ENTRY.values():
+        getattr(lib, entry).argtypes = _ARGTYPES
+        getattr(lib, entry).restype = None
+    return lib
+
+
+_library: ctypes.CDLL | None = None
+_build_error: str | None = None
+
+
+def _load() -> ctypes.CDLL | None:
+    """The process-wide library, built once; None (with the reason logged once) if it cannot be built."""
+    global _library, _build_error
+    if _library is None and _build_error is None:
+        try:
+            _library = build_library()
+        except (RuntimeError, OSError) as err:
+            _build_error = str(err)
+            log.warning("ropekit: CPU fast path unavailable, using the torch backend: %s", _build_error)
+    return _library
+
+
+def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> None:
+    """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch`."""
+    lib = _load()
+    batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
+    half = cos.shape[-1]
+    cos = cos.to(torch.float32).contiguous()  # (table_len, half); a no-op for the usual float32 tables
+    sin = sin.to(torch.float32).contiguous()
+    has_k = k is not None
+    strides = torch.tensor(
+        [*q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else (0, 0, 0)),
+         *(k_out.stride()[:3] if has_k else (0, 0, 0))],
+        dtype=torch.int64,
+    )  # fmt: skip
+    work = q.numel() + (k.numel() if has_k else 0)
+    getattr(lib, _ENTRY[q.dtype])(
+        q.data_ptr(),
+        q_out.data_ptr(),
+        k.data_ptr() if has_k else None,
+        k_out.data_ptr() if has_k else None,
+        strides.data_ptr(),
+        batch,
+        seq,
+        q_heads,
+        k.shape[2] if has_k else 0,
+        half,
+        head_dim - 2 * half,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        positions.data_ptr(),
+        int(interleaved),
+        int(conjugate),
+        int(q_out.data_ptr() != q.data_ptr()),
+        torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
+    )
+
+
+class CpuBackend(KernelBackend):
+    def __init__(self) -> None:
+        super().__init__("cpu", launch)
+
+    def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
+        if q.device.type != "cpu":
+            return f"q is on {q.device.type}; the CPU fast path serves CPU tensors"
+        if q.dtype not in _ENTRY:
+            return f"dtype {q.dtype} is not supported (float32, float16, bfloat16; float64 uses torch)"
+        if _load() is None:
+            return f"the C kernel could not be built: {_build_error}"
+        return None

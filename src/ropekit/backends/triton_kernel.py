@@ -1,0 +1,147 @@
+"""The fused Triton RoPE kernel: q and k of one token in one program, cos/sin loaded once per token.
+
+One program handles one token (one row of the resolved positions). It loads that token's cos/sin row once,
+then rotates every q head and every k head with it, in blocks of ``BLOCK_H`` heads. Layout switches
+(``INTERLEAVED``, ``CONJUGATE``, whether k exists, whether a tail must be copied) are compile-time constants,
+so each combination compiles to straight-line code. Math runs in float32 whatever the storage dtype.
+
+Importing this module imports Triton. Triton decides at decoration time whether ``@triton.jit`` compiles for
+the GPU or runs in the interpreter, so ``TRITON_INTERPRET=1`` must be set before this module is imported.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["rotary_kernel"]
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    x_stride_h,
+    out_stride_h,
+    n_heads,
+    c,
+    s,
+    half_idx,
+    half_mask,
+    tail_idx,
+    tail_mask,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+):
+    """Rotate n_heads heads of one token; x_ptr/out_ptr point at head 0, feature 0 of that token."""
+    if INTERLEAVED:
+        a_idx = 2 * half_idx  # pair i sits at (2i, 2i+1): GPT-J / Meta
+        b_idx = 2 * half_idx + 1
+    else:
+        a_idx = half_idx  # pair i sits at (i, i + R/2): GPT-NeoX / HF
+        b_idx = half_idx + HALF
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads < n_heads)[:, None] & half_mask[None, :]  # (BLOCK_H, BLOCK_HALF)
+        x_row = x_ptr + heads[:, None] * x_stride_h
+        out_row = out_ptr + heads[:, None] * out_stride_h
+        a = tl.load(x_row + a_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+        ra = a * c - b * s
+        rb = b * c + a * s
+        tl.store(out_row + a_idx[None, :], ra.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + b_idx[None, :], rb.to(out_ptr.dtype.element_ty), mask=mask)
+        if COPY_TAIL:
+            tmask = (heads < n_heads)[:, None] & tail_mask[None, :]  # (BLOCK_H, BLOCK_TAIL)
+            tail = tl.load(x_row + tail_idx[None, :], mask=tmask, other=0.0)
+            tl.store(out_row + tail_idx[None, :], tail, mask=tmask)
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    seq_len,
+    q_heads,
+    k_heads,
+    q_stride_b,
+    q_stride_s,
+    q_stride_h,
+    k_stride_b,
+    k_stride_s,
+    k_stride_h,
+    qo_stride_b,
+    qo_stride_s,
+    qo_stride_h,
+    ko_stride_b,
+    ko_stride_s,
+    ko_stride_h,
+    cos_stride,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HAS_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+):
+    """Rotate token ``program_id(0)`` of q (and k); leading axes are (batch, seq), the last has stride 1."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    t = token % seq_len
+    pos = tl.load(pos_ptr + token)
+
+    half_idx = tl.arange(0, BLOCK_HALF)
+    half_mask = half_idx < HALF
+    c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    if CONJUGATE:
+        s = -s  # R(-theta) = R(theta)^T: the backward pass
+    tail_idx = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+    tail_mask = tl.arange(0, BLOCK_TAIL) < TAIL
+
+    _rotate_heads(
+        q_ptr + b * q_stride_b + t * q_stride_s,
+        q_out_ptr + b * qo_stride_b + t * qo_stride_s,
+        q_stride_h,
+        qo_stride_h,
+        q_heads,
+        c,
+        s,
+        half_idx,
+        half_mask,
+        tail_idx,
+        tail_mask,
+        HALF,
+        BLOCK_HQ,
+        INTERLEAVED,
+        COPY_TAIL,
+    )
+    if HAS_K:
+        _rotate_heads(
+            k_ptr + b * k_stride_b + t * k_stride_s,
+            k_out_ptr + b * ko_stride_b + t * ko_stride_s,
+            k_stride_h,
+            ko_stride_h,
+            k_heads,
+            c,
+            s,
+            half_idx,
+            half_mask,
+            tail_idx,
+            tail_mask,
+            HALF,
+            BLOCK_HK,
+            INTERLEAVED,
+            COPY_TAIL,
+        )
