@@ -1,10 +1,12 @@
 """Autograd for the rotation: the backward pass is the same backend run with the conjugate rotation.
 
-A rotation R is orthogonal, so dL/dx = R^T dL/dy = R(-theta) dL/dy. Nothing but the tables and the positions is
-saved for backward: no activations.
+A rotation R is orthogonal, so dL/dx = R^T dL/dy = R(-theta) dL/dy (docs/math.md). Nothing but the tables
+and the positions is saved for backward: no activations.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -14,9 +16,16 @@ __all__ = ["RotaryFunction"]
 
 
 class RotaryFunction(torch.autograd.Function):
+    """Rotate q (and k) by the tables' angles; backward rotates the incoming gradients by the negated angles.
+
+    Called as ``RotaryFunction.apply(q, k, cos, sin, positions, backend, interleaved, inplace)`` with
+    positions already resolved (:mod:`ropekit.positions`); k may be None. The tables are constants here:
+    learnable tables take the plain torch path in :mod:`ropekit.functional` instead.
+    """
+
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor | None,
         cos: torch.Tensor,
@@ -25,7 +34,7 @@ class RotaryFunction(torch.autograd.Function):
         backend: Backend,
         interleaved: bool,
         inplace: bool,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q_out, k_out = backend.rotate_qk(
             q, k, cos, sin, positions, interleaved=interleaved, conjugate=False, inplace=inplace
         )
@@ -36,11 +45,11 @@ class RotaryFunction(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
-    def backward(ctx, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None):
+    def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
+        # Gradients are materialised (zeros for an unused output), so grad_q is a tensor; grad_k is None
+        # exactly when k was None.
         cos, sin, positions = ctx.saved_tensors
-        kw = dict(interleaved=ctx.interleaved, conjugate=True, inplace=False)
-        if grad_q is None:  # only k's output was used
-            gq, gk = None, (None if grad_k is None else ctx.backend.rotate_qk(grad_k, None, cos, sin, positions, **kw)[0])
-        else:
-            gq, gk = ctx.backend.rotate_qk(grad_q, grad_k, cos, sin, positions, **kw)
-        return gq, gk, None, None, None, None, None, None
+        grad_q, grad_k = ctx.backend.rotate_qk(
+            grad_q, grad_k, cos, sin, positions, interleaved=ctx.interleaved, conjugate=True, inplace=False
+        )
+        return grad_q, grad_k, None, None, None, None, None, None

@@ -74,7 +74,7 @@ class RopeConfig:
             )
         if not isinstance(interleaved, bool):
             raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-        scaling = None if scaling is None else dict(scaling)
+        scaling = dict(scaling) if isinstance(scaling, Mapping) else scaling  # split_scaling rejects the rest
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "rotary_dim", rotary_dim)
@@ -138,7 +138,7 @@ class RopeConfig:
             if positions < 0:
                 raise ValueError(f"positions: expected a non-negative int n (meaning arange(n)), got {positions}")
             positions = torch.arange(positions, dtype=torch.float64, device=device)
-        if not dtype.is_floating_point:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
         inv_freq, scale = self._compute(seq_len)
         device = positions.device if device is None else torch.device(device)

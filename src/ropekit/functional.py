@@ -9,6 +9,7 @@ Pair layout (the model families disagree; pick the one your checkpoint was train
         LLaMA, Mistral, Qwen, Phi, Gemma, GPT-NeoX as loaded through transformers.
     interleaved=True: GPT-J / Meta pairing, features (2i, 2i+1) rotate together.
         GPT-J, Meta's original LLaMA code and checkpoints, RoFormer.
+    The two are the same rotation with the features permuted; docs/math.md derives both.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction
 from ropekit.backends import select_backend
 from ropekit.positions import resolve_positions
-from ropekit.validation import check_tables, check_x
+from ropekit.validation import check_tables, check_x, describe
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
 
@@ -44,7 +45,9 @@ def _prepare(
                 f"k: expected the same leading axes and head_dim as q {tuple(q.shape)}, got {tuple(k.shape)}"
             )
         if k.dtype != q.dtype or k.device != q.device:
-            raise ValueError(f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}")
+            raise ValueError(
+                f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}"
+            )
     check_tables(cos, sin, q.shape[-1])
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
@@ -52,7 +55,9 @@ def _prepare(
         raise ValueError(f"inplace: expected a bool, got {inplace!r}")
     if cos.device != q.device:
         cos, sin = cos.to(q.device), sin.to(q.device)
-    pos = resolve_positions(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=cos.shape[0])
+    pos = resolve_positions(
+        q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=cos.shape[0]
+    )
     return cos, sin, pos
 
 
@@ -77,7 +82,7 @@ def apply_rotary_qk(
         (q_rotated, k_rotated), with q's and k's shapes and dtype.
     """
     if not isinstance(k, torch.Tensor):
-        raise ValueError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+        raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
     return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend)
 
 
@@ -106,7 +111,7 @@ def apply_rotary(
             positions arange(S): KV-cache decoding, left padding.
         cu_seqlens: int32/int64 (N+1,) cumulative sequence lengths of a packed batch, starting at 0 and ending
             at T. Each packed sequence starts at its own position 0 (plus its offset).
-        interleaved: pair layout; False = half / GPT-NeoX / HF, True = GPT-J / Meta (see the module docstring).
+        interleaved: pair layout; False = half / GPT-NeoX / HF, True = GPT-J / Meta (module docstring).
         inplace: write into x and return it. Otherwise x is never modified.
         backend: "auto", "torch", "cpu" or "triton".
 

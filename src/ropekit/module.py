@@ -12,11 +12,16 @@ from torch import nn
 
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
-from ropekit.validation import is_compiling
+from ropekit.validation import describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
 
 LAYOUTS = ("bshd", "bhsd", "thd")
+LAYOUT_SHAPES = {
+    "bshd": "(batch, seq, heads, head_dim)",
+    "bhsd": "(batch, heads, seq, head_dim)",
+    "thd": "(total_tokens, heads, head_dim)",
+}
 # Table rows built up front when the config names no context length; grows on demand after that.
 DEFAULT_TABLE_LEN = 2048
 
@@ -25,7 +30,7 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding for q and k.
 
     Args:
-        config: a :class:`RopeConfig`; or None, and pass its arguments as keywords (``head_dim=64, base=1e4``).
+        config: a :class:`RopeConfig`; or None, and pass its arguments as keywords (``head_dim=64``).
         layout: "bshd" (B, S, H, D) (default, flash-attn's); "bhsd" (B, H, S, D) (Hugging Face's);
             "thd" (T, H, D) packed, with cu_seqlens.
         backend: forwarded to :func:`ropekit.apply_rotary_qk`.
@@ -41,7 +46,12 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, config: RopeConfig | None = None, *, layout: str = "bshd", backend: str = "auto", **config_kwargs: Any
+        self,
+        config: RopeConfig | None = None,
+        *,
+        layout: str = "bshd",
+        backend: str = "auto",
+        **config_kwargs: Any,
     ) -> None:
         super().__init__()
         if config is None:
@@ -84,35 +94,51 @@ class RotaryEmbedding(nn.Module):
         offsets: int | torch.Tensor = 0,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k laid out as ``self.layout``; positions / offsets / cu_seqlens as in apply_rotary."""
-        if self.layout == "thd" and cu_seqlens is None and positions is None:
-            raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens (or explicit positions), got None")
+        """Rotate q and k laid out as ``self.layout``; positions / offsets / cu_seqlens as in apply_rotary.
+
+        Raises:
+            ValueError: q or k not of the layout's rank, "thd" without cu_seqlens or positions, or any bad
+                argument :func:`ropekit.apply_rotary_qk` rejects.
+        """
+        rank = 3 if self.layout == "thd" else 4
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                raise ValueError(
+                    f"{name}: expected a {rank}-D tensor {LAYOUT_SHAPES[self.layout]} for layout "
+                    f"{self.layout!r}, got {describe(t)}"
+                )
+        if self.layout == "thd" and cu_seqlens is None:
+            if positions is None:
+                raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens or positions, got None")
+            # Packed tokens with explicit positions only: one sequence of T tokens.
+            cu_seqlens = torch.tensor([0, q.shape[0]], device=q.device)
         if self.layout == "bhsd":
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
         if not is_compiling():
             self._ensure_table(self._needed_rows(q, positions, offsets, cu_seqlens), q)
         elif self.cos.device != q.device:
             self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
-        if self.layout == "thd" and cu_seqlens is None:
-            # Packed tokens with explicit positions: treat as one sequence of T tokens.
-            q2, k2 = apply_rotary_qk(
-                q[None], k[None], self.cos, self.sin, positions=positions[None], interleaved=self.config.interleaved,
-                backend=self.backend,
-            )
-            return q2[0], k2[0]
         q, k = apply_rotary_qk(
-            q, k, self.cos, self.sin, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens,
-            interleaved=self.config.interleaved, backend=self.backend,
+            q,
+            k,
+            self.cos,
+            self.sin,
+            positions=positions,
+            offsets=offsets,
+            cu_seqlens=cu_seqlens,
+            interleaved=self.config.interleaved,
+            backend=self.backend,
         )
         if self.layout == "bhsd":
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # back to (B, H, S, D)
         return q, k
 
     @staticmethod
     def _needed_rows(q, positions, offsets, cu_seqlens) -> int:
         """1 + the largest position this call touches (validation of bad values happens downstream)."""
         if positions is not None:
-            return int(positions.max()) + 1 if isinstance(positions, torch.Tensor) and positions.numel() else 1
+            has_values = isinstance(positions, torch.Tensor) and positions.numel()
+            return int(positions.max()) + 1 if has_values else 1
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() >= 2:
                 longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -5,11 +5,21 @@ traces, so they never break the graph; eager calls always run them."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 
-__all__ = ["check_base", "check_rotary_dim", "check_tables", "check_x", "is_compiling"]
+__all__ = [
+    "check_base",
+    "check_head_dim",
+    "check_int",
+    "check_rotary_dim",
+    "check_tables",
+    "check_x",
+    "describe",
+    "is_compiling",
+]
 
 
 def is_compiling() -> bool:
@@ -17,42 +27,46 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def describe(value: Any) -> str:
+    """A short description of a received value for error messages: tensors by dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(name: str, value: Any, *, minimum: int, expected: str) -> int:
+    """value must be an integer (Python or NumPy, never a bool) >= minimum; returns it as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return int(value)
+
+
 def check_base(base: Any) -> float:
-    """base must be a finite real number > 1."""
-    try:
-        b = float(base)
-    except (TypeError, ValueError):
-        raise ValueError(f"base: expected a finite number > 1, got {base!r}") from None
-    if not math.isfinite(b) or b <= 1.0:
+    """base must be a finite real number > 1 (a string or a bool is not a number here)."""
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"base: expected a finite number > 1, got {base!r}")
-    return b
+    return float(base)
 
 
 def check_head_dim(head_dim: Any) -> int:
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-        raise ValueError(f"head_dim: expected a positive integer, got {head_dim!r}")
-    return head_dim
+    """head_dim must be a positive integer."""
+    return check_int("head_dim", head_dim, minimum=1, expected="a positive integer")
 
 
 def check_rotary_dim(rotary_dim: Any, head_dim: int) -> int:
     """rotary_dim must be a positive even integer no larger than head_dim."""
-    if (
-        isinstance(rotary_dim, bool)
-        or not isinstance(rotary_dim, int)
-        or rotary_dim <= 0
-        or rotary_dim % 2
-        or rotary_dim > head_dim
-    ):
-        raise ValueError(
-            f"rotary_dim: expected a positive even integer <= head_dim ({head_dim}), got {rotary_dim!r}"
-        )
+    expected = f"a positive even integer <= head_dim ({head_dim})"
+    rotary_dim = check_int("rotary_dim", rotary_dim, minimum=1, expected=expected)
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim: expected {expected}, got {rotary_dim!r}")
     return rotary_dim
 
 
 def check_x(name: str, x: Any, *, varlen: bool) -> None:
     """x is (batch, seq, heads, head_dim), or (total_tokens, heads, head_dim) with cu_seqlens."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise ValueError(f"{name}: expected a torch.Tensor, got {describe(x)}")
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     want = 3 if varlen else 4
@@ -70,7 +84,7 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
     """cos, sin: same shape (table_len, rotary_dim // 2) with rotary_dim <= head_dim. Returns rotary_dim."""
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {t!r:.80}")
+            raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {describe(t)}")
         if t.dim() != 2:
             raise ValueError(
                 f"{name}: expected shape (table_len, rotary_dim // 2), got shape {tuple(t.shape)}"
@@ -85,6 +99,9 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
             f"cos: table width {cos.shape[1]} means rotary_dim {rotary_dim}; expected 0 < rotary_dim <= "
             f"head_dim ({head_dim})"
         )
-    if cos.device != sin.device:
-        raise ValueError(f"cos and sin: expected one device, got {cos.device} and {sin.device}")
+    if cos.device != sin.device or cos.dtype != sin.dtype:
+        raise ValueError(
+            f"cos and sin: expected one device and dtype, got cos {cos.dtype} on {cos.device} and "
+            f"sin {sin.dtype} on {sin.device}"
+        )
     return rotary_dim

@@ -1,13 +1,14 @@
 """Numerical checks of every claim the seed documents make, for one configuration.
 
-Each check compares two computations that the mathematics (docs/math.md) says are equal and reports the largest
-difference against a float64 tolerance. Used by ``ropekit verify`` and the demo report.
+Each check compares two computations that the mathematics (docs/math.md) says are equal and reports the
+largest difference against a float64 tolerance. Used by ``ropekit verify`` and the demo report.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,15 +16,21 @@ import torch
 from ropekit import reference as ref
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary
+from ropekit.sinusoidal import sinusoidal_embedding
 
-__all__ = ["Check", "run_checks"]
+__all__ = ["TOL", "Check", "run_checks"]
 
-# float64 round-off grows with the angle m*theta; positions up to a few thousand keep errors near 1e-12.
+# float64 round-off grows with the angle m*theta (about 1e-16 * m); positions below a few thousand keep every
+# error near 1e-12, so 1e-9 leaves a wide margin while still catching any real mistake (those are O(1)).
 TOL = 1e-9
+# The textbook prints its sinusoidal values to 3-5 significant digits.
+PRINTED_DIGITS_TOL = 5e-4
 
 
 @dataclass(frozen=True)
 class Check:
+    """One verified claim: the largest difference between two computations the mathematics says are equal."""
+
     name: str
     max_error: float
     tolerance: float
@@ -32,19 +39,39 @@ class Check:
     def passed(self) -> bool:
         return bool(self.max_error <= self.tolerance)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
+        """{"name", "max_error", "tolerance", "passed"}, the shape ``ropekit verify --json`` prints."""
         return {**asdict(self), "passed": self.passed}
 
 
-def _err(a, b) -> float:
+def _err(a: Any, b: Any) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
 
 
-def run_checks(config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_position: int = 4096) -> list[Check]:
-    """Run every check for ``config``; the textbook examples are included regardless of config."""
+def _textbook_dot(angle_deg: float, m: int, n: int) -> float:
+    """The textbook's 2-D example: q = k = (1, 0) rotated to positions m and n by theta = angle_deg."""
+    theta = np.array([math.radians(angle_deg)])
+    e1 = np.array([1.0, 0.0])
+    return float(ref.rotate_interleaved(e1, m, theta) @ ref.rotate_interleaved(e1, n, theta))
+
+
+def run_checks(
+    config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_position: int = 4096
+) -> list[Check]:
+    """Run every check for ``config``; the textbook's worked examples are included whatever the config.
+
+    Args:
+        config: head_dim, base and rotary_dim to check. A scaling schedule is ignored: the seeds' claims are
+            about the unscaled rotation.
+        seed: seed for the random vectors and positions.
+        n_positions: how many random positions each check samples.
+        max_position: positions are drawn from [0, max_position).
+
+    Returns:
+        One :class:`Check` per claim, in a fixed order.
+    """
     rng = np.random.default_rng(seed)
-    d = config.rotary_dim
-    D = config.head_dim
+    d, D = config.rotary_dim, config.head_dim
     theta = ref.inv_freq(d, config.base)
     positions = rng.integers(0, max_position, size=n_positions)
     checks: list[Check] = []
@@ -52,33 +79,36 @@ def run_checks(config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_p
     def add(name: str, err: float, tol: float = TOL) -> None:
         checks.append(Check(name, err, tol))
 
-    # Scaling schedules change theta on purpose; the seeds' claims are about the unscaled rotation.
-    config = RopeConfig(config.head_dim, config.base, rotary_dim=d, interleaved=config.interleaved)
+    config = RopeConfig(D, config.base, rotary_dim=d, interleaved=config.interleaved)
     add("RopeConfig.inv_freq = base^(-2i/d)", _err(config.inv_freq().numpy(), theta))
 
     # Orthogonality and determinant of R_m.
-    eye = np.eye(d)
-    add("R^T R = I", max(_err(ref.rotation_matrix(m, theta).T @ ref.rotation_matrix(m, theta), eye) for m in positions))
-    add("det R = 1", max(abs(np.linalg.det(ref.rotation_matrix(m, theta)) - 1.0) for m in positions))
+    rotations = [ref.rotation_matrix(m, theta) for m in positions]
+    add("R^T R = I", max(_err(r.T @ r, np.eye(d)) for r in rotations))
+    add("det R = 1", max(abs(np.linalg.det(r) - 1.0) for r in rotations))
 
     # Composition: R_m^T R_n = R_{n-m}.
     pairs = rng.integers(0, max_position, size=(n_positions, 2))
     add(
         "R_m^T R_n = R_(n-m)",
         max(
-            _err(ref.rotation_matrix(m, theta).T @ ref.rotation_matrix(n, theta), ref.rotation_matrix(n - m, theta))
+            _err(
+                ref.rotation_matrix(m, theta).T @ ref.rotation_matrix(n, theta),
+                ref.rotation_matrix(n - m, theta),
+            )
             for m, n in pairs
         ),
     )
 
-    # The inner product of rotated q and k depends only on n - m.
+    # The inner product of rotated q and k depends only on n - m: the same offset at many absolute positions.
     q, k = rng.standard_normal(D), rng.standard_normal(D)
     errs = []
     for offset in rng.integers(-64, 64, size=4):
         starts = rng.integers(max(0, -offset), max_position, size=n_positions)
-        dots = [ref.rotate_interleaved(q, m, theta) @ ref.rotate_interleaved(k, m + offset, theta) for m in starts]
-        scale = max(1.0, abs(dots[0]))
-        errs.append((max(dots) - min(dots)) / scale)
+        dots = [
+            ref.rotate_interleaved(q, m, theta) @ ref.rotate_interleaved(k, m + offset, theta) for m in starts
+        ]
+        errs.append((max(dots) - min(dots)) / max(1.0, abs(dots[0])))
     add("(R_m q).(R_n k) depends only on n - m", max(errs))
 
     # Norm preservation.
@@ -91,7 +121,7 @@ def run_checks(config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_p
     add("matrix form = complex form", _err(by_matrix, ref.rotate_complex(x, positions, theta)))
     add("matrix form = interleaved form", _err(by_matrix, rotated))
 
-    # Half layout is the interleaved layout under the pair permutation.
+    # The half layout is the interleaved layout under the pair permutation.
     to_half = np.concatenate([ref.interleaved_to_half_permutation(d), np.arange(d, D)])
     add(
         "half form = interleaved form, permuted",
@@ -101,22 +131,44 @@ def run_checks(config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_p
     # The production apply_rotary against the reference, both layouts, float64.
     cos, sin = config.cos_sin(int(positions.max()) + 1, dtype=torch.float64)
     xt = torch.from_numpy(x).reshape(1, n_positions, 1, D)  # (batch, seq, heads, head_dim)
-    pos_t = torch.from_numpy(positions).reshape(1, n_positions)
+    pos_t = torch.from_numpy(positions).reshape(1, n_positions)  # (batch, seq)
+    outputs = {}
     for interleaved, name in ((False, "half"), (True, "interleaved")):
-        got = apply_rotary(xt, cos, sin, positions=pos_t, interleaved=interleaved, backend="torch")
+        outputs[interleaved] = apply_rotary(xt, cos, sin, positions=pos_t, interleaved=interleaved)
         rotate = ref.rotate_interleaved if interleaved else ref.rotate_half
         want = rotate(x, positions, theta)[None, :, None, :]
-        add(f"apply_rotary ({name}) = reference", _err(got.numpy(), want))
+        add(f"apply_rotary ({name}) = reference", _err(outputs[interleaved].numpy(), want))
+    add(
+        "apply_rotary: half on permuted x = interleaved, permuted",
+        _err(
+            apply_rotary(xt[..., to_half], cos, sin, positions=pos_t, interleaved=False).numpy(),
+            outputs[True][..., to_half].numpy(),
+        ),
+    )
+
+    # Backward is the inverse rotation: dL/dx = R_m^T g = R_{-m} g.
+    xg = xt.clone().requires_grad_(True)
+    g = rng.standard_normal((n_positions, D))
+    apply_rotary(xg, cos, sin, positions=pos_t, interleaved=True).backward(
+        torch.from_numpy(g)[None, :, None, :]
+    )
+    add(
+        "apply_rotary backward = inverse rotation",
+        _err(xg.grad[0, :, 0].numpy(), ref.rotate_interleaved(g, -positions, theta)),
+    )
 
     # The textbook's worked examples (d = 2, theta given directly in degrees).
-    def dot2(angle_deg: float, m: int, n: int) -> float:
-        t = np.array([math.radians(angle_deg)])
-        return float(ref.rotate_interleaved(np.array([1.0, 0.0]), m, t) @ ref.rotate_interleaved(np.array([1.0, 0.0]), n, t))
-
-    add("textbook: theta=30deg, m=1, n=3 gives 0.5", abs(dot2(30.0, 1, 3) - 0.5))
-    add("textbook: theta=45deg, m=0, n=2 gives 0", abs(dot2(45.0, 0, 2) - 0.0))
+    add("textbook: theta=30deg, m=1, n=3 gives 0.5", abs(_textbook_dot(30.0, 1, 3) - 0.5))
+    add("textbook: theta=45deg, m=0, n=2 gives 0", abs(_textbook_dot(45.0, 0, 2)))
     pe = ref.sinusoidal(np.array([1, 2]), 4)
-    printed = np.array([[0.841, 0.909], [0.99995, 0.9998]])  # the textbook's rounded figures
+    printed = np.array([[0.841, 0.909], [0.99995, 0.9998]])  # sin 1, sin 2, cos 0.01, cos 0.02 as printed
     got = np.array([[pe[0, 0], pe[1, 0]], [pe[0, 3], pe[1, 3]]])
-    add("textbook: sinusoidal d=4 at 1, 2 (to printed digits)", _err(got, printed), 5e-4)
+    add("textbook: sinusoidal d=4 at 1, 2 (to printed digits)", _err(got, printed), PRINTED_DIGITS_TOL)
+    add(
+        "sinusoidal_embedding = reference",
+        _err(
+            sinusoidal_embedding(torch.from_numpy(positions), d, config.base, dtype=torch.float64),
+            ref.sinusoidal(positions, d, config.base),
+        ),
+    )
     return checks

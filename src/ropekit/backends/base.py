@@ -1,7 +1,8 @@
 """The backend contract every RoPE implementation (torch, CPU fast path, Triton) fulfils.
 
 A backend rotates q (and optionally k) given cos/sin tables and *resolved* positions (see
-:mod:`ropekit.positions`): an int64 tensor of shape x.shape[:-2], one table row per token, shared by all heads.
+:mod:`ropekit.positions`): an int64 tensor of shape x.shape[:-2], one table row per token, shared by all
+heads.
 
 Contract of :meth:`Backend.rotate_qk`:
     q: (..., q_heads, head_dim); k: (..., k_heads, head_dim) or None; the leading axes of q and k match
@@ -10,8 +11,8 @@ Contract of :meth:`Backend.rotate_qk`:
     interleaved: False pairs (i, i + d/2) (GPT-NeoX / HF); True pairs (2i, 2i+1) (GPT-J / Meta).
     conjugate: rotate by -theta instead of +theta (the backward pass, and the inverse).
     inplace: write into q and k and return them; otherwise return new tensors and leave the inputs untouched.
-    Features past rotary_dim are copied unchanged. Math runs in float32 (float64 if q is float64); outputs have
-    the input dtype.
+    Features past rotary_dim are copied unchanged. Math runs in float32 (float64 if q is float64); outputs
+    have the input dtype.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `ropekit` command: one module per subcommand, each exposing ``add_parser(subparsers)`` and ``run(args)``."""
+"""The `ropekit` command: one module per subcommand, each with ``add_parser(sub)`` and ``run(args)``."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     from ropekit import __version__
 
-    parser = argparse.ArgumentParser(prog="ropekit", description="Rotary position embeddings: verify, inspect, bench, demo.")
+    parser = argparse.ArgumentParser(
+        prog="ropekit", description="Rotary position embeddings: verify, inspect, bench, demo."
+    )
     parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
 

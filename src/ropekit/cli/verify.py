@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ropekit.verify import Check
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -12,15 +17,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", type=float, default=10000.0, help="RoPE base (default 10000)")
     p.add_argument("--rotary-dim", type=int, default=None, help="rotated features (default: head dim)")
     p.add_argument("--interleaved", action="store_true", help="GPT-J / Meta pairing (2i, 2i+1)")
-    p.add_argument("--json", action="store_true", help="print {'checks': [...]} as JSON")
+    p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
 
 
-def format_table(checks) -> str:
+def format_table(checks: Sequence[Check]) -> str:
+    """The checks as an aligned text table with a PASS/FAIL column and a summary line."""
     width = max(len(c.name) for c in checks)
     lines = [f"{'check':<{width}}  {'max error':>10}  {'tolerance':>9}  result", "-" * (width + 32)]
     for c in checks:
-        lines.append(f"{c.name:<{width}}  {c.max_error:>10.2e}  {c.tolerance:>9.0e}  {'PASS' if c.passed else 'FAIL'}")
+        verdict = "PASS" if c.passed else "FAIL"
+        lines.append(f"{c.name:<{width}}  {c.max_error:>10.2e}  {c.tolerance:>9.0e}  {verdict}")
     failed = sum(not c.passed for c in checks)
     lines.append(f"{len(checks) - failed} passed, {failed} failed")
     return "\n".join(lines)
@@ -35,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2))
     else:
-        print(f"ropekit verify: head_dim={config.head_dim} base={config.base:g} rotary_dim={config.rotary_dim} "
-              f"pairing={'interleaved (GPT-J)' if config.interleaved else 'half (GPT-NeoX / HF)'}")
+        pairing = "interleaved (GPT-J / Meta)" if config.interleaved else "half (GPT-NeoX / HF)"
+        print(
+            f"ropekit verify: head_dim={config.head_dim} base={config.base:g} "
+            f"rotary_dim={config.rotary_dim} pairing={pairing}"
+        )
         print(format_table(checks))
     return 0 if all(c.passed for c in checks) else 1
