@@ -1,0 +1,101 @@
+"""The compiled CPU backend: right against the reference in every mode; a clean fallback with no compiler."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
+
+from ropekit.backends import cpu
+
+pytestmark = pytest.mark.skipif(
+    cpu.CpuBackend().unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
+    reason="the CPU kernel cannot be built here (no C compiler)",
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("partial", [False, True])
+def test_cpu_matches_reference_in_every_mode(mode, interleaved, inplace, partial):
+    check_matches_reference("cpu", mode, torch.float32, interleaved, inplace, partial)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_half_precision_matches_reference(dtype, interleaved, inplace):
+    check_matches_reference("cpu", "positions", dtype, interleaved, inplace, partial=True)
+
+
+@pytest.mark.parametrize("k_heads", [1, 8])
+def test_cpu_gqa_mqa_and_more_kv_heads_in_place(k_heads):
+    check_matches_reference("cpu", "default", torch.float32, False, True, True, q_heads=8, k_heads=k_heads)
+
+
+@pytest.mark.parametrize("mode", ["default", "cu_seqlens", "bhsd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_gradient_is_the_conjugate_rotation(mode, interleaved):
+    check_gradients("cpu", mode, interleaved)
+
+
+def test_cpu_single_tensor_matches_reference():
+    check_single_tensor("cpu", interleaved=True)
+
+
+def test_cpu_strided_last_axis_is_rotated_correctly_in_place():
+    cos, sin = tables(8)
+    base = torch.randn(2, 5, 3, 16)
+    x = base[..., ::2]  # (2, 5, 3, 8) with a last-axis stride of 2
+    pos = torch.arange(5).repeat(2, 1)  # (batch, seq)
+    want = torch.ops.ropekit.cpu_rotary(x.contiguous(), None, cos, sin, pos, False, False)[0]
+    torch.ops.ropekit.cpu_rotary_(x, None, cos, sin, pos, False, False)
+    torch.testing.assert_close(x, want)
+
+
+def test_cpu_custom_ops_pass_torch_library_opcheck():
+    cos, sin = tables(8)
+    q, k = torch.randn(2, 5, 4, 12), torch.randn(2, 5, 2, 12)
+    pos = torch.randint(0, 64, (2, 5))
+    torch.library.opcheck(torch.ops.ropekit.cpu_rotary, (q, k, cos, sin, pos, False, False))
+    torch.library.opcheck(torch.ops.ropekit.cpu_rotary_, (q.clone(), k.clone(), cos, sin, pos, True, False))
+
+
+def test_cpu_runs_inside_torch_compile_fullgraph():
+    from ropekit import apply_rotary_qk
+
+    cos, sin = tables(12)
+    q, k = torch.randn(1, 6, 4, 12), torch.randn(1, 6, 2, 12)
+
+    def step(q, k):
+        return apply_rotary_qk(q, k, cos, sin, backend="cpu")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(q, k), step(q, k), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_missing_compiler_raises_with_the_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        cpu.build_library(compiler="no-such-compiler-ropekit", cache_dir=tmp_path)
+
+
+def test_failed_build_is_logged_and_auto_falls_back_to_torch(monkeypatch, caplog):
+    from ropekit import apply_rotary
+    from ropekit.backends import select_backend
+
+    def fail():
+        raise RuntimeError("no C compiler found (looked for 'cc')")
+
+    monkeypatch.setattr(cpu, "build_library", fail)
+    monkeypatch.setattr(cpu, "_library", None)
+    monkeypatch.setattr(cpu, "_build_error", None)
+    x, (cos, sin) = torch.randn(1, 3, 2, 4), tables(4)
+    with caplog.at_level(logging.WARNING, logger="ropekit.backends"):
+        assert select_backend("auto", x, cos).name == "torch"
+    assert "no C compiler found" in caplog.text
+    with pytest.raises(ValueError, match=r"backend: 'cpu'.*no C compiler"):
+        apply_rotary(x, cos, sin, backend="cpu")

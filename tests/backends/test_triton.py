@@ -1,0 +1,59 @@
+"""The Triton backend: its interpreter suite (in a subprocess), its refusal without a GPU, and its fake op."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rotary_cases import tables
+
+from ropekit import apply_rotary
+from ropekit.backends import BACKENDS
+
+HERE = Path(__file__).parent
+
+
+def test_triton_kernel_passes_the_interpreter_suite():
+    """tests/backends/triton_interpreter_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd += ["-W", "ignore::DeprecationWarning", str(HERE / "triton_interpreter_cases.py")]
+    result = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="the interpreter accepts CPU tensors"
+)
+def test_triton_on_cpu_tensors_without_interpreter_is_a_clear_value_error():
+    cos, sin = tables(4)
+    with pytest.raises(ValueError, match=r"backend: 'triton'.*CUDA device"):
+        apply_rotary(torch.randn(1, 3, 2, 4), cos, sin, backend="triton")
+
+
+def test_triton_fake_op_gives_output_shapes_and_strides_without_running():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 8, 16).transpose(1, 2)  # (batch, seq, heads, head_dim) from a bhsd buffer
+        k = torch.empty(2, 8, 1, 16)
+        cos, sin, pos = torch.empty(32, 8), torch.empty(32, 8), torch.zeros(2, 8, dtype=torch.int64)
+        out_q, out_k = torch.ops.ropekit.triton_rotary(q, k, cos, sin, pos, False, False)
+        assert out_q.shape == q.shape and out_q.stride() == q.stride()
+        assert out_k.shape == k.shape
+        assert torch.ops.ropekit.triton_rotary(q, None, cos, sin, pos, True, True)[0].shape == q.shape
+
+
+def test_triton_reports_unsupported_dtype_and_auto_refuses_the_interpreter(monkeypatch):
+    backend = BACKENDS["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, cos = torch.zeros(1, 2, 1, 4), torch.zeros(2, 2)
+    assert backend.unavailable_reason(x, cos) is None
+    assert "float64" in backend.unavailable_reason(x.double(), cos)
+    assert "interpreter" in backend.auto_skip_reason(x, cos)

@@ -1,0 +1,73 @@
+"""Triton kernel cases run on CPU tensors through Triton's interpreter.
+
+Run only by test_triton.py, in a subprocess with TRITON_INTERPRET=1 (Triton reads it when the kernel module
+is imported, so it cannot be switched on inside a pytest worker that has already imported Triton). The
+interpreter is slow, so the shapes are tiny and the grid touches each feature rather than every product.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
+
+from ropekit import apply_rotary_qk
+from ropekit.backends.triton import interpreter_enabled
+
+pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_triton.py)")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_triton_matches_reference_in_every_mode(mode, interleaved, inplace):
+    check_matches_reference("triton", mode, torch.float32, interleaved, inplace, partial=inplace)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_half_precision_matches_reference(dtype, interleaved):
+    check_matches_reference("triton", "positions", dtype, interleaved, False, partial=True)
+
+
+@pytest.mark.parametrize("k_heads", [1, 2])
+def test_triton_gqa_and_mqa_in_place(k_heads):
+    check_matches_reference("triton", "offsets_per_seq", torch.float32, False, True, True, 4, k_heads)
+
+
+@pytest.mark.parametrize("mode", ["offsets_per_seq", "cu_seqlens", "bhsd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_gradient_is_the_conjugate_rotation(mode, interleaved):
+    check_gradients("triton", mode, interleaved)
+
+
+def test_triton_single_tensor_matches_reference():
+    check_single_tensor("triton", interleaved=False)
+
+
+def test_triton_custom_ops_pass_torch_library_opcheck():
+    cos, sin = tables(8)
+    q, k = torch.randn(1, 3, 2, 12), torch.randn(1, 3, 1, 12)
+    pos = torch.tensor([[0, 5, 9]])
+    torch.library.opcheck(torch.ops.ropekit.triton_rotary, (q, k, cos, sin, pos, True, False))
+    args = (q.clone(), k.clone(), cos, sin, pos, False, True)
+    torch.library.opcheck(torch.ops.ropekit.triton_rotary_, args)
+
+
+def test_triton_runs_inside_torch_compile_fullgraph_with_gradients():
+    cos, sin = tables(12)
+    q = torch.randn(1, 4, 2, 12, requires_grad=True)
+    k = torch.randn(1, 4, 1, 12, requires_grad=True)
+
+    def step(q, k):
+        out_q, out_k = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="triton")
+        return (out_q.square().sum() + out_k.sum()), out_q
+
+    loss, out_q = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k)
+    loss.backward()
+    grads = q.grad.clone(), k.grad.clone()
+    q.grad, k.grad = None, None
+    eager_loss, eager_q = step(q, k)
+    eager_loss.backward()
+    torch.testing.assert_close(out_q, eager_q)
+    torch.testing.assert_close(grads, (q.grad, k.grad))
