@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ropekit.schedules import RopeSpec, Schedule, split_scaling
+from ropekit.schedules import RopeSpec, Schedule, mrope_axis_of_pair, mrope_layout, split_scaling
 from ropekit.validation import check_base, check_head_dim, check_rotary_dim
 
 __all__ = ["RopeConfig"]
@@ -31,6 +31,13 @@ class RopeConfig:
         scaling: a context-extension dict in HF's ``rope_scaling`` vocabulary (``{"rope_type": "linear",
             "factor": 4.0}``), or None.
         max_position_embeddings: the model's context length; some schedules need it.
+        hf_float32_inv_freq: compute inv_freq in float32 with Hugging Face's order of operations, reproducing
+            its rounding bit for bit (for comparison with models trained that way). Angles are still formed in
+            float64 from those frequencies. Default False: float64 frequencies.
+
+    The scaling dict may also carry the keys HF keeps inside ``rope_parameters``: ``rope_theta`` (must equal
+    base), ``partial_rotary_factor`` (sets rotary_dim = int(head_dim * factor) when rotary_dim is None), and
+    M-RoPE's ``mrope_section`` / ``mrope_interleaved`` (see :meth:`cos_sin`).
 
     Raises:
         ValueError: for a non-positive head_dim, an odd / too large rotary_dim, a base that is not finite and > 1,
@@ -43,7 +50,9 @@ class RopeConfig:
     interleaved: bool = False
     scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int | None = None
+    hf_float32_inv_freq: bool = False
     _schedule: Schedule = field(init=False, repr=False, compare=False)
+    _mrope: tuple[tuple[int, ...], bool] | None = field(init=False, repr=False, compare=False)
     _spec: RopeSpec = field(init=False, repr=False, compare=False)
 
     def __init__(
@@ -55,9 +64,11 @@ class RopeConfig:
         interleaved: bool = False,
         scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
+        hf_float32_inv_freq: bool = False,
     ) -> None:
         head_dim = check_head_dim(head_dim)
         base = check_base(base)
+        rotary_dim = _rotary_dim_from_scaling(scaling, head_dim, rotary_dim, base)
         rotary_dim = head_dim if rotary_dim is None else check_rotary_dim(rotary_dim, head_dim)
         if rotary_dim == head_dim and head_dim % 2:
             raise ValueError(
@@ -74,6 +85,8 @@ class RopeConfig:
             )
         if not isinstance(interleaved, bool):
             raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
+        if not isinstance(hf_float32_inv_freq, bool):
+            raise ValueError(f"hf_float32_inv_freq: expected a bool, got {hf_float32_inv_freq!r}")
         scaling = dict(scaling) if isinstance(scaling, Mapping) else scaling  # split_scaling rejects the rest
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "base", base)
@@ -81,18 +94,67 @@ class RopeConfig:
         object.__setattr__(self, "interleaved", interleaved)
         object.__setattr__(self, "scaling", scaling)
         object.__setattr__(self, "max_position_embeddings", max_position_embeddings)
+        object.__setattr__(self, "hf_float32_inv_freq", hf_float32_inv_freq)
         sched, params = split_scaling(scaling)
-        spec = RopeSpec(base, rotary_dim, head_dim, max_position_embeddings, params)
+        dtype = torch.float32 if hf_float32_inv_freq else torch.float64
+        spec = RopeSpec(base, rotary_dim, head_dim, max_position_embeddings, params, dtype)
         if sched.validate is not None:
             sched.validate(spec)
         object.__setattr__(self, "_schedule", sched)
         object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_mrope", mrope_layout(scaling, rotary_dim // 2))
+
+    # -- construction from published configs -----------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: Any, *, layer_type: str | None = None, **overrides: Any) -> RopeConfig:
+        """Build from a Hugging Face config: a ``PretrainedConfig``, a dict, a config.json path or its folder.
+
+        Reads both config forms (legacy ``rope_theta`` + ``rope_scaling``, and v5 ``rope_parameters``); see
+        :func:`ropekit.hf_config.rope_kwargs`. For models whose ``rope_parameters`` differ per layer type
+        (sliding vs full attention: Gemma 3, ModernBERT), pass ``layer_type``; the list of types is
+        :func:`ropekit.hf_config.rope_layer_types`.
+
+        Args:
+            config: the HF config in any of the forms above.
+            layer_type: which per-layer-type entry to read ("full_attention", "sliding_attention", ...).
+            overrides: RopeConfig keywords that replace what the config says
+                (e.g. ``hf_float32_inv_freq=True``).
+
+        Raises:
+            ValueError: for an unreadable or invalid config, listing missing / unknown keys and bad values.
+        """
+        from ropekit.hf_config import rope_kwargs
+
+        return cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> RopeConfig:
+        """A well-known model's RoPE, from the facts in :mod:`ropekit.presets`.
+
+        ``ropekit presets`` lists the names.
+
+        Raises:
+            ValueError: for an unknown name, listing the known ones.
+        """
+        from ropekit.presets import preset_kwargs
+
+        return cls(**{**preset_kwargs(name), **overrides})
 
     # -- schedule ------------------------------------------------------------------------------------------
     @property
     def rope_type(self) -> str:
         """The registered schedule name ("default", "linear", "yarn", ...)."""
         return self._schedule.name
+
+    @property
+    def mrope_section(self) -> tuple[int, ...] | None:
+        """M-RoPE pairs per position axis (temporal, height, width), or None for 1-D RoPE."""
+        return None if self._mrope is None else self._mrope[0]
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        """True for Qwen3-VL's interleaved M-RoPE layout, False for Qwen2-VL's chunked one (or no M-RoPE)."""
+        return self._mrope is not None and self._mrope[1]
 
     @property
     def length_dependent(self) -> bool:
@@ -113,6 +175,15 @@ class RopeConfig:
         """Factor the cos/sin tables are multiplied by (1.0 unless a schedule such as YaRN sets it)."""
         return self._compute(seq_len)[1]
 
+    def is_mrope_positions(self, positions: torch.Tensor) -> bool:
+        """True when positions is (axes, batch, seq) for this config's M-RoPE sections."""
+        return (
+            self._mrope is not None
+            and isinstance(positions, torch.Tensor)
+            and positions.dim() == 3
+            and positions.shape[0] == len(self._mrope[0])
+        )
+
     def cos_sin(
         self,
         positions: int | torch.Tensor,
@@ -124,13 +195,17 @@ class RopeConfig:
         """cos and sin of position * theta, times attention_scaling.
 
         Args:
-            positions: an int n (meaning arange(n)) or an integer/float tensor of any shape.
+            positions: an int n (meaning arange(n)) or an integer/float tensor of any shape. With M-RoPE
+                (``mrope_section`` in the scaling dict), a 3-D tensor (axes, batch, seq) whose first axis has
+                one entry per section (temporal, height, width) gives each frequency pair the position of its
+                own axis; any other shape is read as text positions (t = h = w), which is plain 1-D RoPE.
             dtype: output dtype; angles are always computed in float64 first.
             seq_len: the sequence length length-dependent schedules should assume.
             device: output device; defaults to positions' device (or CPU).
 
         Returns:
-            (cos, sin), each of shape ``positions.shape + (rotary_dim // 2,)``.
+            (cos, sin), each of shape ``positions.shape + (rotary_dim // 2,)``; for M-RoPE positions
+            (axes, batch, seq), shape (batch, seq, rotary_dim // 2).
         """
         if isinstance(positions, bool) or not isinstance(positions, (int, torch.Tensor)):
             raise ValueError(f"positions: expected an int or a tensor, got {positions!r:.80}")
@@ -142,8 +217,43 @@ class RopeConfig:
             raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
         inv_freq, scale = self._compute(seq_len)
         device = positions.device if device is None else torch.device(device)
-        angles = positions.to(device=device, dtype=torch.float64)[..., None] * inv_freq.to(device)
+        positions = positions.to(device=device, dtype=torch.float64)
+        if self.is_mrope_positions(positions):
+            axis = mrope_axis_of_pair(*self._mrope).to(device)  # (rotary_dim // 2,)
+            per_axis = positions[..., None] * inv_freq.to(device)  # (axes, batch, seq, rotary_dim // 2)
+            # Pair j takes the angle of its own axis: gather along the axes dimension.
+            index = axis.expand(1, *per_axis.shape[1:])  # (1, batch, seq, rotary_dim // 2)
+            angles = per_axis.gather(0, index)[0]  # (batch, seq, rotary_dim // 2)
+        else:
+            angles = positions[..., None] * inv_freq.to(device)
         cos, sin = torch.cos(angles), torch.sin(angles)
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
+
+
+def _rotary_dim_from_scaling(
+    scaling: Any, head_dim: int, rotary_dim: int | None, base: float
+) -> int | None:
+    """Reconcile the geometry keys HF keeps inside rope_parameters with the explicit arguments."""
+    if not isinstance(scaling, Mapping):
+        return rotary_dim
+    theta = scaling.get("rope_theta")
+    if theta is not None and check_base(theta) != base:
+        raise ValueError(
+            f"scaling['rope_theta']: {theta!r} disagrees with base={base!r}; "
+            f"pass base={theta!r} (or drop the key)"
+        )
+    factor = scaling.get("partial_rotary_factor")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if factor is None or kind == "proportional":  # proportional reads the factor itself, over the full width
+        return rotary_dim
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"scaling['partial_rotary_factor']: expected a number in (0, 1], got {factor!r}")
+    implied = int(head_dim * factor)
+    if rotary_dim is not None and rotary_dim != implied:
+        raise ValueError(
+            f"rotary_dim: {rotary_dim} disagrees with scaling['partial_rotary_factor'] = {factor} "
+            f"(int(head_dim * factor) = {implied})"
+        )
+    return implied

@@ -1,6 +1,17 @@
 """Frequency schedules: one module per method, all registered in :mod:`ropekit.schedules.registry`."""
 
-from ropekit.schedules import default  # noqa: F401  (registers "default")
+# Importing a schedule module registers it.
+from ropekit.schedules import (  # noqa: F401
+    default,
+    dynamic,
+    linear,
+    llama3,
+    longrope,
+    ntk,
+    proportional,
+    yarn,
+)
+from ropekit.schedules.mrope import mrope_axis_of_pair, mrope_layout
 from ropekit.schedules.registry import (
     SCHEDULES,
     RopeSpec,
@@ -10,4 +21,13 @@ from ropekit.schedules.registry import (
     split_scaling,
 )
 
-__all__ = ["SCHEDULES", "RopeSpec", "Schedule", "get_schedule", "register_schedule", "split_scaling"]
+__all__ = [
+    "SCHEDULES",
+    "RopeSpec",
+    "Schedule",
+    "get_schedule",
+    "mrope_axis_of_pair",
+    "mrope_layout",
+    "register_schedule",
+    "split_scaling",
+]

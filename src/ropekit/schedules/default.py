@@ -7,6 +7,8 @@ import torch
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
-@register_schedule("default")
+# Qwen2-VL's published config says {"type": "mrope", "mrope_section": [...]}: plain frequencies, sectioned per
+# position axis (see ropekit.schedules.mrope).
+@register_schedule("default", aliases=("mrope",))
 def default(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     return spec.default_inv_freq(), 1.0

@@ -1,9 +1,9 @@
 """The frequency-schedule registry.
 
-A schedule turns a RoPE description into ``(inv_freq, attention_scaling)`` for a given sequence length, the same
-contract as Hugging Face's ``ROPE_INIT_FUNCTIONS``. Adding a method is one function plus one
-:func:`register_schedule` call. Unlike HF, an invalid configuration raises a ``ValueError`` naming the key, the
-value and what was expected; it is never a warning.
+A schedule turns a RoPE description into ``(inv_freq, attention_scaling)`` for a given sequence length,
+the same contract as Hugging Face's ``ROPE_INIT_FUNCTIONS``. Adding a method is one function plus one
+:func:`register_schedule` call. Unlike HF, an invalid configuration raises a ``ValueError`` naming the key,
+the value and what was expected; it is never a warning.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ __all__ = [
     "split_scaling",
 ]
 
-# Keys HF configs carry inside rope_scaling / rope_parameters that are not schedule parameters.
-STRUCTURAL_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+# Keys HF configs carry inside rope_scaling / rope_parameters that describe the geometry rather than the
+# schedule: RopeConfig reads them itself (base, rotary_dim, M-RoPE sections). A schedule that declares one of
+# them (proportional declares partial_rotary_factor) receives it in its params as well.
+STRUCTURAL_KEYS = frozenset(
+    {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class RopeSpec:
         head_dim: full head width (some schedules, such as proportional, are defined against it).
         max_position_embeddings: the model's context length, or None.
         params: the schedule's keys from the scaling dict (rope_type removed).
+        dtype: the precision schedules compute in. float64 by default; float32 reproduces Hugging Face's
+            rounding of inv_freq bit for bit, because every schedule applies the operations in HF's order.
     """
 
     base: float
@@ -44,12 +50,53 @@ class RopeSpec:
     head_dim: int
     max_position_embeddings: int | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float64
+
+    def exponents(self, dim: int | None = None) -> torch.Tensor:
+        """2i/dim for i = 0 .. dim/2 - 1 in ``self.dtype``; dim defaults to rotary_dim. Shape (dim // 2,)."""
+        dim = self.rotary_dim if dim is None else dim
+        return torch.arange(0, dim, 2, dtype=torch.int64).to(self.dtype) / dim
 
     def default_inv_freq(self, base: float | None = None) -> torch.Tensor:
-        """theta_i = base^(-2i/rotary_dim) in float64, shape (rotary_dim // 2,)."""
+        """theta_i = base^(-2i/rotary_dim) in ``self.dtype``, shape (rotary_dim // 2,)."""
         b = self.base if base is None else base
-        i = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64)
-        return 1.0 / (b ** (i / self.rotary_dim))
+        return 1.0 / (b ** self.exponents())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A schedule parameter, or default when the key is absent or None (HF writes absent keys as null)."""
+        value = self.params.get(key)
+        return default if value is None else value
+
+    def original_length(self) -> int:
+        """original_max_position_embeddings, defaulting to max_position_embeddings as HF does.
+
+        Raises:
+            ValueError: when neither is known.
+        """
+        value = self.get("original_max_position_embeddings", self.max_position_embeddings)
+        if value is None:
+            raise ValueError(
+                "scaling['original_max_position_embeddings']: expected the pre-training context length "
+                "(or pass max_position_embeddings), got neither"
+            )
+        return value
+
+    def factor_or_length_ratio(self) -> float:
+        """params["factor"], defaulting to max_position_embeddings / original_max_position_embeddings.
+
+        DeepSeek (YaRN) and Phi-3 (LongRoPE) derive the factor from the two lengths this way.
+
+        Raises:
+            ValueError: when neither the factor nor max_position_embeddings is known.
+        """
+        factor = self.get("factor")
+        if factor is None:
+            if self.max_position_embeddings is None:
+                raise ValueError(
+                    "scaling['factor']: expected a number (or pass max_position_embeddings), got neither"
+                )
+            factor = self.max_position_embeddings / self.original_length()
+        return factor
 
 
 ScheduleFn = Callable[[RopeSpec, "int | None"], "tuple[torch.Tensor, float]"]
@@ -66,6 +113,9 @@ class Schedule:
         optional: keys that may be present.
         validate: optional ``validate(spec) -> None`` raising ValueError on bad values.
         length_dependent: True if the frequencies change with seq_len (dynamic NTK, LongRoPE).
+        keeps_longest: for a length-dependent schedule, True if a module should keep the frequencies of the
+            longest sequence seen until a sequence shorter than max_position_embeddings arrives (HF's dynamic
+            NTK); False if every call uses its own length (LongRoPE).
     """
 
     name: str
@@ -74,6 +124,7 @@ class Schedule:
     optional: frozenset[str] = frozenset()
     validate: Callable[[RopeSpec], None] | None = None
     length_dependent: bool = False
+    keeps_longest: bool = False
 
 
 SCHEDULES: dict[str, Schedule] = {}
@@ -88,6 +139,7 @@ def register_schedule(
     optional: tuple[str, ...] | frozenset[str] = (),
     validate: Callable[[RopeSpec], None] | None = None,
     length_dependent: bool = False,
+    keeps_longest: bool = False,
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """Register a schedule under ``name``. Usable as a decorator or a plain call.
@@ -100,7 +152,7 @@ def register_schedule(
 
     def deco(f: ScheduleFn) -> ScheduleFn:
         SCHEDULES[name] = Schedule(
-            name, f, frozenset(required), frozenset(optional), validate, length_dependent
+            name, f, frozenset(required), frozenset(optional), validate, length_dependent, keeps_longest
         )
         for a in aliases:
             _ALIASES[a] = name
@@ -132,7 +184,8 @@ def split_scaling(scaling: Mapping[str, Any] | None) -> tuple[Schedule, dict[str
     if not isinstance(name, str):
         raise ValueError(f"scaling['rope_type']: expected a string, got {name!r}")
     sched = get_schedule(name)
-    params = {k: v for k, v in scaling.items() if k not in STRUCTURAL_KEYS}
+    declared = sched.required | sched.optional
+    params = {k: v for k, v in scaling.items() if k not in STRUCTURAL_KEYS or k in declared}
     missing = sorted(sched.required - params.keys())
     unknown = sorted(params.keys() - sched.required - sched.optional)
     if missing or unknown:

@@ -1,0 +1,213 @@
+"""Reading Hugging Face model configs into :class:`ropekit.RopeConfig` keyword arguments.
+
+This module sits below ``ropekit.config`` and returns plain dicts; ``RopeConfig.from_hf`` turns them into a
+config (which is where schedule keys and values are validated). It understands both forms HF has used:
+
+* legacy: top-level ``rope_theta`` + ``rope_scaling`` (with the old ``type`` alias),
+  ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct`` / ``rotary_emb_base``, GPT-J's ``rotary_dim``, and
+  Phi-3's top-level ``original_max_position_embeddings`` (which wins over rope_scaling's, as in HF);
+* v5: ``rope_parameters`` with ``rope_theta`` inside it, possibly nested per layer type
+  (``{"full_attention": {...}, "sliding_attention": {...}}``) for models mixing sliding and full attention.
+  Gemma 3's legacy ``rope_local_base_freq`` and ModernBERT's ``global_rope_theta`` / ``local_rope_theta``
+  are read into the same per-layer-type form.
+
+head_dim comes from ``head_dim`` (DeepSeek's ``qk_rope_head_dim`` first), else
+hidden_size // num_attention_heads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_hf_config", "rope_kwargs", "rope_layer_types"]
+
+# HF's default rope_theta when a config names none.
+DEFAULT_THETA = 10000.0
+# model_type values whose HF modeling code pairs features (2i, 2i+1) (GPT-J style) rather than (i, i + d/2).
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "deepseek_v2"})
+# Schedules that read original_max_position_embeddings; Phi-3 keeps it at the top level of config.json.
+USES_ORIGINAL_LENGTH = frozenset({"llama3", "yarn", "longrope", "su"})
+
+
+def load_hf_config(config: Any) -> dict[str, Any]:
+    """Return the config as a plain dict, from a PretrainedConfig, a dict, a config.json path or its folder.
+
+    Multimodal configs that keep the language model under ``text_config`` (v5 Qwen2-VL, ...) are unwrapped
+    when the top level carries no RoPE keys.
+
+    Raises:
+        ValueError: for a path that does not exist or is not JSON, or an object of another type.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"config: expected a config.json file or a folder holding one, got {str(config)!r}"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"config: could not read {str(path)!r} as JSON ({err})") from None
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    elif callable(getattr(config, "to_dict", None)):
+        data = config.to_dict()
+    else:
+        raise ValueError(
+            "config: expected a PretrainedConfig, a dict, or a path to config.json, "
+            f"got {type(config).__name__}"
+        )
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
+    text = data.get("text_config")
+    if isinstance(text, Mapping) and not _has_rope_keys(data):
+        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    return data
+
+
+def _has_rope_keys(d: Mapping[str, Any]) -> bool:
+    keys = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_emb_base", "rotary_pct", "rotary_dim")
+    return any(d.get(k) is not None for k in keys)
+
+
+def _per_layer_parameters(d: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The per-layer-type RoPE dicts, or None for a model with one RoPE for every layer."""
+    params = d.get("rope_parameters")
+    if (
+        isinstance(params, Mapping)
+        and params
+        and all(v is None or isinstance(v, Mapping) for v in params.values())
+    ):
+        return {k: None if v is None else dict(v) for k, v in params.items()}
+    scaling = d.get("rope_scaling") or {}
+    if d.get("rope_local_base_freq") is not None:  # Gemma 3: scaling applies to the global layers only
+        return {
+            "full_attention": {**scaling, "rope_theta": d.get("rope_theta", 1_000_000.0)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]},
+        }
+    if d.get("global_rope_theta") is not None or d.get("local_rope_theta") is not None:  # ModernBERT
+        return {
+            "full_attention": {**scaling, "rope_theta": d.get("global_rope_theta", 160_000.0)},
+            "sliding_attention": {**scaling, "rope_theta": d.get("local_rope_theta", DEFAULT_THETA)},
+        }
+    return None
+
+
+def rope_layer_types(config: Any) -> list[str]:
+    """The layer types that carry their own RoPE parameters ([] when one RoPE serves every layer).
+
+    Example:
+        >>> {t: RopeConfig.from_hf(cfg, layer_type=t) for t in rope_layer_types(cfg)}  # doctest: +SKIP
+    """
+    nested = _per_layer_parameters(load_hf_config(config))
+    return [] if nested is None else sorted(k for k, v in nested.items() if v is not None)
+
+
+def _head_dim(d: Mapping[str, Any]) -> int:
+    for key in ("qk_rope_head_dim", "head_dim"):
+        if d.get(key) is not None:
+            return d[key]
+    hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
+    heads = next((d[k] for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
+    if hidden is None or heads is None:
+        missing = [k for k, v in (("hidden_size", hidden), ("num_attention_heads", heads)) if v is None]
+        raise ValueError(
+            f"config: cannot tell the head width; expected 'head_dim', or 'hidden_size' and "
+            f"'num_attention_heads' (missing {missing})"
+        )
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+        raise ValueError(
+            f"config['hidden_size']: expected a multiple of num_attention_heads ({heads!r}), got {hidden!r}"
+        )
+    return hidden // heads
+
+
+def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """The one RoPE parameter dict that applies (rope_theta inside), in HF's v5 vocabulary."""
+    nested = _per_layer_parameters(d)
+    if nested is not None:
+        if layer_type is None:
+            raise ValueError(
+                f"layer_type: this config has per-layer-type RoPE parameters {sorted(nested)}; "
+                "pass one of them (RopeConfig.from_hf(config, layer_type=...))"
+            )
+        if layer_type not in nested:
+            raise ValueError(f"layer_type: expected one of {sorted(nested)}, got {layer_type!r}")
+        if nested[layer_type] is None:
+            raise ValueError(
+                f"layer_type: {layer_type!r} layers use no RoPE (their rope_parameters are null)"
+            )
+        params = nested[layer_type]
+    else:
+        declared = d.get("layer_types") or []
+        if layer_type is not None and layer_type not in declared:
+            raise ValueError(
+                f"layer_type: this config uses one RoPE for every layer; expected None"
+                f"{' or one of ' + str(sorted(set(declared))) if declared else ''}, got {layer_type!r}"
+            )
+        # HF: rope_scaling, when set, replaces rope_parameters.
+        params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    if not isinstance(params, dict):
+        raise ValueError(f"config['rope_scaling']: expected a dict or null, got {params!r:.80}")
+    theta = d.get("rope_theta", d.get("rotary_emb_base", DEFAULT_THETA))
+    params.setdefault("rope_theta", DEFAULT_THETA if theta is None else theta)
+    partial = d.get("partial_rotary_factor", d.get("rotary_pct"))
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if d.get("model_type") == "phi3" and kind == "yarn":  # Phi-3's early configs; HF reads them as longrope
+        kind = "longrope"
+    params.pop("type", None)
+    params["rope_type"] = kind
+    if kind in USES_ORIGINAL_LENGTH and d.get("original_max_position_embeddings") is not None:
+        params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+    return params
+
+
+def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]:
+    """RopeConfig keyword arguments for a Hugging Face config.
+
+    Args:
+        config: a ``PretrainedConfig``, a dict, a config.json path or the folder holding it.
+        layer_type: for per-layer-type RoPE (see :func:`rope_layer_types`), which entry to read.
+
+    Returns:
+        dict with head_dim, base, rotary_dim, interleaved, scaling and max_position_embeddings.
+
+    Raises:
+        ValueError: when the head width cannot be found, layer_type is missing or unknown, or a value has the
+            wrong type. Schedule keys and values are checked by RopeConfig itself.
+    """
+    d = load_hf_config(config)
+    head_dim = _head_dim(d)
+    params = _rope_parameters(d, layer_type)
+    base = params.pop("rope_theta")
+    rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    if params["rope_type"] != "proportional":  # proportional reads the factor itself, over the full width
+        partial = params.pop("partial_rotary_factor", None)
+        if partial is not None and rotary_dim is None:
+            if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+                raise ValueError(
+                    f"config['partial_rotary_factor']: expected a number in (0, 1], got {partial!r}"
+                )
+            rotary_dim = int(head_dim * partial)
+    model_type = d.get("model_type")
+    interleaved = model_type in INTERLEAVED_MODEL_TYPES or (
+        model_type == "deepseek_v3" and d.get("rope_interleave", True) is not False
+    )
+    max_positions = d.get("max_position_embeddings", d.get("n_positions"))
+    scaling = None if params == {"rope_type": "default"} else params
+    return {
+        "head_dim": head_dim,
+        "base": base,
+        "rotary_dim": rotary_dim,
+        "interleaved": bool(interleaved),
+        "scaling": scaling,
+        "max_position_embeddings": max_positions,
+    }

@@ -1,0 +1,254 @@
+"""Presets: the RoPE-relevant part of well-known models' published config.json, embedded as data.
+
+Each entry keeps the keys exactly as the model's ``config.json`` on the Hugging Face Hub spells them (legacy
+form included), with the file it came from, and is read through :mod:`ropekit.hf_config` like any other
+config. ``RopeConfig.preset(name)`` builds the config; ``ropekit presets`` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ropekit.hf_config import rope_kwargs
+
+__all__ = ["PRESETS", "Preset", "get_preset", "preset_kwargs"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One model's RoPE facts.
+
+    Attributes:
+        name: the preset's name.
+        model: the Hugging Face repository.
+        source: where the facts come from (a config.json on the Hub, or the model card for documented
+            settings).
+        config: the config.json keys that decide RoPE, as published.
+        note: anything a user should know (documented settings that are not in config.json, quirks).
+    """
+
+    name: str
+    model: str
+    source: str
+    config: dict[str, Any]
+    note: str = ""
+
+
+def _hub(repo: str) -> str:
+    return f"https://huggingface.co/{repo}/blob/main/config.json"
+
+
+# Phi-3-mini-128k's LongRoPE rescale factors, one per pair (head_dim 96 -> 48 pairs), as published in the
+# April 2024 config.json of microsoft/Phi-3-mini-128k-instruct (microsoft/Phi-3-vision-128k-instruct ships the
+# same lists). The July 2024 refresh of the mini model replaced them; see its config.json for those.
+# fmt: off
+_PHI3_LONG = [
+    1.0299999713897705, 1.0499999523162842, 1.0499999523162842, 1.0799999237060547, 1.2299998998641968,
+    1.2299998998641968, 1.2999999523162842, 1.4499999284744263, 1.5999999046325684, 1.6499998569488525,
+    1.8999998569488525, 2.859999895095825, 3.68999981880188, 5.419999599456787, 5.489999771118164,
+    5.489999771118164, 9.09000015258789, 11.579999923706055, 15.65999984741211, 15.769999504089355,
+    15.789999961853027, 18.360000610351562, 21.989999771118164, 23.079999923706055, 30.009998321533203,
+    32.35000228881836, 32.590003967285156, 35.56000518798828, 39.95000457763672, 53.840003967285156,
+    56.20000457763672, 57.95000457763672, 59.29000473022461, 59.77000427246094, 59.920005798339844,
+    61.190006256103516, 61.96000671386719, 62.50000762939453, 63.3700065612793, 63.48000717163086,
+    63.48000717163086, 63.66000747680664, 63.850006103515625, 64.08000946044922, 64.760009765625,
+    64.80001068115234, 64.81001281738281, 64.81001281738281,
+
+]
+_PHI3_SHORT = [
+    1.05, 1.05, 1.05, 1.1, 1.1, 1.1, 1.2500000000000002, 1.2500000000000002, 1.4000000000000004,
+    1.4500000000000004, 1.5500000000000005, 1.8500000000000008, 1.9000000000000008, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.1000000000000005, 2.1000000000000005, 2.2,
+    2.3499999999999996, 2.3499999999999996, 2.3499999999999996, 2.3499999999999996, 2.3999999999999995,
+    2.3999999999999995, 2.6499999999999986, 2.6999999999999984, 2.8999999999999977, 2.9499999999999975,
+    3.049999999999997, 3.049999999999997, 3.049999999999997,
+]
+# fmt: on
+
+_ENTRIES = [
+    Preset(
+        "llama-2-7b",
+        "meta-llama/Llama-2-7b-hf",
+        _hub("meta-llama/Llama-2-7b-hf"),
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+        },
+    ),
+    Preset(
+        "llama-3-8b",
+        "meta-llama/Meta-Llama-3-8B",
+        _hub("meta-llama/Meta-Llama-3-8B"),
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rope_scaling": None,
+        },
+    ),
+    Preset(
+        "llama-3.1-8b",
+        "meta-llama/Llama-3.1-8B",
+        _hub("meta-llama/Llama-3.1-8B"),
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+        },
+    ),
+    Preset(
+        "mistral-7b",
+        "mistralai/Mistral-7B-v0.1",
+        _hub("mistralai/Mistral-7B-v0.1"),
+        {
+            "model_type": "mistral",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 32768,
+            "rope_theta": 10000.0,
+        },
+        note="v0.1; Mistral-7B-v0.3 raised rope_theta to 1e6.",
+    ),
+    Preset(
+        "qwen2.5-7b",
+        "Qwen/Qwen2.5-7B-Instruct",
+        _hub("Qwen/Qwen2.5-7B-Instruct") + " + the model card's 'Processing Long Texts' section",
+        {
+            "model_type": "qwen2",
+            "hidden_size": 3584,
+            "num_attention_heads": 28,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+        },
+        note="config.json ships rope_scaling null; the model card documents adding this YaRN x4 block "
+        "for inputs past 32768 tokens (131072 in all).",
+    ),
+    Preset(
+        "qwen2-vl-7b",
+        "Qwen/Qwen2-VL-7B-Instruct",
+        _hub("Qwen/Qwen2-VL-7B-Instruct"),
+        {
+            "model_type": "qwen2_vl",
+            "hidden_size": 3584,
+            "num_attention_heads": 28,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        },
+        note="M-RoPE, chunked sections: positions are (temporal, height, width).",
+    ),
+    Preset(
+        "phi-3-mini-128k",
+        "microsoft/Phi-3-mini-128k-instruct",
+        _hub("microsoft/Phi-3-mini-128k-instruct") + " (April 2024 release)",
+        {
+            "model_type": "phi3",
+            "hidden_size": 3072,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+            "rope_scaling": {"long_factor": _PHI3_LONG, "short_factor": _PHI3_SHORT, "type": "longrope"},
+        },
+        note="LongRoPE: short factors up to 4096 tokens, long factors beyond; attention factor "
+        "sqrt(1 + ln 32 / ln 4096) = 1.19.",
+    ),
+    Preset(
+        "deepseek-v3",
+        "deepseek-ai/DeepSeek-V3",
+        _hub("deepseek-ai/DeepSeek-V3"),
+        {
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168,
+            "num_attention_heads": 128,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 163840,
+            "rope_theta": 10000,
+            "rope_scaling": {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 40,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+                "type": "yarn",
+            },
+        },
+        note="RoPE covers the 64-wide qk_rope_head_dim slice, pairs interleaved. mscale = mscale_all_dim "
+        "makes the table factor 1.0; the model instead multiplies its softmax scale by "
+        "(0.1 * mscale_all_dim * ln 40 + 1)^2.",
+    ),
+    Preset(
+        "gpt-neox-20b",
+        "EleutherAI/gpt-neox-20b",
+        _hub("EleutherAI/gpt-neox-20b"),
+        {
+            "model_type": "gpt_neox",
+            "hidden_size": 6144,
+            "num_attention_heads": 64,
+            "max_position_embeddings": 2048,
+            "rotary_emb_base": 10000,
+            "rotary_pct": 0.25,
+        },
+        note="rotary_pct 0.25: the first 24 of 96 features rotate.",
+    ),
+    Preset(
+        "gpt-j-6b",
+        "EleutherAI/gpt-j-6b",
+        _hub("EleutherAI/gpt-j-6b"),
+        {"model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_positions": 2048, "rotary_dim": 64},
+        note="Interleaved (GPT-J) pairing; 64 of 256 features rotate; base 10000 is fixed in the code.",
+    ),
+    Preset(
+        "gemma-2-9b",
+        "google/gemma-2-9b",
+        _hub("google/gemma-2-9b"),
+        {
+            "model_type": "gemma2",
+            "hidden_size": 3584,
+            "num_attention_heads": 16,
+            "head_dim": 256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 10000.0,
+        },
+        note="head_dim 256 is explicit (hidden_size / heads would give 224).",
+    ),
+]
+
+PRESETS: dict[str, Preset] = {p.name: p for p in _ENTRIES}
+
+
+def get_preset(name: str) -> Preset:
+    """Look up a preset by name (case-insensitive).
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if not isinstance(name, str) or name.lower() not in PRESETS:
+        raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name.lower()]
+
+
+def preset_kwargs(name: str) -> dict[str, Any]:
+    """RopeConfig keyword arguments for a preset."""
+    return rope_kwargs(get_preset(name).config)

@@ -1,0 +1,26 @@
+"""Static NTK-aware scaling (bloc97, 2023): raise the base to base * factor^(d / (d - 2)).
+
+The lowest frequency is then divided by exactly ``factor`` (interpolated) while the highest stays put
+(extrapolated), with a geometric blend in between. Not in HF's registry; no attention scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.schedules.params import check_number
+from ropekit.schedules.registry import RopeSpec, register_schedule
+
+
+def _validate(spec: RopeSpec) -> None:
+    check_number(spec, "factor")
+    if spec.rotary_dim <= 2:
+        raise ValueError(
+            f"rotary_dim: NTK scaling needs rotary_dim > 2 (it uses d / (d - 2)), got {spec.rotary_dim}"
+        )
+
+
+@register_schedule("ntk", required=("factor",), validate=_validate)
+def ntk(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    d = spec.rotary_dim
+    return spec.default_inv_freq(spec.base * spec.params["factor"] ** (d / (d - 2))), 1.0

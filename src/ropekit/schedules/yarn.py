@@ -1,0 +1,99 @@
+"""YaRN (Peng et al. 2023, arXiv:2309.00071): interpolate the slow pairs, keep the fast ones, ramp in between.
+
+A pair that completes more than ``beta_fast`` rotations within the original context keeps its frequency
+(extrapolation); one that completes fewer than ``beta_slow`` is divided by ``factor`` (interpolation). Pair
+index i is mapped to its rotation count through the inverse of r(i) = L_orig / (2 pi base^(2i/d)), and a
+linear ramp blends the two regimes between those indices. The tables are then multiplied by an attention
+factor (the paper's "temperature"): 0.1 ln(factor) + 1, or DeepSeek's ratio
+mscale(f, mscale) / mscale(f, mscale_all_dim).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ropekit.schedules.params import check_int, check_number
+from ropekit.schedules.registry import RopeSpec, register_schedule
+
+# The paper's defaults: extrapolate pairs with > 32 rotations in the original context, interpolate those
+# with < 1.
+BETA_FAST = 32.0
+BETA_SLOW = 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """0.1 * mscale * ln(factor) + 1 for factor > 1, else 1 (YaRN's attention temperature)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(spec: RopeSpec) -> float:
+    """The attention scaling YaRN applies to the cos/sin tables."""
+    given = spec.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = spec.factor_or_length_ratio()
+    # HF treats a zero mscale like a missing one (truthiness), and so do we, to stay equal to it.
+    mscale, mscale_all_dim = spec.get("mscale"), spec.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def correction_dim(rotations: float, dim: int, base: float, length: int) -> float:
+    """The (fractional) pair index whose frequency completes `rotations` turns within `length` positions."""
+    return (dim * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def ramp_bounds(spec: RopeSpec) -> tuple[float, float]:
+    """The pair indices where the ramp starts (kept before it) and ends (fully interpolated after it)."""
+    dim, length = spec.rotary_dim, spec.original_length()
+    low = correction_dim(spec.get("beta_fast", BETA_FAST), dim, spec.base, length)
+    high = correction_dim(spec.get("beta_slow", BETA_SLOW), dim, spec.base, length)
+    if spec.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _validate(spec: RopeSpec) -> None:
+    for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+        check_number(spec, key)
+    for key in ("mscale", "mscale_all_dim"):
+        check_number(spec, key, positive=False, minimum=0)
+    check_int(spec, "original_max_position_embeddings")
+    truncate = spec.params.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise ValueError(f"scaling['truncate']: expected a bool, got {truncate!r}")
+    fast, slow = spec.get("beta_fast", BETA_FAST), spec.get("beta_slow", BETA_SLOW)
+    if fast < slow:
+        raise ValueError(f"scaling['beta_fast']: expected >= beta_slow ({slow}), got {fast}")
+    spec.factor_or_length_ratio()  # raises when neither factor nor the lengths are known
+
+
+@register_schedule(
+    "yarn",
+    optional=(
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
+    validate=_validate,
+)
+def yarn(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    factor = spec.factor_or_length_ratio()
+    pos_freqs = spec.base ** spec.exponents()
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    low, high = ramp_bounds(spec)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(spec.rotary_dim // 2, dtype=spec.dtype) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = keep the original frequency, 0 = fully interpolated
+    inv_freq = interpolated * (1 - keep) + extrapolated * keep
+    return inv_freq, yarn_attention_factor(spec)
