@@ -1,0 +1,251 @@
+"""apply_rotary / apply_rotary_qk against the float64 reference: outputs and gradients over the whole grid.
+
+Grid: layout (bshd, bhsd as a transposed view, packed thd with cu_seqlens) x dtype x partial rotary x position
+kind (none, int offset, per-sequence offsets, explicit positions) x GQA x inplace x pair layout x backend.
+Shapes are tiny so the grid stays fast; the reference is independent code (ropekit.reference, NumPy float64).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import DTYPES
+from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
+from ropekit import reference as ref
+
+BATCH, SEQ, TABLE_LEN = 2, 5, 32
+SEQ_LENS = [3, 0, 4]  # packed batch with an empty sequence in the middle
+POSITION_KINDS = ["none", "int", "tensor", "positions"]
+
+
+def make_case(layout, dtype, head_dim, heads, position_kind, seed=0):
+    """Return (x, kwargs, positions): x in the layout apply_rotary expects, the position kwargs, and the
+    int64 positions (shape x.shape[:-2]) the reference should use, computed independently of ropekit."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "thd":
+        total = sum(SEQ_LENS)
+        x = torch.randn(total, heads, head_dim, generator=g).to(dtype)  # (total_tokens, heads, head_dim)
+        kwargs = {"cu_seqlens": torch.tensor(np.cumsum([0, *SEQ_LENS]), dtype=torch.int32)}
+        starts = {"none": [0, 0, 0], "int": [3] * 3, "tensor": [5, 1, 9], "positions": None}[position_kind]
+        if position_kind == "positions":
+            want = torch.randint(0, TABLE_LEN, (total,), generator=g).numpy()
+        else:
+            want = np.concatenate([np.arange(n) + s for n, s in zip(SEQ_LENS, starts, strict=True)])
+    else:
+        x = torch.randn(BATCH, heads, SEQ, head_dim, generator=g).to(dtype)  # (batch, heads, seq, head_dim)
+        x = x.transpose(1, 2) if layout == "bhsd" else x.transpose(1, 2).contiguous()  # (B, S, H, D)
+        starts = {"none": [0, 0], "int": [3, 3], "tensor": [7, 2], "positions": None}[position_kind]
+        if position_kind == "positions":
+            want = torch.randint(0, TABLE_LEN, (BATCH, SEQ), generator=g).numpy()
+        else:
+            want = np.arange(SEQ)[None, :] + np.array(starts)[:, None]
+        kwargs = {}
+    if position_kind == "int":
+        kwargs["offsets"] = 3
+    elif position_kind == "tensor":
+        kwargs["offsets"] = torch.tensor(starts)
+    elif position_kind == "positions":
+        kwargs["positions"] = torch.from_numpy(want)
+    return x, kwargs, want
+
+
+def tables(rotary_dim, dtype):
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return RopeConfig(rotary_dim).cos_sin(TABLE_LEN, dtype=table_dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
+@pytest.mark.parametrize("kv_heads", [3, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("position_kind", POSITION_KINDS)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(8, 8), (12, 8)], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_apply_rotary_qk_outputs_and_gradients_match_reference(
+    assert_matches_reference,
+    layout,
+    dtype,
+    head_dim,
+    rotary_dim,
+    position_kind,
+    kv_heads,
+    inplace,
+    interleaved,
+    backend,
+):
+    q0, kwargs, positions = make_case(layout, dtype, head_dim, 3, position_kind, seed=1)
+    k0, _, _ = make_case(layout, dtype, head_dim, kv_heads, position_kind, seed=2)
+    kwargs["positions"] = kwargs["positions"] if "positions" in kwargs else None
+    cos, sin = tables(rotary_dim, dtype)
+    q_leaf, k_leaf = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+    # In-place needs non-leaf inputs; clone() keeps the layout's strides so bhsd stays a strided view.
+    q_in, k_in = (q_leaf.clone(), k_leaf.clone()) if inplace else (q_leaf, k_leaf)
+    q_out, k_out = apply_rotary_qk(
+        q_in, k_in, cos, sin, interleaved=interleaved, inplace=inplace, backend=backend, **kwargs
+    )
+    assert (q_out is q_in) == inplace and (k_out is k_in) == inplace
+    assert_matches_reference(q_out, q0, cos, sin, positions, interleaved=interleaved)
+    assert_matches_reference(k_out, k0, cos, sin, positions, interleaved=interleaved)
+
+    g = torch.Generator().manual_seed(3)
+    gq, gk = torch.randn(q0.shape, generator=g).to(dtype), torch.randn(k0.shape, generator=g).to(dtype)
+    torch.autograd.backward([q_out, k_out], [gq, gk])
+    assert_matches_reference(q_leaf.grad, gq, cos, sin, positions, interleaved=interleaved, conjugate=True)
+    assert_matches_reference(k_leaf.grad, gk, cos, sin, positions, interleaved=interleaved, conjugate=True)
+    if not inplace:  # the inputs are untouched
+        assert torch.equal(q_leaf.detach(), q0) and torch.equal(k_leaf.detach(), k0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_apply_rotary_alone_matches_apply_rotary_qk(layout, dtype):
+    x, kwargs, _ = make_case(layout, dtype, 8, 2, "tensor")
+    cos, sin = tables(8, dtype)
+    alone = apply_rotary(x, cos, sin, **kwargs)
+    together, _ = apply_rotary_qk(x, x[..., :1, :], cos, sin, **kwargs)
+    assert torch.equal(alone, together)
+
+
+@given(
+    half_dim=st.integers(1, 12),
+    tail=st.integers(0, 4),
+    base=st.floats(2.0, 1e6),
+    seq=st.integers(1, 6),
+    offset=st.integers(0, 2000),
+    interleaved=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_float64_apply_rotary_equals_reference_rotation(half_dim, tail, base, seq, offset, interleaved, seed):
+    """Production path = the reference's own formulas (not its table path), for random dims and bases."""
+    d = 2 * half_dim
+    config = RopeConfig(d + tail, base, rotary_dim=d)
+    cos, sin = config.cos_sin(offset + seq, dtype=torch.float64)
+    x = torch.randn(1, seq, 2, d + tail, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    got = apply_rotary(x, cos, sin, offsets=offset, interleaved=interleaved)
+    rotate = ref.rotate_interleaved if interleaved else ref.rotate_half
+    pos = (offset + np.arange(seq))[None, :, None]  # broadcast over (batch, seq, heads)
+    want = rotate(x.numpy(), pos, ref.inv_freq(d, base))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-9, rtol=0)
+
+
+def test_half_layout_on_permuted_features_equals_interleaved_layout_permuted():
+    d, tail = 8, 4
+    x = torch.randn(2, 5, 3, d + tail, dtype=torch.float64)
+    cos, sin = RopeConfig(d + tail, rotary_dim=d).cos_sin(8, dtype=torch.float64)
+    to_half = torch.from_numpy(
+        np.concatenate([ref.interleaved_to_half_permutation(d), np.arange(d, d + tail)])
+    )
+    half = apply_rotary(x[..., to_half], cos, sin, interleaved=False)
+    interleaved = apply_rotary(x, cos, sin, interleaved=True)
+    torch.testing.assert_close(half, interleaved[..., to_half], rtol=0, atol=1e-15)
+
+
+def test_matches_transformers_llama_apply_rotary_pos_emb():
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    head_dim, seq = 16, 7
+    q, k = torch.randn(2, 4, seq, head_dim), torch.randn(2, 2, seq, head_dim)  # HF layout (B, H, S, D)
+    config = RopeConfig(head_dim, 500000.0)
+    cos, sin = config.cos_sin(seq)
+    hf_cos, hf_sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]  # (1, S, D)
+    hf_k = modeling_llama.apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
+    ours = apply_rotary_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    for want, got in zip(hf_k, ours, strict=True):
+        torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-6, atol=1e-6)
+
+
+def test_low_precision_math_runs_in_float32():
+    """bf16 input rotated in float32 then rounded once: exactly the float32 result cast to bf16."""
+    x = torch.randn(1, 6, 2, 16).to(torch.bfloat16)
+    cos, sin = RopeConfig(16).cos_sin(6)
+    got = apply_rotary(x, cos, sin, backend="torch")
+    want = apply_rotary(x.float(), cos, sin, backend="torch").to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_float64_input_keeps_float64_math_even_with_a_float32_table():
+    x = torch.randn(1, 3, 1, 4, dtype=torch.float64)
+    cos, sin = RopeConfig(4).cos_sin(3, dtype=torch.float32)
+    got = apply_rotary(x, cos, sin)
+    assert got.dtype == torch.float64
+    want = apply_rotary(x, cos.double(), sin.double())  # the float32 table values, float64 arithmetic
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_features_past_rotary_dim_pass_through_unchanged(inplace):
+    x = torch.randn(2, 4, 3, 10)
+    before = x.clone()
+    cos, sin = RopeConfig(10, rotary_dim=6).cos_sin(4)
+    out = apply_rotary(x, cos, sin, inplace=inplace)
+    assert torch.equal(out[..., 6:], before[..., 6:])
+    assert not torch.allclose(out[..., :6], before[..., :6])
+
+
+def test_inplace_writes_into_x_and_returns_it():
+    x = torch.randn(2, 4, 3, 8)
+    expected = apply_rotary(x, *RopeConfig(8).cos_sin(4))
+    out = apply_rotary(x, *RopeConfig(8).cos_sin(4), inplace=True)
+    assert out is x
+    assert torch.equal(x, expected)
+
+
+def test_out_of_place_never_modifies_inputs():
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 1, 8)
+    cos, sin = RopeConfig(8).cos_sin(16)
+    offsets, positions = torch.tensor([1, 2]), torch.tensor([[0, 5, 2, 9], [1, 1, 1, 1]])
+    saved = [t.clone() for t in (q, k, cos, sin, offsets, positions)]
+    apply_rotary_qk(q, k, cos, sin, offsets=offsets)
+    apply_rotary_qk(q, k, cos, sin, positions=positions, interleaved=True)
+    for before, after in zip(saved, (q, k, cos, sin, offsets, positions), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_position_zero_is_the_identity():
+    x = torch.randn(1, 1, 2, 8, dtype=torch.float64)
+    assert torch.equal(apply_rotary(x, *RopeConfig(8).cos_sin(1, dtype=torch.float64)), x)
+
+
+def test_offsets_equal_explicit_positions():
+    """KV-cache decoding: offset o is the same as positions o + arange(seq)."""
+    x = torch.randn(2, 3, 2, 8)
+    cos, sin = RopeConfig(8).cos_sin(16)
+    by_offsets = apply_rotary(x, cos, sin, offsets=torch.tensor([4, 9]))
+    by_positions = apply_rotary(x, cos, sin, positions=torch.tensor([[4, 5, 6], [9, 10, 11]]))
+    assert torch.equal(by_offsets, by_positions)
+
+
+def test_positions_with_cu_seqlens_override_the_per_sequence_arange():
+    x = torch.randn(5, 2, 8)
+    cos, sin = RopeConfig(8).cos_sin(16)
+    positions = torch.tensor([7, 3, 0, 11, 2])
+    got = apply_rotary(x, cos, sin, positions=positions, cu_seqlens=torch.tensor([0, 2, 5]))
+    want = apply_rotary(x[None], cos, sin, positions=positions[None])[0]
+    assert torch.equal(got, want)
+
+
+def test_packed_sequences_each_start_at_position_zero():
+    """Packing two sequences equals rotating each on its own."""
+    a, b = torch.randn(1, 3, 2, 8), torch.randn(1, 4, 2, 8)
+    cos, sin = RopeConfig(8).cos_sin(8)
+    packed = apply_rotary(torch.cat([a[0], b[0]]), cos, sin, cu_seqlens=torch.tensor([0, 3, 7]))
+    separate = torch.cat([apply_rotary(a, cos, sin)[0], apply_rotary(b, cos, sin)[0]])
+    assert torch.equal(packed, separate)
+
+
+def test_learnable_tables_receive_gradients():
+    x = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    cos, sin = RopeConfig(4).cos_sin(3, dtype=torch.float64)
+    cos.requires_grad_(True), sin.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda c, s: apply_rotary(x, c, s), (cos, sin))
+
+
+def test_empty_sequence_is_returned_empty():
+    x = torch.randn(2, 0, 3, 8)
+    out = apply_rotary(x, *RopeConfig(8).cos_sin(4))
+    assert out.shape == x.shape

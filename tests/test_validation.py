@@ -1,0 +1,354 @@
+"""Every misuse is a ValueError that names the argument, the value received and what was expected.
+
+Each case calls the public API the way a user would get it wrong; the match pattern pins the argument name,
+the offending value and the expectation, so a bare IndexError, an assert or a silent broadcast fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit import RopeConfig, RotaryEmbedding, apply_rotary, apply_rotary_qk
+from ropekit.validation import check_base, check_rotary_dim
+
+COS, SIN = RopeConfig(8).cos_sin(16)
+X = torch.randn(2, 4, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "rotary_dim, match",
+    [
+        (7, r"rotary_dim: expected a positive even integer <= head_dim \(8\), got 7"),
+        (0, r"rotary_dim: expected a positive even integer <= head_dim \(8\), got 0"),
+        (-2, r"rotary_dim: expected .*, got -2"),
+        (10, r"rotary_dim: expected a positive even integer <= head_dim \(8\), got 10"),
+        (4.0, r"rotary_dim: expected .*, got 4\.0"),
+        (True, r"rotary_dim: expected .*, got True"),
+    ],
+)
+def test_bad_rotary_dim_is_rejected(rotary_dim, match):
+    with pytest.raises(ValueError, match=match):
+        RopeConfig(8, rotary_dim=rotary_dim)
+
+
+def test_odd_head_dim_needs_an_explicit_even_rotary_dim():
+    with pytest.raises(ValueError, match=r"rotary_dim: expected .* \(9\), got 9 \(head_dim is odd"):
+        RopeConfig(9)
+    assert RopeConfig(9, rotary_dim=8).rotary_dim == 8
+
+
+@pytest.mark.parametrize("head_dim", [0, -4, 8.0, "8", None])
+def test_bad_head_dim_is_rejected(head_dim):
+    with pytest.raises(ValueError, match=rf"head_dim: expected a positive integer, got {head_dim!r}"):
+        RopeConfig(head_dim)
+
+
+@pytest.mark.parametrize("base", [1.0, 0.5, 0, -10000.0, math.inf, math.nan, "10000", None, True])
+def test_base_must_be_finite_and_greater_than_one(base):
+    with pytest.raises(ValueError, match=r"base: expected a finite number > 1, got " + repr(base)):
+        RopeConfig(8, base)
+
+
+def test_numpy_scalars_are_accepted_as_numbers():
+    config = RopeConfig(np.int64(8), np.float64(500000.0), rotary_dim=np.int32(4))
+    assert (config.head_dim, config.base, config.rotary_dim) == (8, 500000.0, 4)
+    assert check_base(np.float32(10.0)) == 10.0
+    assert check_rotary_dim(np.int64(2), 8) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"interleaved": 1}, r"interleaved: expected a bool, got 1"),
+        (
+            {"max_position_embeddings": 0},
+            r"max_position_embeddings: expected a positive integer or None, got 0",
+        ),
+        ({"scaling": 5}, r"scaling: expected a dict like HF's rope_scaling or None, got 5"),
+        ({"scaling": {"rope_type": "nope"}}, r"scaling: unknown rope_type 'nope'; expected one of \["),
+    ],
+)
+def test_bad_config_keywords_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RopeConfig(8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda c: c.cos_sin(-1),
+            r"positions: expected a non-negative int n \(meaning arange\(n\)\), got -1",
+        ),
+        (lambda c: c.cos_sin([0, 1]), r"positions: expected an int or a tensor, got \[0, 1\]"),
+        (
+            lambda c: c.cos_sin(4, dtype=torch.int64),
+            r"dtype: expected a floating-point dtype, got torch.int64",
+        ),
+        (lambda c: c.cos_sin(4, dtype="float32"), r"dtype: expected a floating-point dtype, got float32"),
+        (lambda c: c.inv_freq(0), r"seq_len: expected a positive integer or None, got 0"),
+    ],
+)
+def test_bad_cos_sin_arguments_are_rejected(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(RopeConfig(8))
+
+
+@pytest.mark.parametrize(
+    "cos, sin, match",
+    [
+        (COS, SIN[:, :2], r"cos and sin: expected the same shape, got cos \(16, 4\) and sin \(16, 2\)"),
+        (COS[:8], SIN, r"cos and sin: expected the same shape, got cos \(8, 4\) and sin \(16, 4\)"),
+        (
+            *RopeConfig(12).cos_sin(16),
+            r"cos: table width 6 means rotary_dim 12; expected 0 < rotary_dim <= head_dim \(8\)",
+        ),
+        (COS[:, :0], SIN[:, :0], r"cos: table width 0 means rotary_dim 0; expected 0 < rotary_dim"),
+        (COS[None], SIN[None], r"cos: expected shape \(table_len, rotary_dim // 2\), got shape \(1, 16, 4\)"),
+        (COS.long(), SIN, r"cos: expected a floating-point torch.Tensor, got a torch.int64 tensor of shape"),
+        (COS.numpy(), SIN, r"cos: expected a floating-point torch.Tensor, got array\("),
+        (
+            COS,
+            SIN.double(),
+            r"cos and sin: expected one device and dtype, got cos torch.float32 .* sin torch.float64",
+        ),
+    ],
+)
+def test_bad_tables_are_rejected(cos, sin, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(X, cos, sin)
+
+
+@pytest.mark.parametrize(
+    "x, kwargs, match",
+    [
+        (
+            X[0],
+            {},
+            r"x: expected a 4-D tensor \(batch, seq, heads, head_dim\); a packed 3-D input needs "
+            r"cu_seqlens, got shape \(4, 3, 8\)",
+        ),
+        (X[0, 0], {}, r"x: expected a 4-D tensor .*needs cu_seqlens, got shape \(3, 8\)"),
+        (
+            X[None],
+            {},
+            r"x: expected a 4-D tensor \(batch, seq, heads, head_dim\), got shape \(1, 2, 4, 3, 8\)",
+        ),
+        (
+            X,
+            {"cu_seqlens": torch.tensor([0, 2])},
+            r"x: expected a 3-D tensor \(total_tokens, heads, head_dim\) when cu_seqlens is given, got shape",
+        ),
+        (X.long(), {}, r"x: expected a floating-point tensor, got dtype torch.int64"),
+        (X.numpy(), {}, r"x: expected a torch.Tensor, got array\("),
+    ],
+)
+def test_x_of_the_wrong_rank_or_type_is_rejected(x, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(x, COS, SIN, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "positions, match",
+    [
+        (
+            torch.zeros(2, 3, dtype=torch.long),
+            r"positions: expected shape \(batch, seq\) = \(2, 4\), got \(2, 3\)",
+        ),
+        (
+            torch.zeros(8, dtype=torch.long),
+            r"positions: expected shape \(batch, seq\) = \(2, 4\), got \(8,\)",
+        ),
+        (
+            torch.zeros(2, 4),
+            r"positions: expected an integer tensor, got a torch.float32 tensor of shape \(2, 4\)",
+        ),
+        (
+            torch.zeros(2, 4, dtype=torch.bool),
+            r"positions: expected an integer tensor, got a torch.bool tensor",
+        ),
+        ([[0, 1, 2, 3]] * 2, r"positions: expected an integer tensor, got \[\[0, 1, 2, 3\]"),
+        (
+            torch.tensor([[0, 1, 2, 3], [0, -1, 2, 3]]),
+            r"positions: expected values >= 0, got a minimum of -1",
+        ),
+        (
+            torch.tensor([[0, 1, 2, 3], [0, 1, 2, 16]]),
+            r"positions: largest position 16 is past the cos/sin table \(table_len 16\); "
+            r"expected positions < table_len",
+        ),
+    ],
+)
+def test_bad_positions_are_rejected(positions, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(X, COS, SIN, positions=positions)
+
+
+def test_default_positions_past_the_table_are_rejected():
+    with pytest.raises(
+        ValueError, match=r"positions: largest position 16 is past the cos/sin table \(table_len 16"
+    ):
+        apply_rotary(X, COS, SIN, offsets=13)
+
+
+def test_positions_and_non_zero_offsets_are_rejected_together():
+    with pytest.raises(ValueError, match=r"offsets: expected 0 when positions is given .*got 2"):
+        apply_rotary(X, COS, SIN, positions=torch.zeros(2, 4, dtype=torch.long), offsets=2)
+
+
+PACKED = torch.randn(7, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, match",
+    [
+        (
+            torch.tensor([0, 3, 7], dtype=torch.float32),
+            r"cu_seqlens: expected an int32 or int64 tensor, got a torch",
+        ),
+        ([0, 3, 7], r"cu_seqlens: expected an int32 or int64 tensor, got \[0, 3, 7\]"),
+        (torch.tensor([7]), r"cu_seqlens: expected shape \(num_seqs \+ 1,\) with num_seqs >= 1, got \(1,\)"),
+        (torch.tensor([[0, 7]]), r"cu_seqlens: expected shape \(num_seqs \+ 1,\) .*, got \(1, 2\)"),
+        (
+            torch.tensor([1, 3, 7]),
+            r"cu_seqlens: expected non-decreasing offsets from 0 to total_tokens \(7\), got "
+            r"\[1, 3, 7\]",
+        ),
+        (torch.tensor([0, 3, 6]), r"to total_tokens \(7\), got \[0, 3, 6\]"),
+        (torch.tensor([0, 5, 3, 7]), r"to total_tokens \(7\), got \[0, 5, 3, 7\]"),
+    ],
+)
+def test_malformed_cu_seqlens_is_rejected(cu_seqlens, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(PACKED, COS, SIN, cu_seqlens=cu_seqlens)
+
+
+def test_malformed_cu_seqlens_is_rejected_even_with_explicit_positions():
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected non-decreasing offsets"):
+        apply_rotary(
+            PACKED, COS, SIN, cu_seqlens=torch.tensor([0, 3, 9]), positions=torch.zeros(7, dtype=torch.long)
+        )
+
+
+@pytest.mark.parametrize(
+    "x, kwargs, match",
+    [
+        (
+            X,
+            {"offsets": torch.tensor([1, 2, 3])},
+            r"offsets: expected an int or a tensor of shape \(2,\) \(one per batch row\), got shape \(3,\)",
+        ),
+        (
+            X,
+            {"offsets": torch.tensor(1)},
+            r"offsets: expected an int or a tensor of shape \(2,\) .*got shape \(\)",
+        ),
+        (
+            PACKED,
+            {"cu_seqlens": torch.tensor([0, 3, 7]), "offsets": torch.tensor([1, 2, 3])},
+            r"offsets: expected an int or a tensor of shape \(2,\) \(one per packed sequence\), "
+            r"got shape \(3,\)",
+        ),
+        (
+            X,
+            {"offsets": torch.tensor([1.0, 2.0])},
+            r"offsets: expected an int or an integer tensor, got a torch.float32",
+        ),
+        (X, {"offsets": 1.5}, r"offsets: expected a non-negative int or an integer tensor, got 1.5"),
+        (X, {"offsets": -1}, r"offsets: expected a non-negative int or an integer tensor, got -1"),
+        (X, {"offsets": torch.tensor([0, -3])}, r"offsets: expected values >= 0, got a minimum of -3"),
+    ],
+)
+def test_bad_offsets_are_rejected(x, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(x, COS, SIN, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "k, match",
+    [
+        (
+            torch.randn(2, 5, 1, 8),
+            r"k: expected the same leading axes and head_dim as q \(2, 4, 3, 8\), got \(2, 5, 1, 8\)",
+        ),
+        (
+            torch.randn(2, 4, 1, 6),
+            r"k: expected the same leading axes and head_dim as q .*, got \(2, 4, 1, 6\)",
+        ),
+        (
+            torch.randn(2, 4, 1, 8).double(),
+            r"k: expected q's dtype torch.float32 and device cpu, got torch.float64",
+        ),
+        (None, r"k: expected a torch.Tensor, got None"),
+    ],
+)
+def test_bad_k_is_rejected(k, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary_qk(X, k, COS, SIN)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"interleaved": "yes"}, r"interleaved: expected a bool, got 'yes'"),
+        ({"inplace": 1}, r"inplace: expected a bool, got 1"),
+        ({"backend": "cuda"}, r"backend: expected 'auto' or one of \[.*'torch'.*\], got 'cuda'"),
+        ({"backend": None}, r"backend: expected a string, got None"),
+    ],
+)
+def test_bad_flags_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        apply_rotary(X, COS, SIN, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda: RotaryEmbedding(head_dim=8, layout="sbhd"),
+            r"layout: expected one of \('bshd', 'bhsd', 'thd'\), got 'sbhd'",
+        ),
+        (
+            lambda: RotaryEmbedding(RopeConfig(8), head_dim=8),
+            r"config_kwargs: pass either a RopeConfig or its keyword",
+        ),
+        (lambda: RotaryEmbedding({"head_dim": 8}), r"config: expected a RopeConfig or None, got dict"),
+    ],
+)
+def test_bad_module_arguments_are_rejected(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    "layout, q, kwargs, match",
+    [
+        (
+            "bhsd",
+            torch.randn(3, 4, 8),
+            {},
+            r"q: expected a 4-D tensor \(batch, heads, seq, head_dim\) for layout "
+            r"'bhsd', got a torch.float32 tensor of shape \(3, 4, 8\)",
+        ),
+        (
+            "thd",
+            torch.randn(2, 7, 3, 8),
+            {},
+            r"q: expected a 3-D tensor \(total_tokens, heads, head_dim\) for layout",
+        ),
+        (
+            "thd",
+            torch.randn(7, 3, 8),
+            {},
+            r"cu_seqlens: layout 'thd' needs cu_seqlens or positions, got None",
+        ),
+    ],
+)
+def test_bad_module_inputs_are_rejected(layout, q, kwargs, match):
+    rope = RotaryEmbedding(head_dim=8, layout=layout)
+    with pytest.raises(ValueError, match=match):
+        rope(q, q, **kwargs)
