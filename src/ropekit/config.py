@@ -157,6 +157,11 @@ class RopeConfig:
         return self._mrope is not None and self._mrope[1]
 
     @property
+    def schedule(self) -> Schedule:
+        """The registered schedule this config uses (name, keys, length behaviour)."""
+        return self._schedule
+
+    @property
     def length_dependent(self) -> bool:
         """True when frequencies depend on seq_len (dynamic NTK, LongRoPE)."""
         return self._schedule.length_dependent
