@@ -1,0 +1,184 @@
+"""Reading HF configs: input kinds, both config forms, per-layer-type RoPE, and errors for invalid ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ropekit import RopeConfig
+from ropekit.hf_config import load_hf_config, rope_kwargs, rope_layer_types
+
+LLAMA31 = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+
+
+def test_dict_path_folder_and_pretrained_config_give_the_same_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31))
+    from_dict = RopeConfig.from_hf(LLAMA31)
+    assert RopeConfig.from_hf(tmp_path / "config.json") == from_dict
+    assert RopeConfig.from_hf(str(tmp_path)) == from_dict
+    pretrained = transformers.LlamaConfig(**{k: v for k, v in LLAMA31.items() if k != "model_type"})
+    assert RopeConfig.from_hf(pretrained) == from_dict
+    assert from_dict.head_dim == 128 and from_dict.base == 500000.0 and from_dict.rope_type == "llama3"
+
+
+def test_v5_rope_parameters_form_equals_the_legacy_form():
+    params = {**LLAMA31["rope_scaling"], "rope_theta": 500000.0}
+    v5 = {k: v for k, v in LLAMA31.items() if k not in ("rope_theta", "rope_scaling")} | {
+        "rope_parameters": params
+    }
+    assert RopeConfig.from_hf(v5) == RopeConfig.from_hf(LLAMA31)
+
+
+def test_head_dim_key_wins_over_hidden_size_over_heads():
+    cfg = {"hidden_size": 3584, "num_attention_heads": 16, "head_dim": 256}
+    assert rope_kwargs(cfg)["head_dim"] == 256
+    assert rope_kwargs({"hidden_size": 3584, "num_attention_heads": 16})["head_dim"] == 224
+
+
+def test_gpt_neox_rotary_pct_and_rotary_emb_base():
+    kw = rope_kwargs(
+        {"hidden_size": 6144, "num_attention_heads": 64, "rotary_pct": 0.25, "rotary_emb_base": 1e4}
+    )
+    assert (kw["head_dim"], kw["rotary_dim"], kw["base"], kw["scaling"]) == (96, 24, 1e4, None)
+
+
+def test_gptj_rotary_dim_is_interleaved():
+    kw = rope_kwargs(
+        {"model_type": "gptj", "n_embd": 4096, "n_head": 16, "rotary_dim": 64, "n_positions": 2048}
+    )
+    assert (kw["head_dim"], kw["rotary_dim"], kw["interleaved"], kw["max_position_embeddings"]) == (
+        256,
+        64,
+        True,
+        2048,
+    )
+
+
+def test_phi3_top_level_original_length_overrides_rope_scaling():
+    cfg = {
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 1024,
+        "original_max_position_embeddings": 128,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    }
+    config = RopeConfig.from_hf(cfg)
+    assert config.rope_type == "longrope"
+    assert config.scaling["original_max_position_embeddings"] == 128
+    assert not config.inv_freq(129).equal(config.inv_freq(128))
+
+
+def test_gemma3_legacy_and_v5_per_layer_types():
+    legacy = {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "num_attention_heads": 8,
+        "head_dim": 256,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    assert rope_layer_types(legacy) == ["full_attention", "sliding_attention"]
+    full = RopeConfig.from_hf(legacy, layer_type="full_attention")
+    sliding = RopeConfig.from_hf(legacy, layer_type="sliding_attention")
+    assert (full.base, full.rope_type, sliding.base, sliding.rope_type) == (1e6, "linear", 1e4, "default")
+    v5 = {
+        "hidden_size": 2560,
+        "num_attention_heads": 8,
+        "head_dim": 256,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
+    assert RopeConfig.from_hf(v5, layer_type="full_attention") == full
+    with pytest.raises(ValueError, match=r"layer_type.*\['full_attention', 'sliding_attention'\]"):
+        RopeConfig.from_hf(v5)
+    with pytest.raises(ValueError, match="layer_type: expected one of"):
+        RopeConfig.from_hf(v5, layer_type="global")
+
+
+def test_modernbert_global_and_local_theta():
+    cfg = {
+        "hidden_size": 768,
+        "num_attention_heads": 12,
+        "global_rope_theta": 160000.0,
+        "local_rope_theta": 1e4,
+    }
+    assert RopeConfig.from_hf(cfg, layer_type="full_attention").base == 160000.0
+    assert RopeConfig.from_hf(cfg, layer_type="sliding_attention").base == 1e4
+
+
+def test_multimodal_text_config_is_unwrapped():
+    cfg = {
+        "model_type": "qwen2_vl",
+        "text_config": {**LLAMA31, "model_type": "qwen2_vl_text"},
+        "vision_config": {},
+    }
+    assert RopeConfig.from_hf(cfg) == RopeConfig.from_hf(LLAMA31)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "warp", "factor": 2.0}}, r"unknown rope_type 'warp'"),
+        ({"rope_scaling": {"rope_type": "linear"}}, r"missing keys \['factor'\]"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}}, r"unknown keys \['beta'\]"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 0.0}},
+            r"scaling\['factor'\]: expected a finite number > 0",
+        ),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": -2.0}}, r"factor.*> 0, got -2.0"),
+        (
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}},
+            r"short_factor'\]: expected a list of length 4",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8,
+                    "low_freq_factor": 4,
+                    "high_freq_factor": 1,
+                }
+            },
+            r"high_freq_factor'\]: expected > low_freq_factor",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 32}}, r"beta_fast"),
+        ({"rope_theta": -5.0}, r"base: expected a finite number > 1"),
+        ({"hidden_size": None}, r"missing \['hidden_size'\]"),
+        ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor'\]: expected a number in \(0, 1\]"),
+        ({"rope_scaling": {"type": "mrope"}}, r"mrope_section"),
+        ({"rope_scaling": {"type": "mrope", "mrope_section": [1, 2, 3]}}, r"summing to rotary_dim / 2 = 4"),
+    ],
+)
+def test_invalid_configs_raise_value_errors_that_name_the_problem(change, message):
+    cfg = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64, **change}
+    with pytest.raises(ValueError, match=message):
+        RopeConfig.from_hf(cfg)
+
+
+def test_unreadable_inputs_raise_value_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json file or a folder"):
+        load_hf_config(tmp_path / "missing")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="as JSON"):
+        load_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="expected a PretrainedConfig, a dict"):
+        load_hf_config(42)

@@ -1,0 +1,82 @@
+"""Presets: every entry builds, cites its source, and carries the facts its model card / config.json state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ropekit import RopeConfig
+from ropekit.presets import PRESETS, get_preset
+
+REQUIRED = [
+    "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b", "qwen2-vl-7b", "phi-3-mini-128k",
+    "deepseek-v3", "gpt-neox-20b", "gpt-j-6b", "gemma-2-9b",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_and_cites_a_hub_config(name):
+    preset = get_preset(name)
+    assert preset.source.startswith(f"https://huggingface.co/{preset.model}/")
+    config = RopeConfig.preset(name)
+    assert config.inv_freq().shape == (config.rotary_dim // 2,)
+
+
+def test_the_required_models_are_all_there():
+    assert set(REQUIRED) <= set(PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("name", "facts"),
+    [
+        (
+            "llama-2-7b",
+            {"head_dim": 128, "base": 1e4, "rope_type": "default", "max_position_embeddings": 4096},
+        ),
+        (
+            "llama-3-8b",
+            {"head_dim": 128, "base": 5e5, "rope_type": "default", "max_position_embeddings": 8192},
+        ),
+        (
+            "llama-3.1-8b",
+            {"head_dim": 128, "base": 5e5, "rope_type": "llama3", "max_position_embeddings": 131072},
+        ),
+        ("mistral-7b", {"head_dim": 128, "base": 1e4, "max_position_embeddings": 32768}),
+        ("qwen2.5-7b", {"head_dim": 128, "base": 1e6, "rope_type": "yarn"}),
+        (
+            "qwen2-vl-7b",
+            {"head_dim": 128, "base": 1e6, "mrope_section": (16, 24, 24), "mrope_interleaved": False},
+        ),
+        ("phi-3-mini-128k", {"head_dim": 96, "rope_type": "longrope", "max_position_embeddings": 131072}),
+        ("deepseek-v3", {"head_dim": 64, "rope_type": "yarn", "interleaved": True}),
+        ("gpt-neox-20b", {"head_dim": 96, "rotary_dim": 24, "interleaved": False}),
+        ("gpt-j-6b", {"head_dim": 256, "rotary_dim": 64, "interleaved": True, "base": 1e4}),
+        ("gemma-2-9b", {"head_dim": 256, "base": 1e4, "max_position_embeddings": 8192}),
+    ],
+)
+def test_preset_facts(name, facts):
+    config = RopeConfig.preset(name)
+    for key, value in facts.items():
+        assert getattr(config, key) == value, key
+
+
+def test_phi3_has_48_short_and_long_factors_and_its_documented_attention_factor():
+    config = RopeConfig.preset("phi-3-mini-128k")
+    assert len(config.scaling["short_factor"]) == len(config.scaling["long_factor"]) == 48
+    assert config.attention_scaling() == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+
+
+def test_qwen25_yarn_x4_and_deepseek_mscale():
+    qwen = RopeConfig.preset("qwen2.5-7b")
+    assert qwen.scaling["factor"] == 4.0 and qwen.scaling["original_max_position_embeddings"] == 32768
+    assert qwen.attention_scaling() == pytest.approx(0.1 * math.log(4) + 1)
+    deepseek = RopeConfig.preset("deepseek-v3")
+    assert deepseek.scaling["mscale"] == deepseek.scaling["mscale_all_dim"] == 1.0
+    assert deepseek.attention_scaling() == 1.0  # the ratio of equal mscales
+
+
+def test_overrides_and_unknown_names():
+    assert RopeConfig.preset("LLAMA-3-8B", hf_float32_inv_freq=True).hf_float32_inv_freq
+    with pytest.raises(ValueError, match=r"unknown preset 'llama-9'; expected one of \["):
+        RopeConfig.preset("llama-9")
