@@ -11,6 +11,8 @@ __all__ = ["main"]
 # Subcommand name -> module under ropekit.cli. Imported lazily so `ropekit verify` never pays for matplotlib.
 SUBCOMMANDS = {
     "verify": "ropekit.cli.verify",
+    "demo": "ropekit.cli.demo",
+    "bench": "ropekit.cli.bench",
 }
 
 

@@ -1,0 +1,27 @@
+"""`ropekit bench`: a one-repeat run writes the CSV and the plot; bad input is a message, not a traceback."""
+
+from __future__ import annotations
+
+import csv
+
+from ropekit import bench
+from ropekit.cli import main
+
+
+def test_bench_writes_csv_and_plot(tmp_path, capsys):
+    out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
+    argv = ["bench", "--shapes", "tiny", "--repeats", "1", "--rows", "ropekit[cpu]", "--no-memory"]
+    assert main([*argv, "--csv", str(out_csv), "--plot", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "ropekit[cpu]" in text and "x copy_" in text
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench.COLUMNS
+    assert {r["row"] for r in rows} == {"copy_", "clone", "ropekit[cpu]", "ropekit[cpu] in-place"}
+    assert all(float(r["x_copy"]) > 0 for r in rows)
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_unknown_shape_is_an_error_message(capsys):
+    assert main(["bench", "--shapes", "nope", "--repeats", "1"]) == 2
+    assert "shapes: expected names" in capsys.readouterr().err

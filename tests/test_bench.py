@@ -1,0 +1,105 @@
+"""ropekit.bench: a tiny interleaved run, memory accounting, and argument checks."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit import bench, reference
+
+
+@pytest.fixture(scope="module")
+def tiny_records():
+    records, notes = bench.run_benchmark(
+        ["tiny", "tiny-varlen"], repeats=1, include=["ropekit", "Meta", "HF eager"]
+    )
+    return records, notes
+
+
+def test_quick_run_gives_every_column_and_positive_ratios(tiny_records):
+    records, _ = tiny_records
+    assert {r["row"] for r in records} >= {"copy_", "clone", "ropekit[torch]", "ropekit[cpu]", "Meta complex"}
+    for r in records:
+        assert list(r) == bench.COLUMNS
+        assert r["fwd_ms"] > 0 and r["x_copy"] > 0 and r["x_clone"] > 0 and r["fwd_gbps"] > 0
+        assert r["note"] == ""
+    for r in records:
+        if r["row"] == "copy_":
+            assert r["x_copy"] == 1.0
+
+
+def test_every_row_agrees_with_the_reference_on_the_same_inputs(tiny_records):
+    records, _ = tiny_records
+    for r in records:
+        if r["row"] not in ("copy_", "clone"):
+            assert r["max_err"] < 1e-5, r
+
+
+def test_triton_on_cpu_is_skipped_with_a_note(tiny_records):
+    _, notes = tiny_records
+    assert any("ropekit[triton] skipped" in n for n in notes)
+
+
+def test_ropekit_training_step_saves_only_tables_and_positions():
+    case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
+    row = bench._ropekit_row("cpu", inplace=False)
+    saved_mb, peak_mb = bench.measure_memory(row, row.setup(case), case)
+    tables = case.cos.nbytes + case.sin.nbytes + case.positions.nbytes
+    assert saved_mb * 2**20 == tables
+    # Peak beyond the inputs: the two outputs and the two gradients, nothing else.
+    assert peak_mb * 2**20 <= 2 * case.nbytes + tables
+
+
+def test_ropekit_peak_memory_is_below_hf_eager():
+    pytest.importorskip("transformers")
+    case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
+    ours, hf = bench._ropekit_row("cpu", inplace=False), bench._hf_row(compiled=False)
+    assert (
+        bench.measure_memory(ours, ours.setup(case), case)[1]
+        < bench.measure_memory(hf, hf.setup(case), case)[1]
+    )
+
+
+def test_meta_complex_form_is_the_interleaved_reference_rotation():
+    theta = reference.inv_freq(8)
+    x = torch.randn(1, 3, 2, 8, dtype=torch.float64)
+    pos = np.array([0, 5, 11])
+    angle = torch.from_numpy(pos[:, None] * theta)[None, :, None, :]  # (1, 3, 1, 4)
+    got = bench.meta_complex_rotary(x, torch.polar(torch.ones_like(angle), angle))
+    want = reference.rotate_interleaved(x.numpy(), pos[None, :, None], theta)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-6)
+
+
+def test_csv_has_the_documented_columns(tiny_records, tmp_path):
+    records, _ = tiny_records
+    path = tmp_path / "bench.csv"
+    bench.write_csv(records, str(path))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench.COLUMNS and len(rows) == len(records)
+    assert all(float(r["x_copy"]) > 0 for r in rows)
+
+
+def test_table_lists_each_shape_and_marks_missing_figures(tiny_records):
+    text = bench.format_table(tiny_records[0])
+    assert "== tiny ==" in text and "== tiny-varlen ==" in text
+    assert math.isnan(next(r for r in tiny_records[0] if r["row"] == "copy_")["fwd_bwd_ms"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shapes": ["huge"]}, "shapes: expected names"),
+        ({"shapes": ["tiny"], "dtype": "float64"}, "dtype: expected one of"),
+        ({"shapes": ["tiny"], "device": "tpu"}, "device: expected"),
+        ({"shapes": ["tiny"], "repeats": 0}, "repeats: expected a positive integer"),
+    ],
+)
+def test_bad_arguments_are_value_errors(kwargs, match):
+    shapes = kwargs.pop("shapes")
+    with pytest.raises(ValueError, match=match):
+        bench.run_benchmark(shapes, **kwargs)
