@@ -8,21 +8,10 @@ import pytest
 
 from ropekit import RopeConfig
 from ropekit.hf_config import load_hf_config, rope_kwargs, rope_layer_types
+from ropekit.presets import get_preset
 
-LLAMA31 = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-}
+# Llama 3.1 8B's published config (legacy form), as embedded in the presets.
+LLAMA31 = get_preset("llama-3.1-8b").config
 
 
 def test_dict_path_folder_and_pretrained_config_give_the_same_config(tmp_path):
