@@ -1,0 +1,197 @@
+"""RotaryEmbedding: layouts, its cos/sin table (grows, non-persistent, follows the input), torch.compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import DTYPES
+from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
+
+HEAD_DIM = 8
+SEQ_LENS = [3, 0, 2]
+
+
+def _to_layout(x_bshd: torch.Tensor, layout: str) -> torch.Tensor:
+    """(B, S, H, D) -> (B, H, S, D) for bhsd; other layouts are built directly."""
+    return x_bshd.transpose(1, 2).contiguous() if layout == "bhsd" else x_bshd
+
+
+def _from_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x.transpose(1, 2) if layout == "bhsd" else x
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("position_kind", ["none", "int", "tensor", "positions"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_module_outputs_and_gradients_match_reference(
+    assert_matches_reference, layout, dtype, position_kind, interleaved
+):
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, rotary_dim=6, interleaved=interleaved, layout=layout)
+    g = torch.Generator().manual_seed(0)
+    if layout == "thd":
+        total = sum(SEQ_LENS)
+        q = torch.randn(total, 4, HEAD_DIM, generator=g).to(dtype)  # (total_tokens, heads, head_dim)
+        k = torch.randn(total, 2, HEAD_DIM, generator=g).to(dtype)
+        kwargs = {"cu_seqlens": torch.tensor(np.cumsum([0, *SEQ_LENS]))}
+        starts = {"none": [0, 0, 0], "int": [4] * 3, "tensor": [2, 0, 7]}.get(position_kind)
+        lead = (total,)
+    else:
+        q = torch.randn(2, 5, 4, HEAD_DIM, generator=g).to(dtype)  # (batch, seq, heads, head_dim)
+        k = torch.randn(2, 5, 2, HEAD_DIM, generator=g).to(dtype)
+        kwargs = {}
+        starts = {"none": [0, 0], "int": [4, 4], "tensor": [2, 7]}.get(position_kind)
+        lead = (2, 5)
+    if position_kind == "positions":
+        want = torch.randint(0, 40, lead, generator=g)
+        kwargs["positions"] = want
+        want = want.numpy()
+    else:
+        if position_kind == "int":
+            kwargs["offsets"] = 4
+        elif position_kind == "tensor":
+            kwargs["offsets"] = torch.tensor(starts)
+        if layout == "thd":
+            want = np.concatenate([np.arange(n) + s for n, s in zip(SEQ_LENS, starts, strict=True)])
+        else:
+            want = np.arange(5)[None, :] + np.array(starts)[:, None]
+    q_in = _to_layout(q, layout).requires_grad_(True)
+    k_in = _to_layout(k, layout).requires_grad_(True)
+    q_out, k_out = rope(q_in, k_in, **kwargs)
+    assert q_out.shape == q_in.shape and k_out.shape == k_in.shape
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = rope.config.cos_sin(64, dtype=table_dtype)
+    assert_matches_reference(_from_layout(q_out, layout), q, cos, sin, want, interleaved=interleaved)
+    assert_matches_reference(_from_layout(k_out, layout), k, cos, sin, want, interleaved=interleaved)
+    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
+    torch.autograd.backward([q_out, k_out], [gq, gk])
+    for grad, upstream in ((q_in.grad, gq), (k_in.grad, gk)):
+        got, upstream = _from_layout(grad, layout), _from_layout(upstream, layout)
+        assert_matches_reference(got, upstream, cos, sin, want, interleaved=interleaved, conjugate=True)
+
+
+def test_layouts_agree_on_the_same_tokens():
+    q, k = torch.randn(1, 6, 4, HEAD_DIM), torch.randn(1, 6, 2, HEAD_DIM)  # (1, seq, heads, head_dim)
+    bshd = RotaryEmbedding(head_dim=HEAD_DIM, layout="bshd")(q, k)
+    bhsd = RotaryEmbedding(head_dim=HEAD_DIM, layout="bhsd")(q.transpose(1, 2), k.transpose(1, 2))
+    thd = RotaryEmbedding(head_dim=HEAD_DIM, layout="thd")(q[0], k[0], cu_seqlens=torch.tensor([0, 6]))
+    thd_positions = RotaryEmbedding(head_dim=HEAD_DIM, layout="thd")(q[0], k[0], positions=torch.arange(6))
+    for i in range(2):
+        assert torch.equal(bhsd[i].transpose(1, 2), bshd[i])
+        assert torch.equal(thd[i], bshd[i][0])
+        assert torch.equal(thd_positions[i], bshd[i][0])
+
+
+def test_bhsd_output_is_the_same_memory_layout_contract_as_the_input():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, layout="bhsd")
+    q = torch.randn(2, 4, 5, HEAD_DIM)  # (batch, heads, seq, head_dim)
+    q_out, _ = rope(q, q)
+    assert q_out.shape == (2, 4, 5, HEAD_DIM)
+
+
+def test_config_object_and_keywords_build_the_same_module():
+    a = RotaryEmbedding(RopeConfig(HEAD_DIM, 500000.0, interleaved=True))
+    b = RotaryEmbedding(head_dim=HEAD_DIM, base=500000.0, interleaved=True)
+    assert a.config == b.config
+    assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
+
+
+def test_table_starts_at_max_position_embeddings_and_grows_past_its_end():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=16)
+    assert rope.cos.shape == (16, HEAD_DIM // 2)
+    q = torch.randn(1, 4, 1, HEAD_DIM, dtype=torch.float64)
+    q_out, _ = rope(q, q, offsets=30)  # positions 30..33, past the 16-row table
+    assert rope.cos.shape[0] >= 34
+    cos, sin = rope.config.cos_sin(34, dtype=torch.float64)
+    torch.testing.assert_close(q_out, apply_rotary_qk(q, q, cos, sin, offsets=30)[0], rtol=0, atol=1e-15)
+    rows = rope.cos.shape[0]
+    rope(q, q, positions=torch.tensor([[rows - 1, 0, 1, 2]]))  # within the table: no regrowth
+    assert rope.cos.shape[0] == rows
+
+
+def test_grown_table_rows_equal_a_table_built_at_that_size():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=4)
+    q = torch.randn(1, 1, 1, HEAD_DIM)
+    rope(q, q, offsets=100)
+    cos, sin = rope.config.cos_sin(rope.cos.shape[0])
+    assert torch.equal(rope.cos, cos) and torch.equal(rope.sin, sin)
+
+
+def test_table_is_a_non_persistent_buffer():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM)
+    assert {"cos", "sin"} <= {name for name, _ in rope.named_buffers()}
+    assert rope.state_dict() == {}
+    model = nn.Sequential(nn.Linear(4, 4), rope)
+    assert set(model.state_dict()) == {"0.weight", "0.bias"}
+    fresh = nn.Sequential(nn.Linear(4, 4), RotaryEmbedding(head_dim=HEAD_DIM))
+    fresh.load_state_dict(model.state_dict(), strict=True)  # checkpoints carry no table
+
+
+def test_table_follows_the_input_precision():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM)
+    assert rope.cos.dtype == torch.float32
+    q = torch.randn(1, 3, 1, HEAD_DIM, dtype=torch.float64)
+    rope(q, q)
+    assert rope.cos.dtype == torch.float64  # float64 inputs get float64 tables
+    torch.testing.assert_close(rope.cos, rope.config.cos_sin(rope.cos.shape[0], dtype=torch.float64)[0])
+    q16 = torch.randn(1, 3, 1, HEAD_DIM, dtype=torch.float16)
+    out, _ = rope(q16, q16)
+    assert rope.cos.dtype == torch.float32 and out.dtype == torch.float16  # math in float32
+
+
+def test_module_to_dtype_moves_the_buffers_and_forward_rebuilds_them_exactly():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM).to(torch.float16)
+    assert rope.cos.dtype == torch.float16
+    q = torch.randn(1, 3, 1, HEAD_DIM)
+    rope(q, q)
+    assert rope.cos.dtype == torch.float32
+    assert torch.equal(rope.cos, rope.config.cos_sin(rope.cos.shape[0])[0])  # rebuilt, not upcast from fp16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none in this environment)")
+def test_table_follows_the_input_device():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM)
+    q = torch.randn(1, 3, 2, HEAD_DIM, device="cuda")
+    q_out, _ = rope(q, q)
+    assert rope.cos.device.type == "cuda" and q_out.device.type == "cuda"
+    cpu_out, _ = RotaryEmbedding(head_dim=HEAD_DIM)(q.cpu(), q.cpu())
+    torch.testing.assert_close(q_out.cpu(), cpu_out)
+
+
+class TinyAttention(nn.Module):
+    """A minimal causal attention block with GQA, the way models call RotaryEmbedding."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.rope = RotaryEmbedding(head_dim=self.head_dim, max_position_embeddings=64)
+
+    def forward(self, x: torch.Tensor, offsets: int = 0) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.heads, self.head_dim)  # (B, S, H, D)
+        k, v = self.wkv(x).view(batch, seq, 2, self.kv_heads, self.head_dim).unbind(2)  # (B, S, Hk, D) each
+        q, k = self.rope(q, k, offsets=offsets)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )  # (B, H, S, D)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def test_compiles_with_fullgraph_and_no_graph_breaks():
+    torch.manual_seed(0)
+    block = TinyAttention()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    # fullgraph=True turns any graph break into an error; aot_eager also traces the backward graph.
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    got = compiled(x, offsets=3)
+    want = block(x, offsets=3)
+    torch.testing.assert_close(got, want)
+    (grad_got,) = torch.autograd.grad(got.sum(), x)
+    (grad_want,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(grad_got, grad_want)
