@@ -156,7 +156,6 @@ def test_patched_layers_use_the_requested_backend():
     assert [r.backend for r in ropes.values()] == ["torch"]
     with pytest.raises(ValueError, match="backend"):
         hf.patch(model, backend="no-such-backend")
-        run(model)
 
 
 def test_unsupported_architecture_is_named():
@@ -219,3 +218,23 @@ def test_extend_context_on_gemma3_scales_full_attention_only():
         patched = model(ids, attention_mask=mask).logits
         hf.unpatch(model)
         torch.testing.assert_close(patched, model(ids, attention_mask=mask).logits, atol=1e-4, rtol=0)
+
+
+def test_gemma3_multimodal_wrapper_patches_its_language_model(monkeypatch):
+    text = make_model("gemma3_text", CASES["gemma3_text"][1]).config
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    ids, mask = inputs()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        assert hf.patch(model) == 2  # the two text layers; the vision tower has no RoPE
+        forbid_hf_rotary(monkeypatch, model)
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, atol=1e-4, rtol=0)

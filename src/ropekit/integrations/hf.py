@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.hf_config import rope_layer_types
@@ -185,9 +186,12 @@ def patch(model: nn.Module, backend: str = "auto") -> int:
         The number of attention layers patched.
 
     Raises:
-        ValueError: for an unsupported architecture (named in the message), or a config ropekit cannot read.
+        ValueError: for an unsupported architecture (named in the message), an unknown backend, or a config
+            ropekit cannot read.
     """
     _check_supported(model)
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     unpatch(model)
     config = _text_config(model)
     per_layer = rope_layer_types(config)
