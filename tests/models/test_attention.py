@@ -151,3 +151,21 @@ def test_bad_inputs_raise():
     block.rope = RotaryEmbedding(head_dim=HEAD_DIM, layout="thd")
     with pytest.raises(ValueError, match="layout"):
         block(torch.randn(2, 5, DIM))
+
+
+def test_attention_probabilities_with_a_cache_cover_only_written_real_slots():
+    block = make_block()
+    x = torch.randn(2, 5, DIM)
+    cache = block.new_kv_cache(2, 8)
+    key_mask = torch.ones(2, 8, dtype=torch.bool)
+    key_mask[1, 0] = False  # row 1's first token is padding
+    with torch.no_grad():
+        block(x[:, :4], kv_cache=cache, attn_mask=key_mask)
+        y, probs = block(x[:, 4:], kv_cache=cache, attn_mask=key_mask, need_weights=True)
+        cache.lengths.fill_(4)
+        y_sdpa = block(x[:, 4:], kv_cache=cache, attn_mask=key_mask)
+    assert probs.shape == (2, HEADS, 1, 8)
+    assert probs[..., 5:].abs().max() == 0  # slots not yet written
+    assert probs[1, :, :, 0].abs().max() == 0  # the padding slot
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, HEADS, 1))
+    torch.testing.assert_close(y, y_sdpa, atol=1e-5, rtol=1e-5)
