@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import re
 import shutil
 import subprocess
 import sys
@@ -189,3 +190,13 @@ def test_public_names_are_exported():
         "__version__",
     ):
         assert name in ropekit.__all__ and hasattr(ropekit, name)
+
+
+@pytest.mark.parametrize("section", ["Usage"])
+def test_readme_examples_run(section):
+    readme = (ROOT / "README.md").read_text()
+    body = readme.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", body, flags=re.DOTALL)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, f"README.md ({section})", "exec"), {})
