@@ -1,6 +1,7 @@
 """The 2017 sinusoidal (absolute) position encoding, added to token embeddings.
 
-PE(m, 2i) = sin(m / base^(2i/dim)), PE(m, 2i+1) = cos(m / base^(2i/dim)) (Vaswani et al., 2017).
+PE(m, 2i) = sin(m / base^(2i/dim)), PE(m, 2i+1) = cos(m / base^(2i/dim)) (Vaswani et al., 2017). How it
+relates to RoPE is in docs/math.md.
 """
 
 from __future__ import annotations

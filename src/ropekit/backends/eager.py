@@ -1,6 +1,7 @@
 """The plain-PyTorch backend: the readable baseline every fast path is tested against.
 
-It works on any device and dtype and traces cleanly under torch.compile (no data-dependent branches).
+It works on any device and dtype and traces cleanly under torch.compile (no data-dependent branches). The
+pair rotation it applies, (a, b) -> (a cos - b sin, b cos + a sin), is derived in docs/math.md.
 """
 
 from __future__ import annotations
