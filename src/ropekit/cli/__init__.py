@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "verify": "ropekit.cli.verify",
     "demo": "ropekit.cli.demo",
     "bench": "ropekit.cli.bench",
+    "inspect": "ropekit.cli.inspect",
+    "presets": "ropekit.cli.presets",
 }
 
 

@@ -1,0 +1,132 @@
+"""`ropekit inspect`: plan a context extension for one model, pair by pair, with optional plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show what a RoPE scaling method does to each frequency pair of a model",
+        description="MODEL is a preset name (see `ropekit presets`) or a Hugging Face config.json "
+        "or its folder.",
+    )
+    p.add_argument("model", help="preset name, or path to config.json or the folder holding it")
+    p.add_argument("--target-length", type=int, default=None, help="context length to plan for")
+    p.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        help="scaling method to compare (repeatable): linear, ntk, ...",
+    )
+    p.add_argument("--factor", type=float, default=None, help="factor for the requested methods")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra scaling key for the requested methods, value as JSON (beta_fast=16)",
+    )
+    p.add_argument("--layer-type", default=None, help="per-layer-type configs: which layer type to read")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="write wavelength / decay / q·k plots")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run)
+
+
+def _extra_keys(pairs: list[str]) -> dict:
+    out = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _load(model: str, layer_type: str | None):
+    from ropekit.config import RopeConfig
+    from ropekit.presets import PRESETS
+
+    if model.lower() in PRESETS:
+        return RopeConfig.preset(model), model.lower()
+    if Path(model).exists():
+        return RopeConfig.from_hf(model, layer_type=layer_type), model
+    raise ValueError(
+        f"model: {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path"
+    )
+
+
+PAIRING = {True: "interleaved (GPT-J)", False: "half (GPT-NeoX / HF)"}
+
+
+def format_report(inspection) -> str:
+    c = inspection.config
+    lines = [
+        f"model: {inspection.model}   rope_type: {c.rope_type}   base: {c.base:g}   head_dim: {c.head_dim}   "
+        f"rotary_dim: {c.rotary_dim}   pairing: {PAIRING[c.interleaved]}",
+        f"training context: {inspection.original_length}   target length: {inspection.target_length}",
+        "",
+    ]
+    names = [m.name for m in inspection.methods]
+    width = max(14, *(len(n) for n in names))
+    head = f"{'pair':>4}  {'theta':>10}  {'wavelength':>11}  {'rotations':>10}  " + "  ".join(
+        f"{n:<{width}}" for n in names
+    )
+    lines += [head, "-" * len(head)]
+    for i, (t, w, r) in enumerate(
+        zip(inspection.theta, inspection.wavelength, inspection.rotations, strict=True)
+    ):
+        wl = f"{w:11.4g}" if math.isfinite(w) else f"{'inf':>11}"
+        cells = []
+        for m in inspection.methods:
+            effect = m.effect[i]
+            if effect == "in between" or effect == "extrapolated":
+                effect += f" (x{m.ratio[i]:.3g})"
+            cells.append(f"{effect:<{width}}")
+        lines.append(f"{i:>4}  {t:10.4g}  {wl}  {r:10.4g}  " + "  ".join(cells))
+    lines.append("")
+    lines += [f"{m.name}: attention scaling {m.attention_scaling:.6g}" for m in inspection.methods]
+    lines.append("")
+    lines += [f"* {s}" for s in inspection.summary()]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ropekit.inspect import inspect_config, plot_inspection
+
+    config, name = _load(args.model, args.layer_type)
+    inspection = inspect_config(
+        config,
+        model=name,
+        target_length=args.target_length,
+        methods=args.method,
+        factor=args.factor,
+        extra=_extra_keys(args.set),
+    )
+    if args.plot:
+        try:
+            plot_inspection(inspection, args.plot)
+        except ImportError:
+            print(
+                "ropekit inspect: --plot needs matplotlib, an optional extra: pip install 'ropekit[plot]'",
+                file=sys.stderr,
+            )
+            return 3
+    if args.json:
+        report = inspection.as_dict()
+        if args.plot:
+            report["plot"] = args.plot
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(inspection))
+        if args.plot:
+            print(f"\nplots written to {args.plot}")
+    return 0

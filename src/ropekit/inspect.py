@@ -1,0 +1,314 @@
+"""The context-extension planner behind ``ropekit inspect``: what a scaling method does to each pair.
+
+For a config (a preset or an HF config.json) and a target length it reports, per frequency pair i:
+theta_i and its wavelength 2 pi / theta_i, how many rotations the pair completes within the original
+(training) context, and whether each method keeps it, interpolates it (divides it by the factor), zeroes it,
+or lands in between. A plain-language summary and three plots (wavelengths, RoFormer's long-term-decay bound,
+and the cosine of rotated q·k against distance) complete the picture.
+
+Shape notation: P pairs (rotary_dim // 2), N distances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ropekit.config import RopeConfig
+
+__all__ = [
+    "Inspection",
+    "MethodReport",
+    "decay_bound",
+    "inspect_config",
+    "original_length",
+    "plot_inspection",
+    "qk_cosine",
+]
+
+# Assumed training context when a config names no length at all.
+FALLBACK_LENGTH = 2048
+
+
+@dataclass(frozen=True)
+class MethodReport:
+    """One method's effect on the pairs at the target length.
+
+    Attributes:
+        name: how the report names the method ("configured: yarn", "requested: linear").
+        config: the RopeConfig the method was evaluated with.
+        inv_freq: its frequencies at the target length, shape (P,).
+        ratio: inv_freq / the unscaled frequencies (1 = kept, 1/factor = interpolated, 0 = zeroed).
+        effect: per pair, "kept", "interpolated", "zeroed", "extrapolated" or "in between".
+        attention_scaling: the table factor at the target length.
+    """
+
+    name: str
+    config: RopeConfig
+    inv_freq: np.ndarray
+    ratio: np.ndarray
+    effect: list[str]
+    attention_scaling: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "rope_type": self.config.rope_type,
+            "scaling": self.config.scaling,
+            "attention_scaling": self.attention_scaling,
+            "pairs": [
+                {"pair": i, "theta": float(t), "ratio": float(r), "effect": e}
+                for i, (t, r, e) in enumerate(zip(self.inv_freq, self.ratio, self.effect, strict=True))
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything ``ropekit inspect`` prints, plots or writes as JSON."""
+
+    model: str
+    config: RopeConfig
+    original_length: int
+    target_length: int
+    theta: np.ndarray  # unscaled frequencies, (P,)
+    methods: list[MethodReport] = field(default_factory=list)
+
+    @property
+    def wavelength(self) -> np.ndarray:
+        """2 pi / theta_i in tokens (inf for a zero frequency), shape (P,)."""
+        with np.errstate(divide="ignore"):
+            return 2 * math.pi / self.theta
+
+    @property
+    def rotations(self) -> np.ndarray:
+        """Full turns each pair completes within the original context, shape (P,)."""
+        return self.original_length * self.theta / (2 * math.pi)
+
+    def summary(self) -> list[str]:
+        """Plain-language sentences about the context and each method at the target length."""
+        pairs = len(self.theta)
+        never = int((self.rotations < 1).sum())
+        lines = [
+            f"{never} of {pairs} pairs never complete a rotation within the {self.original_length}-token "
+            "training context: the model saw only part of their circle, so angles past it are new to it."
+        ]
+        slowest = int(np.argmax(np.where(self.theta > 0, self.wavelength, 0)))
+        trained_angle = self.original_length * self.theta[slowest]
+        for m in self.methods:
+            counts = {e: m.effect.count(e) for e in dict.fromkeys(m.effect)}
+            parts = ", ".join(f"{n} {e}" for e, n in counts.items())
+            reach = self.target_length * m.inv_freq[slowest] / trained_angle if trained_angle else 0.0
+            where = (
+                "stays within the angles seen in training"
+                if reach <= 1 + 1e-9
+                else f"turns {reach:.2f}x further than anything seen in training"
+            )
+            lines.append(
+                f"{m.name} at {self.target_length} tokens: {parts} pairs; the slowest pair {where}; "
+                f"attention scaling {m.attention_scaling:.4g}."
+            )
+        return lines
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "rope_type": self.config.rope_type,
+            "base": self.config.base,
+            "head_dim": self.config.head_dim,
+            "rotary_dim": self.config.rotary_dim,
+            "interleaved": self.config.interleaved,
+            "original_length": self.original_length,
+            "target_length": self.target_length,
+            "pairs": [
+                {
+                    "pair": i,
+                    "theta": float(t),
+                    "wavelength": float(w) if math.isfinite(w) else None,
+                    "rotations_in_context": float(r),
+                }
+                for i, (t, w, r) in enumerate(zip(self.theta, self.wavelength, self.rotations, strict=True))
+            ],
+            "methods": [m.as_dict() for m in self.methods],
+            "summary": self.summary(),
+        }
+
+
+def original_length(config: RopeConfig) -> int:
+    """The training context: original_max_position_embeddings, else max_position_embeddings, else 2048."""
+    scaling = config.scaling or {}
+    return (
+        scaling.get("original_max_position_embeddings") or config.max_position_embeddings or FALLBACK_LENGTH
+    )
+
+
+def _nominal_factor(config: RopeConfig) -> float | None:
+    scaling = config.scaling or {}
+    factor = scaling.get("factor")
+    if factor is None and config.rope_type in ("yarn", "longrope") and config.max_position_embeddings:
+        factor = config.max_position_embeddings / original_length(config)
+    return factor
+
+
+def _effects(ratio: np.ndarray, factor: float | None) -> list[str]:
+    out = []
+    for r in ratio:
+        if r == 0:
+            out.append("zeroed")
+        elif abs(r - 1) < 1e-9:
+            out.append("kept")
+        elif factor and abs(r * factor - 1) < 1e-6:
+            out.append("interpolated")
+        elif r > 1:
+            out.append("extrapolated")
+        else:
+            out.append("in between")
+    return out
+
+
+def _report(name: str, config: RopeConfig, theta: np.ndarray, target: int) -> MethodReport:
+    inv = config.inv_freq(target).numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(theta > 0, inv / theta, 0.0)
+    return MethodReport(
+        name, config, inv, ratio, _effects(ratio, _nominal_factor(config)), config.attention_scaling(target)
+    )
+
+
+def requested_config(
+    config: RopeConfig, method: str, factor: float | None, extra: Mapping[str, Any], target: int
+) -> RopeConfig:
+    """The config's geometry with a different scaling method, sized for the target length.
+
+    Keys the method does not take (factor, original_max_position_embeddings) are left out, so the same
+    ``--factor`` serves every method compared.
+    """
+    from ropekit.schedules import get_schedule
+
+    sched = get_schedule(method)
+    keys = sched.required | sched.optional
+    scaling: dict[str, Any] = {"rope_type": sched.name}
+    if factor is not None and "factor" in keys:
+        scaling["factor"] = factor
+    if "original_max_position_embeddings" in keys:
+        scaling["original_max_position_embeddings"] = original_length(config)
+    scaling.update(extra)
+    # Dynamic NTK grows past max_position_embeddings, so that must be the training length; the others read
+    # it as the extended context.
+    max_positions = (
+        original_length(config) if sched.name == "dynamic" else max(target, original_length(config))
+    )
+    return RopeConfig(
+        config.head_dim,
+        config.base,
+        rotary_dim=config.rotary_dim,
+        interleaved=config.interleaved,
+        scaling=scaling,
+        max_position_embeddings=max_positions,
+    )
+
+
+def inspect_config(
+    config: RopeConfig,
+    *,
+    model: str = "",
+    target_length: int | None = None,
+    methods: Sequence[str] = (),
+    factor: float | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Inspection:
+    """Evaluate the configured method and any requested ones at the target length.
+
+    Args:
+        config: the model's RoPE.
+        model: a name for the header.
+        target_length: the context to plan for; defaults to original length x factor when a factor is
+            requested, else the config's max_position_embeddings (or the original length).
+        methods: rope_types to compare against the configured one (e.g. ["linear", "yarn"]).
+        factor: the factor requested methods use.
+        extra: more scaling keys for the requested methods (beta_fast, low_freq_factor, ...).
+
+    Raises:
+        ValueError: for a bad target length, an unknown method, or keys a method rejects.
+    """
+    original = original_length(config)
+    if target_length is None:
+        target_length = int(original * factor) if factor else (config.max_position_embeddings or original)
+    if isinstance(target_length, bool) or not isinstance(target_length, int) or target_length <= 0:
+        raise ValueError(f"target_length: expected a positive integer, got {target_length!r}")
+    plain = RopeConfig(config.head_dim, config.base, rotary_dim=config.rotary_dim)
+    theta = plain.inv_freq().numpy()
+    reports = [_report(f"configured: {config.rope_type}", config, theta, target_length)]
+    for method in methods:
+        requested = requested_config(config, method, factor, extra or {}, target_length)
+        reports.append(_report(f"requested: {requested.rope_type}", requested, theta, target_length))
+    return Inspection(model, config, original, target_length, theta, reports)
+
+
+def decay_bound(inv_freq: np.ndarray, distances: np.ndarray) -> np.ndarray:
+    """RoFormer's long-term-decay bound on |q·k| at each relative distance (Su et al. 2021, section 3.4.3).
+
+    With S_j = sum_{k<j} e^{i r theta_k}, |sum_j h_j (S_{j+1} - S_j)| <= max|h_{j+1} - h_j| * sum_j |S_j|;
+    the curve is the relative bound (1 / P) sum_j |S_j|, which falls as r grows. Shape (N,).
+    """
+    angles = np.asarray(distances, dtype=np.float64)[:, None] * np.asarray(inv_freq)[None, :]  # (N, P)
+    partial_sums = np.cumsum(np.exp(1j * angles), axis=1)  # S_1 .. S_P, (N, P)
+    return np.abs(partial_sums).mean(axis=1)
+
+
+def qk_cosine(inv_freq: np.ndarray, distances: np.ndarray) -> np.ndarray:
+    """Cosine similarity of R_m q and R_n k for q = k = (1, ..., 1) at distance r = n - m.
+
+    That is mean_i cos(r theta_i).
+
+    Shape (N,). Attention scaling multiplies both vectors alike, so it leaves the cosine unchanged.
+    """
+    angles = np.asarray(distances, dtype=np.float64)[:, None] * np.asarray(inv_freq)[None, :]  # (N, P)
+    return np.cos(angles).mean(axis=1)
+
+
+def plot_inspection(inspection: Inspection, path: str) -> None:
+    """Write a PNG with three panels: wavelengths per pair, the decay bound, and q·k cosine vs distance.
+
+    Raises:
+        ImportError: when matplotlib is not installed (``pip install ropekit[plot]``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_w, ax_d, ax_c) = plt.subplots(1, 3, figsize=(16, 4.8))
+    pairs = np.arange(len(inspection.theta))
+    curves = [("no scaling", inspection.theta, 1.0)] + [
+        (m.name, m.inv_freq, m.attention_scaling) for m in inspection.methods
+    ]
+    for label, inv, _ in curves:
+        with np.errstate(divide="ignore"):
+            ax_w.semilogy(pairs, np.where(inv > 0, 2 * math.pi / inv, np.nan), marker=".", label=label)
+    ax_w.axhline(inspection.original_length, color="gray", ls="--", lw=1, label="training context")
+    ax_w.axhline(inspection.target_length, color="black", ls=":", lw=1, label="target length")
+    ax_w.set(xlabel="pair i", ylabel="wavelength 2π/θ_i (tokens)", title="Wavelength per pair")
+    ax_w.legend(fontsize=7)
+
+    distances = np.unique(np.geomspace(1, inspection.target_length, 400).astype(np.int64))
+    for label, inv, _ in curves:
+        ax_d.semilogx(distances, decay_bound(inv, distances), label=label)
+    ax_d.axvline(inspection.original_length, color="gray", ls="--", lw=1)
+    ax_d.set(xlabel="relative distance", ylabel="(1/P) Σ|S_j|", title="RoFormer long-term decay bound")
+    ax_d.legend(fontsize=7)
+
+    for label, inv, scale in curves:
+        ax_c.semilogx(distances, qk_cosine(inv, distances), label=f"{label} (tables ×{scale:.3g})")
+    ax_c.axvline(inspection.original_length, color="gray", ls="--", lw=1)
+    ax_c.set(xlabel="relative distance", ylabel="cos(R_m q, R_n k), q = k = 1", title="Rotated q·k cosine")
+    ax_c.legend(fontsize=7)
+    header = f"{inspection.model}: rope_type {inspection.config.rope_type}, base {inspection.config.base:g}"
+    fig.suptitle(header)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

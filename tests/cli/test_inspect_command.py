@@ -1,0 +1,54 @@
+"""`ropekit inspect`: the table, the JSON report, the plot file and the missing-matplotlib message."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from ropekit.cli import main
+from ropekit.presets import get_preset
+
+
+def test_table_has_header_pairs_and_summary(capsys):
+    assert main(["inspect", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "model: llama-3.1-8b   rope_type: llama3   base: 500000" in out
+    assert "training context: 8192   target length: 131072" in out
+    assert out.count("\n  6") >= 1 and "configured: llama3" in out
+    assert "29 of 64 pairs never complete a rotation" in out
+
+
+def test_json_report_from_a_config_json_path(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(get_preset("mistral-7b").config))
+    assert (
+        main(["inspect", str(path), "--method", "yarn", "--factor", "4", "--set", "beta_fast=16", "--json"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rope_type"], report["base"], report["original_length"]) == ("default", 10000.0, 32768)
+    assert report["target_length"] == 131072 and len(report["pairs"]) == 64
+    requested = report["methods"][1]
+    assert requested["name"] == "requested: yarn" and requested["scaling"]["beta_fast"] == 16
+    assert {p["effect"] for p in requested["pairs"]} == {"kept", "in between", "interpolated"}
+
+
+def test_plot_flag_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    assert main(["inspect", "gpt-neox-20b", "--method", "ntk", "--factor", "2", "--plot", str(path)]) == 0
+    assert path.stat().st_size > 20_000
+    assert f"plots written to {path}" in capsys.readouterr().out
+
+
+def test_missing_matplotlib_explains_how_to_get_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert main(["inspect", "llama-2-7b", "--plot", str(tmp_path / "x.png")]) == 3
+    assert "pip install 'ropekit[plot]'" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clean_error(capsys):
+    assert main(["inspect", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
