@@ -184,6 +184,16 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
+@torch.compiler.assume_constant_result
+def _build_failure() -> str | None:
+    """None once the library is loaded, else why it could not be built.
+
+    torch.compile runs this eagerly and keeps the answer as a constant: building reads files and runs a
+    compiler, which it cannot trace, so a first call under compile would otherwise break the graph.
+    """
+    return None if _load() is not None else str(_build_error)
+
+
 def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> None:
     """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch`."""
     lib = _load()
@@ -230,6 +240,7 @@ class CpuBackend(KernelBackend):
             return f"q is on {q.device.type}; the CPU fast path serves CPU tensors"
         if q.dtype not in _ENTRY:
             return f"dtype {q.dtype} is not supported (float32, float16, bfloat16; float64 uses torch)"
-        if _load() is None:
-            return f"the C kernel could not be built: {_build_error}"
+        error = _build_failure()
+        if error is not None:
+            return f"the C kernel could not be built: {error}"
         return None
