@@ -7,6 +7,7 @@ functional -> module -> integrations -> CLI.
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.module import RotaryEmbedding
+from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
 from ropekit.schedules import register_schedule
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding, sinusoidal_embedding
 
@@ -19,6 +20,9 @@ __all__ = [
     "__version__",
     "apply_rotary",
     "apply_rotary_qk",
+    "axial_cos_sin",
+    "mrope_positions",
     "register_schedule",
     "sinusoidal_embedding",
+    "xpos_cos_sin",
 ]
