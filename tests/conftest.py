@@ -15,12 +15,8 @@ from hypothesis import HealthCheck, settings
 from ropekit import reference
 
 # The machine is shared and slow: no per-example deadline. Tests that need more or fewer examples say so.
-settings.register_profile(
-    "ropekit", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("ropekit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ropekit")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict[str, float]:

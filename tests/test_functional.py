@@ -13,10 +13,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import DTYPES
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit import reference as ref
 
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BATCH, SEQ, TABLE_LEN = 2, 5, 32
 SEQ_LENS = [3, 0, 4]  # packed batch with an empty sequence in the middle
 POSITION_KINDS = ["none", "int", "tensor", "positions"]

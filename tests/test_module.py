@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DTYPES
 from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
 
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 HEAD_DIM = 8
 SEQ_LENS = [3, 0, 2]
 
