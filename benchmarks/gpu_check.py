@@ -1,0 +1,148 @@
+"""The one prepared GPU run: correctness of the Triton kernel on the device first, then the bf16 benchmark.
+
+Usage (on a machine with a CUDA GPU and Triton):
+
+    python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--shapes ...]
+
+Step 1 compares backend="triton" with backend="torch" (float64 math on upcast inputs) for every dtype, pair
+layout, in-place mode, partial rotary and position mode, checks the gradients, and runs the kernel inside
+torch.compile(fullgraph=True) with inductor. Any failure stops the run before timing. Step 2 runs the
+benchmark in bfloat16 and writes gpu_bench.csv and gpu_bench.png to --out, then checks the targets of issue 4:
+forward at >= 85% of the measured copy bandwidth (x_copy <= 1/0.85) and fwd+bwd faster than flash-attn and
+Liger where they are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ropekit
+from ropekit import bench
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(mode: str, dtype: torch.dtype, partial: bool, device: str):
+    head_dim, heads_q, heads_k = 128, 8, 2
+    rotary_dim = 64 if partial else head_dim
+    cos, sin = ropekit.RopeConfig(head_dim, rotary_dim=rotary_dim).cos_sin(4096, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    lead = (37, 6) if mode != "cu_seqlens" else (61,)
+    q = torch.randn(*lead, heads_q, head_dim, generator=g, device=device).to(dtype)
+    k = torch.randn(*lead, heads_k, head_dim, generator=g, device=device).to(dtype)
+    kw: dict = {}
+    if mode == "positions":
+        kw["positions"] = torch.randint(0, 4096, lead, generator=g, device=device)
+    elif mode == "offsets":
+        kw["offsets"] = torch.randint(0, 4000, (lead[0],), generator=g, device=device)
+    elif mode == "cu_seqlens":
+        kw["cu_seqlens"] = torch.tensor([0, 7, 30, 61], device=device, dtype=torch.int32)
+    elif mode == "bhsd":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a transposed view, as HF's layout arrives
+    return q, k, cos, sin, kw
+
+
+def check_correctness(device: str = "cuda") -> int:
+    """Every feature of the Triton kernel against the torch backend in float64; returns the failure count."""
+    failures = 0
+    modes = ["default", "positions", "offsets", "cu_seqlens", "bhsd"]
+    grid = itertools.product(TOL, [False, True], [False, True], [False, True], modes)
+    for dtype, interleaved, inplace, partial, mode in grid:
+        q, k, cos, sin, kw = _inputs(mode, dtype, partial, device)
+        want = ropekit.apply_rotary_qk(
+            q.double(), k.double(), cos, sin, interleaved=interleaved, backend="torch", **kw
+        )
+        q_before = q.clone()
+        got = ropekit.apply_rotary_qk(
+            q, k, cos, sin, interleaved=interleaved, inplace=inplace, backend="triton", **kw
+        )
+        err = max(float((g.double() - w).abs().max()) for g, w in zip(got, want, strict=True))
+        untouched = inplace or torch.equal(q, q_before)
+        ok = err <= TOL[dtype] * 8 and untouched
+        failures += not ok
+        if not ok:
+            print(
+                f"FAIL {dtype} interleaved={interleaved} inplace={inplace} partial={partial} {mode}: err {err:.2e}"
+            )
+    for interleaved, mode in itertools.product([False, True], modes):
+        q, k, cos, sin, kw = _inputs(mode, torch.float32, True, device)
+        grads = []
+        for backend in ("torch", "triton"):
+            ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+            out = ropekit.apply_rotary_qk(ql, kl, cos, sin, interleaved=interleaved, backend=backend, **kw)
+            (out[0].square().sum() + out[1].sum()).backward()
+            grads.append((ql.grad, kl.grad))
+        err = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+        if err > 1e-4:
+            failures += 1
+            print(f"FAIL gradient interleaved={interleaved} {mode}: err {err:.2e}")
+    q, k, cos, sin, kw = _inputs("offsets", torch.bfloat16, False, device)
+    step = torch.compile(
+        lambda q, k: ropekit.apply_rotary_qk(q, k, cos, sin, backend="triton", **kw), fullgraph=True
+    )
+    eager = ropekit.apply_rotary_qk(q, k, cos, sin, backend="triton", **kw)
+    if not all(torch.equal(a, b) for a, b in zip(step(q, k), eager, strict=True)):
+        failures += 1
+        print("FAIL torch.compile(fullgraph=True) output differs from eager")
+    return failures
+
+
+def check_targets(records: list[dict]) -> list[str]:
+    """Issue 4's GPU targets, one line each."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        rows = {r["row"]: r for r in records if r["shape"] == shape}
+        ours = rows.get("ropekit[triton]")
+        if ours is None:
+            lines.append(f"{shape}: no ropekit[triton] row")
+            continue
+        share = 1 / ours["x_copy"]
+        lines.append(
+            f"{shape}: forward at {share:.0%} of copy bandwidth ({'PASS' if share >= 0.85 else 'MISS'})"
+        )
+        for peer in ("flash-attn", "Liger"):
+            if peer in rows:
+                mine, theirs = ours["fwd_bwd_ms"], rows[peer]["fwd_bwd_ms"]
+                verdict = "PASS" if mine < theirs else "MISS"
+                lines.append(f"{shape}: fwd+bwd {mine:.3f} ms vs {peer} {theirs:.3f} ms ({verdict})")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the CSV and the plot")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shapes", nargs="+", default=["prefill-4k", "prefill-16k", "decode", "varlen"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to do")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}")
+    start = time.time()
+    failures = check_correctness()
+    print(f"correctness: {failures} failures ({time.time() - start:.0f} s)")
+    if failures:
+        return 1
+    records, notes = bench.run_benchmark(
+        args.shapes, device="cuda", dtype="bfloat16", repeats=args.repeats, log=lambda m: print(m, flush=True)
+    )
+    print(bench.format_table(records))
+    for note in notes:
+        print(f"note: {note}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench.write_csv(records, str(out / "gpu_bench.csv"))
+    bench.plot(records, str(out / "gpu_bench.png"))
+    print("\n".join(check_targets(records)))
+    print(f"total {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
