@@ -67,9 +67,8 @@ def check_correctness(device: str = "cuda") -> int:
         ok = err <= TOL[dtype] * 8 and untouched
         failures += not ok
         if not ok:
-            print(
-                f"FAIL {dtype} interleaved={interleaved} inplace={inplace} partial={partial} {mode}: err {err:.2e}"
-            )
+            case = f"{dtype} interleaved={interleaved} inplace={inplace} partial={partial} {mode}"
+            print(f"FAIL {case}: err {err:.2e}")
     for interleaved, mode in itertools.product([False, True], modes):
         q, k, cos, sin, kw = _inputs(mode, torch.float32, True, device)
         grads = []
