@@ -40,8 +40,8 @@ class RopeConfig:
     M-RoPE's ``mrope_section`` / ``mrope_interleaved`` (see :meth:`cos_sin`).
 
     Raises:
-        ValueError: for a non-positive head_dim, an odd / too large rotary_dim, a base that is not finite and > 1,
-            or a scaling dict with an unknown rope_type, missing or unknown keys, or bad values.
+        ValueError: for a non-positive head_dim, an odd / too large rotary_dim, a base that is not finite
+            and > 1, or a scaling dict with an unknown rope_type, missing or unknown keys, or bad values.
     """
 
     head_dim: int
@@ -81,7 +81,8 @@ class RopeConfig:
             or max_position_embeddings <= 0
         ):
             raise ValueError(
-                f"max_position_embeddings: expected a positive integer or None, got {max_position_embeddings!r}"
+                "max_position_embeddings: expected a positive integer or None, "
+                f"got {max_position_embeddings!r}"
             )
         if not isinstance(interleaved, bool):
             raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
@@ -167,7 +168,8 @@ class RopeConfig:
         return self._schedule.length_dependent
 
     def _compute(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
-        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
+        bad = isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0
+        if seq_len is not None and bad:
             raise ValueError(f"seq_len: expected a positive integer or None, got {seq_len!r}")
         inv_freq, scaling = self._schedule.fn(self._spec, seq_len)
         return inv_freq.to(torch.float64), float(scaling)
@@ -216,7 +218,9 @@ class RopeConfig:
             raise ValueError(f"positions: expected an int or a tensor, got {positions!r:.80}")
         if isinstance(positions, int):
             if positions < 0:
-                raise ValueError(f"positions: expected a non-negative int n (meaning arange(n)), got {positions}")
+                raise ValueError(
+                    f"positions: expected a non-negative int n (meaning arange(n)), got {positions}"
+                )
             positions = torch.arange(positions, dtype=torch.float64, device=device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
@@ -237,9 +241,7 @@ class RopeConfig:
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rotary_dim_from_scaling(
-    scaling: Any, head_dim: int, rotary_dim: int | None, base: float
-) -> int | None:
+def _rotary_dim_from_scaling(scaling: Any, head_dim: int, rotary_dim: int | None, base: float) -> int | None:
     """Reconcile the geometry keys HF keeps inside rope_parameters with the explicit arguments."""
     if not isinstance(scaling, Mapping):
         return rotary_dim
