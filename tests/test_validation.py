@@ -317,6 +317,10 @@ def test_bad_flags_are_rejected(kwargs, match):
             r"config_kwargs: pass either a RopeConfig or its keyword",
         ),
         (lambda: RotaryEmbedding({"head_dim": 8}), r"config: expected a RopeConfig or None, got dict"),
+        (
+            lambda: RotaryEmbedding(head_dim=8, backend="cuda"),
+            r"backend: expected 'auto' or one of \[.*'torch'.*\], got 'cuda'",
+        ),
     ],
 )
 def test_bad_module_arguments_are_rejected(make, match):

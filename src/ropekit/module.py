@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.validation import describe, is_compiling
@@ -78,6 +79,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         self.config = config
         self.layout = layout
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.backend = backend
         cos, sin = config.cos_sin(config.max_position_embeddings or DEFAULT_TABLE_LEN)
         self.register_buffer("cos", cos, persistent=False)  # (table_len, rotary_dim // 2)
