@@ -450,29 +450,36 @@ def _run_case(case, rows, timed, repeats, memory, log) -> list[dict]:
     tasks: dict[str, dict[str, Callable]] = {name: {"fwd": f} for name, f in floors.items()}
     errors, notes = {}, {}
     grads = (torch.ones_like(case.q), torch.ones_like(case.k))
+    # One pair of leaves serves every differentiable row (grads are reset per call): memory stays flat.
+    q_leaf, k_leaf = _leaves(case)
+    wants: dict[bool, tuple] = {}
     fns = {}
     for row in rows:
         log(f"{case.shape.name}: preparing {row.name}")
         try:
             fn = row.setup(case)
-            want = BACKENDS["torch"].rotate_qk(
-                case.q, case.k, case.cos, case.sin, case.positions, interleaved=row.interleaved,
-                conjugate=False, inplace=False,
-            )  # fmt: skip
-            q_in, k_in = case.q.clone(), case.k.clone()
+            if row.interleaved not in wants:
+                wants[row.interleaved] = BACKENDS["torch"].rotate_qk(
+                    case.q, case.k, case.cos, case.sin, case.positions, interleaved=row.interleaved,
+                    conjugate=False, inplace=False,
+                )  # fmt: skip
+            # In-place rows get their own copy; the others read the shared inputs, which they never modify.
+            q_in, k_in = (case.q.clone(), case.k.clone()) if row.inplace else (case.q, case.k)
             got = fn(q_in, k_in)
             errors[row.name] = max(
-                float((g.float() - w.float()).abs().max()) for g, w in zip(got, want, strict=True)
+                float((g.float() - w.float()).abs().max())
+                for g, w in zip(got, wants[row.interleaved], strict=True)
             )
+            del got
         except Exception as err:  # a peer that fails on these inputs is reported, not fatal
             notes[row.name] = f"failed: {type(err).__name__}: {err}"[:200]
             continue
         fns[row.name] = fn
         task = {"fwd": (lambda fn=fn, q=q_in, k=k_in: fn(q, k))}
         if row.differentiable:
-            q_leaf, k_leaf = _leaves(case)
-            task["fwd_bwd"] = lambda fn=fn, q=q_leaf, k=k_leaf: _fwd_bwd(fn, q, k, grads)
+            task["fwd_bwd"] = lambda fn=fn: _fwd_bwd(fn, q_leaf, k_leaf, grads)
         tasks[row.name] = task
+    del wants
     numbers = {
         (name, kind): _calls_per_sample(timed, f) for name, t in tasks.items() for kind, f in t.items()
     }
