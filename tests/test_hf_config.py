@@ -171,3 +171,13 @@ def test_unreadable_inputs_raise_value_errors(tmp_path):
         load_hf_config(tmp_path)
     with pytest.raises(ValueError, match="expected a PretrainedConfig, a dict"):
         load_hf_config(42)
+
+
+def test_qwen_vl_configs_without_sections_get_hf_module_defaults():
+    base = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 1e6}
+    qwen2 = RopeConfig.from_hf({**base, "model_type": "qwen2_vl"})
+    qwen3 = RopeConfig.from_hf(
+        {**base, "model_type": "qwen3_vl_text", "rope_scaling": {"mrope_section": [24, 20, 20]}}
+    )
+    assert (qwen2.mrope_section, qwen2.mrope_interleaved) == ((16, 24, 24), False)
+    assert (qwen3.mrope_section, qwen3.mrope_interleaved) == ((24, 20, 20), True)  # HF always interleaves it

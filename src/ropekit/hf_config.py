@@ -29,6 +29,14 @@ __all__ = ["load_hf_config", "rope_kwargs", "rope_layer_types"]
 DEFAULT_THETA = 10000.0
 # model_type values whose HF modeling code pairs features (2i, 2i+1) (GPT-J style) rather than (i, i + d/2).
 INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "deepseek_v2"})
+# M-RoPE sections HF's Qwen-VL modules fall back to when a config omits them, and whether the model type
+# always interleaves them (Qwen3-VL's module does, whatever mrope_interleaved says).
+MROPE_DEFAULTS = {
+    "qwen2_vl": ([16, 24, 24], False),
+    "qwen2_5_vl": ([16, 24, 24], False),
+    "qwen3_vl": ([24, 20, 20], True),
+    "qwen3_vl_moe": ([24, 20, 20], True),
+}
 # Schedules that read original_max_position_embeddings; Phi-3 keeps it at the top level of config.json.
 USES_ORIGINAL_LENGTH = frozenset({"llama3", "yarn", "longrope", "su"})
 
@@ -165,6 +173,12 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         kind = "longrope"
     params.pop("type", None)
     params["rope_type"] = kind
+    model_type = str(d.get("model_type") or "").removesuffix("_text")
+    if model_type in MROPE_DEFAULTS:
+        section, interleaved = MROPE_DEFAULTS[model_type]
+        params.setdefault("mrope_section", section)
+        if interleaved:
+            params["mrope_interleaved"] = True
     if kind in USES_ORIGINAL_LENGTH and d.get("original_max_position_embeddings") is not None:
         params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     return params
