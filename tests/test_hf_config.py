@@ -116,8 +116,8 @@ def test_modernbert_global_and_local_theta():
 
 def test_multimodal_text_config_is_unwrapped():
     cfg = {
-        "model_type": "qwen2_vl",
-        "text_config": {**LLAMA31, "model_type": "qwen2_vl_text"},
+        "model_type": "llava",
+        "text_config": {**LLAMA31, "model_type": "llama"},
         "vision_config": {},
     }
     assert RopeConfig.from_hf(cfg) == RopeConfig.from_hf(LLAMA31)
