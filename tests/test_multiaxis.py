@@ -63,3 +63,22 @@ def test_xpos_inner_product_depends_only_on_the_offset_and_decays():
     assert abs(dot(40, 30)) != pytest.approx(abs(plain))  # the zeta^(10/64) factors are applied
     with pytest.raises(ValueError, match="scale_base: expected a finite number > 0"):
         xpos_cos_sin(config, 4, scale_base=0)
+
+
+def test_rotary_embedding_takes_mrope_positions_in_every_layout():
+    from ropekit import RotaryEmbedding
+
+    config = RopeConfig.preset("qwen2-vl-7b")
+    pos = mrope_positions([3, (1, 4, 4), 2], spatial_merge=2)  # (3, T)
+    t = pos.shape[1]
+    q, k = torch.randn(1, t, 4, 128), torch.randn(1, t, 2, 128)  # (B, S, H, D)
+    bshd = RotaryEmbedding(config)(q, k, positions=pos[:, None])
+    thd = RotaryEmbedding(config, layout="thd")(q[0], k[0], positions=pos, cu_seqlens=torch.tensor([0, t]))
+    bhsd = RotaryEmbedding(config, layout="bhsd")(
+        q.transpose(1, 2), k.transpose(1, 2), positions=pos[:, None]
+    )
+    cos, sin = config.cos_sin(pos[:, None])  # (1, T, 64)
+    want = apply_rotary(q, cos[0], sin[0])
+    torch.testing.assert_close(bshd[0], want)
+    torch.testing.assert_close(thd[0], want[0])
+    torch.testing.assert_close(bhsd[0].transpose(1, 2), want)
