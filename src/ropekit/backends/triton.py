@@ -8,6 +8,7 @@ the interpreter, which is orders of magnitude slower than the CPU backends.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -50,33 +51,36 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
     grid = (batch * seq,)
     if grid[0] == 0:
         return
-    rotary_kernel[grid](
-        q,
-        k_args[0],
-        q_out,
-        k_args[1],
-        cos,
-        sin,
-        positions,
-        seq,
-        q_heads,
-        k_heads,
-        *q.stride()[:3],
-        *k_args[0].stride()[:3],
-        *q_out.stride()[:3],
-        *k_args[1].stride()[:3],
-        cos.stride(0),
-        HALF=half,
-        TAIL=tail,
-        BLOCK_HALF=block_half,
-        BLOCK_TAIL=_next_pow2(max(tail, 1)),
-        BLOCK_HQ=_head_block(q_heads, block_half),
-        BLOCK_HK=_head_block(max(k_heads, 1), block_half),
-        HAS_K=has_k,
-        INTERLEAVED=interleaved,
-        CONJUGATE=conjugate,
-        COPY_TAIL=tail > 0 and q_out.data_ptr() != q.data_ptr(),
-    )
+    # Triton launches on the current CUDA device; make it q's (multi-GPU).
+    device_guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with device_guard:
+        rotary_kernel[grid](
+            q,
+            k_args[0],
+            q_out,
+            k_args[1],
+            cos,
+            sin,
+            positions,
+            seq,
+            q_heads,
+            k_heads,
+            *q.stride()[:3],
+            *k_args[0].stride()[:3],
+            *q_out.stride()[:3],
+            *k_args[1].stride()[:3],
+            cos.stride(0),
+            HALF=half,
+            TAIL=tail,
+            BLOCK_HALF=block_half,
+            BLOCK_TAIL=_next_pow2(max(tail, 1)),
+            BLOCK_HQ=_head_block(q_heads, block_half),
+            BLOCK_HK=_head_block(max(k_heads, 1), block_half),
+            HAS_K=has_k,
+            INTERLEAVED=interleaved,
+            CONJUGATE=conjugate,
+            COPY_TAIL=tail > 0 and q_out.data_ptr() != q.data_ptr(),
+        )
 
 
 class TritonBackend(KernelBackend):
