@@ -238,3 +238,16 @@ def test_gemma3_multimodal_wrapper_patches_its_language_model(monkeypatch):
         assert hf.patch(model) == 2  # the two text layers; the vision tower has no RoPE
         forbid_hf_rotary(monkeypatch, model)
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, atol=1e-4, rtol=0)
+
+
+def test_patched_model_compiles_without_graph_breaks(monkeypatch):
+    model = make_model("llama", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16})
+    ids, mask = inputs()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        hf.patch(model)
+        model(ids, attention_mask=mask)  # eager warm-up: tables sized, backend chosen outside the graph
+        forbid_hf_rotary(monkeypatch, model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, atol=1e-4, rtol=0)

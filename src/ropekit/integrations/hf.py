@@ -91,9 +91,10 @@ def _with_globals(fn, replacements: dict[str, Any]):
     """
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        new = types.FunctionType(
-            fn.__code__, {**fn.__globals__, **replacements}, fn.__name__, fn.__defaults__, fn.__closure__
-        )
+        # The copy's globals drop __name__: torch.compile resolves globals that name a module through
+        # sys.modules, which would find HF's function again; without the name it guards this dict itself.
+        scope = {k: v for k, v in fn.__globals__.items() if k != "__name__"} | replacements
+        new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
         cells = fn.__closure__ or ()
         held = [_cell_holds(c, inner) for c in cells]
