@@ -251,3 +251,17 @@ def test_patched_model_compiles_without_graph_breaks(monkeypatch):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, atol=1e-4, rtol=0)
+
+
+def test_layer_called_without_position_ids_rotates_with_hfs_tables_through_ropekit(monkeypatch):
+    model = make_model("gpt_neox", CASES["gpt_neox"][0])  # partial rotary: the table is narrower than a head
+    layer = hf._rotary_layers(model)[0]
+    torch.manual_seed(2)
+    x = torch.randn(2, 10, 64)
+    cos_sin = model.gpt_neox.rotary_emb(x, torch.arange(3, 13)[None])  # positions 3..12; no position_ids
+    with torch.no_grad():
+        want = layer(x, attention_mask=None, position_embeddings=cos_sin)[0]
+        hf.patch(model)
+        forbid_hf_rotary(monkeypatch, model)
+        got = layer(x, attention_mask=None, position_embeddings=cos_sin)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
