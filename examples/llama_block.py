@@ -33,9 +33,6 @@ def run(backend: str = "inductor", prompt_len: int = 6, lengths: tuple[int, ...]
     compiled = torch.compile(block, fullgraph=True, backend=backend)
     x, mask = left_pad([torch.randn(n, DIM) for n in lengths])  # (B, S, DIM), (B, S)
     with torch.no_grad():
-        # One eager call first: backend="auto" picks (and, for the CPU fast path, builds) its kernel on first
-        # use, which is host-side work a compiled graph cannot contain.
-        block(x[:, :1])
         full = compiled(x, positions=padding_positions(mask), attn_mask=mask)
         decoded = incremental_forward(compiled, x, prompt_len=prompt_len, attn_mask=mask, max_len=32)
     return float((decoded - full)[mask].abs().max())

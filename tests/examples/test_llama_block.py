@@ -26,7 +26,6 @@ def test_block_has_no_graph_breaks_in_prefill_or_decode(example):
     cache = block.new_kv_cache(2, 16)
     torch._dynamo.reset()
     with torch.no_grad():
-        block(x)  # eager warm-up: the rotary backend is chosen (and built) outside the graph
         for args, kwargs in [
             ((x,), {}),
             ((x,), dict(positions=padding_positions(mask), attn_mask=mask)),
