@@ -1,0 +1,61 @@
+"""`ropekit demo`: train nope / sinusoidal / rope byte-level models and report how they extrapolate.
+
+Runs on one process, or under ``torchrun --nproc-per-node N -m ropekit demo`` with DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="train small models and report how RoPE extrapolates, with and without scaling"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("ropekit-report"), help="output folder (default ./ropekit-report)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a smaller, faster run (about a minute; for tests and CI)"
+    )
+    p.add_argument("--finetune", action="store_true", help="also fine-tune PI and YaRN briefly at 2L")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)")
+    p.add_argument("--train-length", type=int, default=None, help="training length L in bytes")
+    p.add_argument("--steps", type=int, default=None, help="training steps per variant")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (windows per step, split over ranks)"
+    )
+    p.add_argument("--variants", default=None, help="comma-separated subset of nope,sinusoidal,rope")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed for initialisation and batch order (default 0)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per process (default: cores / ranks)"
+    )
+    p.add_argument(
+        "--train-only", action="store_true", help="skip evaluation and plots; write the training losses"
+    )
+    p.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace):
+    """DemoSettings for the parsed flags: the preset (default or --quick), then each flag given."""
+    from ropekit.demo import QUICK, DemoSettings
+
+    settings = QUICK if args.quick else DemoSettings()
+    overrides = {"finetune": args.finetune, "device": args.device, "evaluate": not args.train_only}
+    for flag, name in (("train_length", "train_length"), ("steps", "steps"), ("batch_size", "batch_size"),
+                       ("seed", "seed"), ("threads", "threads")):  # fmt: skip
+        if getattr(args, flag) is not None:
+            overrides[name] = getattr(args, flag)
+    if args.variants is not None:
+        overrides["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    return replace(settings, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ropekit.demo import run_demo
+
+    return run_demo(settings_from_args(args), args.out)

@@ -1,0 +1,40 @@
+from pathlib import Path
+
+import pytest
+
+from ropekit.cli import build_parser, main
+from ropekit.cli.demo import settings_from_args
+from ropekit.demo import QUICK, DemoSettings
+
+
+def parse(*argv):
+    return build_parser().parse_args(["demo", *argv])
+
+
+def test_defaults_are_the_full_demo_into_ropekit_report():
+    args = parse()
+    assert args.out == Path("ropekit-report")
+    assert settings_from_args(args) == DemoSettings()
+
+
+def test_quick_and_flags_override_the_preset():
+    s = settings_from_args(
+        parse("--quick", "--steps", "7", "--variants", "rope, nope", "--finetune", "--train-only")
+    )
+    assert s.dim == QUICK.dim and s.train_length == QUICK.train_length
+    assert s.steps == 7 and s.variants == ("rope", "nope") and s.finetune and not s.evaluate
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--variants", "alibi"], "variants"),
+        (["--steps", "0"], "steps"),
+        (["--finetune", "--variants", "nope"], "finetune"),
+        (["--threads", "0"], "threads"),
+    ],
+)
+def test_bad_settings_exit_2_with_a_message_before_any_work(argv, message, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "never"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()

@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from ropekit.config import RopeConfig
+from ropekit.demo.model import ByteTransformer, ModelConfig
+
+SMALL = {"dim": 32, "n_layers": 2, "n_heads": 2}
+
+
+def model(variant: str, **overrides) -> ByteTransformer:
+    torch.manual_seed(0)
+    return ByteTransformer(ModelConfig(variant=variant, **{**SMALL, **overrides})).eval()
+
+
+def tokens(seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", ["nope", "sinusoidal", "rope"])
+def test_later_bytes_never_change_earlier_logits(variant):
+    x = tokens()
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 7) % 256
+    m = model(variant)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[:, :12], m(y)[:, :12])
+
+
+def test_one_nope_layer_is_blind_to_the_order_of_the_prefix():
+    # Without position information, one causal attention layer sees the prefix as a set (the seeds' claim).
+    # Deeper NoPE stacks are not: layer 1 leaves each token a trace of how many tokens precede it.
+    x = tokens()
+    y = x.clone()
+    y[:, :-1] = x[:, :-1].flip(1)
+    m = model("nope", n_layers=1)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[:, -1], m(y)[:, -1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["sinusoidal", "rope"])
+def test_position_aware_variants_see_the_order_of_the_prefix(variant):
+    x = tokens()
+    y = x.clone()
+    y[:, :-1] = x[:, :-1].flip(1)
+    m = model(variant, n_layers=1)
+    with torch.no_grad():
+        # Attention is nearly uniform at initialisation, so the effect is small, but 100x the float noise.
+        assert (m(x)[:, -1] - m(y)[:, -1]).abs().max() > 1e-5
+
+
+def test_variants_start_from_the_same_weights():
+    states = [model(v).state_dict() for v in ("nope", "sinusoidal", "rope")]
+    assert states[0].keys() == states[1].keys() == states[2].keys()
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
+
+
+def test_swapping_in_an_identical_rope_keeps_the_logits():
+    x = tokens()
+    m = model("rope")
+    with torch.no_grad():
+        before = m(x)
+        m.set_rope(RopeConfig(16, 10000.0))
+        torch.testing.assert_close(m(x), before)
+        m.set_rope(RopeConfig(16, 500.0))
+        assert (m(x) - before).abs().max() > 1e-4
+
+
+def test_need_weights_returns_causal_probabilities_per_layer():
+    m = model("rope")
+    with torch.no_grad():
+        logits, maps = m(tokens(10), need_weights=True)
+    assert logits.shape == (2, 10, 256) and len(maps) == 2
+    assert maps[0].shape == (2, 2, 10, 10)
+    torch.testing.assert_close(maps[0].sum(-1), torch.ones(2, 2, 10))
+    assert maps[0].triu(1).abs().max() == 0
+
+
+def test_bad_configs_and_swaps_raise():
+    with pytest.raises(ValueError, match="variant"):
+        ModelConfig(variant="alibi")
+    with pytest.raises(ValueError, match="dim"):
+        ModelConfig(dim=30, n_heads=4)
+    with pytest.raises(ValueError, match="rope_config"):
+        model("nope").set_rope(RopeConfig(16))
+    with pytest.raises(ValueError, match="head_dim"):
+        model("rope").set_rope(RopeConfig(32))
