@@ -35,8 +35,10 @@ __all__ = ["CpuBackend", "build_library", "launch"]
 log = logging.getLogger("ropekit.backends")
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-# Below this many elements, starting OpenMP threads costs more than the work (decode steps).
-PARALLEL_THRESHOLD = 1 << 15
+# Below this many elements (4 MB of float32) one thread does the work: waking OpenMP threads costs more than
+# it saves, and on a busy machine a woken thread can wait milliseconds for a core (a Llama-3-8B decode step,
+# 1.3 MB, took 0.4 ms on one thread and 9-12 ms on two under load; docs/benchmarks.md).
+PARALLEL_THRESHOLD = 1 << 20
 
 _SOURCE = r"""
 #include <stdint.h>
