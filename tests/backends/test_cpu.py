@@ -99,3 +99,10 @@ def test_failed_build_is_logged_and_auto_falls_back_to_torch(monkeypatch, caplog
     assert "no C compiler found" in caplog.text
     with pytest.raises(ValueError, match=r"backend: 'cpu'.*no C compiler"):
         apply_rotary(x, cos, sin, backend="cpu")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_multithreaded_path_matches_reference(interleaved, monkeypatch):
+    monkeypatch.setattr(cpu, "PARALLEL_THRESHOLD", 0)  # every call runs the OpenMP loop on all threads
+    check_matches_reference("cpu", "offsets_per_seq", torch.float32, interleaved, False, True)
+    check_matches_reference("cpu", "cu_seqlens", torch.bfloat16, interleaved, True, False)
