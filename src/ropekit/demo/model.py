@@ -103,13 +103,11 @@ class ByteTransformer(nn.Module):
         """The rotary embedding every block shares (None for nope / sinusoidal)."""
         return self.blocks[0].attn.rope
 
-    def set_rope(self, rope_config: RopeConfig, *, seq_len: int | None = None) -> None:
+    def set_rope(self, rope_config: RopeConfig) -> None:
         """Swap in a rotary embedding built from ``rope_config`` (inference-time scaling); weights stay.
 
-        Args:
-            rope_config: the new configuration (same head_dim).
-            seq_len: for a length-dependent schedule (dynamic NTK), the sequence length its frequencies are
-                computed for, as Hugging Face does for a full forward pass: (largest position) + 1.
+        Length-dependent schedules (dynamic NTK) need nothing more: RotaryEmbedding computes their frequencies
+        per call for seq_len = (largest position) + 1, as Hugging Face does.
 
         Raises:
             ValueError: when the model is not the rope variant, or the config's head_dim differs.
@@ -123,11 +121,6 @@ class ByteTransformer(nn.Module):
                 f"rope_config: expected head_dim {self.config.head_dim}, got {rope_config.head_dim}"
             )
         rope = RotaryEmbedding(rope_config).to(self.embed.weight.device)
-        if rope_config.length_dependent and seq_len is not None:
-            # The module builds its table once, for max_position_embeddings; fill it for this length instead.
-            rope.cos, rope.sin = rope_config.cos_sin(
-                seq_len, seq_len=seq_len, device=self.embed.weight.device
-            )
         for block in self.blocks:
             block.attn.rope = rope
 

@@ -61,7 +61,7 @@ class DemoSettings:
     evaluate: bool = True
     seed: int = 0
     device: str = "cpu"
-    threads: int | None = None  # None: the CPU cores divided among the ranks
+    threads: int | None = None  # None: see default_threads
     train_bytes: int = 2_000_000
     validation_bytes: int = 300_000
     extra: dict = field(default_factory=dict, compare=False)
@@ -92,6 +92,16 @@ def _check_settings(s: DemoSettings) -> None:
         isinstance(s.threads, bool) or not isinstance(s.threads, int) or s.threads <= 0
     ):
         raise ValueError(f"threads: expected a positive integer or None, got {s.threads!r}")
+
+
+def default_threads(world_size: int) -> int:
+    """Torch threads per rank: the rank's share of the cores when it is 4 or more, else 1.
+
+    With a share of 2 or 3 cores, anything else running on the machine stalls intra-op threads at their
+    barriers: measured here, --quick took 237 s with 2 threads on a busy 2-core machine and 16 s with 1.
+    """
+    share = (os.cpu_count() or 1) // world_size
+    return share if share >= 4 else 1
 
 
 def rope_config_for(
@@ -132,7 +142,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
     _check_settings(s)
     started = time.perf_counter()
     ctx = setup_distributed(s.device)
-    torch.set_num_threads(s.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
+    torch.set_num_threads(s.threads or default_threads(ctx.world_size))
     timings: dict[str, float] = {}
 
     tick = time.perf_counter()
@@ -225,7 +235,7 @@ def _evaluate_all(models, stream, s, skipped, ctx: DistContext) -> tuple[list[di
     for name, model, n, config in tqdm(jobs, desc="evaluate", dynamic_ncols=True, leave=False):
         if config is not None:
             model = clone(model)
-            model.set_rope(config, seq_len=n * L)
+            model.set_rope(config)
         batch = max(1, 64 // n)  # same bytes per forward pass at every length
         losses = position_losses(model, windows[n], batch, ctx.device)
         results.append({"method": name, "length": n * L, "perplexity": perplexity(losses)})
