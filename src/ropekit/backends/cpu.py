@@ -204,10 +204,10 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
     cos = cos.to(torch.float32).contiguous()  # (table_len, half); a no-op for the usual float32 tables
     sin = sin.to(torch.float32).contiguous()
     has_k = k is not None
-    strides = torch.tensor(
-        [*q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else (0, 0, 0)),
-         *(k_out.stride()[:3] if has_k else (0, 0, 0))],
-        dtype=torch.int64,
+    no_k = (0, 0, 0)
+    strides = (ctypes.c_int64 * 12)(
+        *q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else no_k),
+        *(k_out.stride()[:3] if has_k else no_k),
     )  # fmt: skip
     work = q.numel() + (k.numel() if has_k else 0)
     getattr(lib, _ENTRY[q.dtype])(
@@ -215,7 +215,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
         q_out.data_ptr(),
         k.data_ptr() if has_k else None,
         k_out.data_ptr() if has_k else None,
-        strides.data_ptr(),
+        ctypes.addressof(strides),
         batch,
         seq,
         q_heads,
