@@ -12,8 +12,7 @@ from ropekit.demo.train import (
     TrainSettings,
     fresh_model,
     learning_rate,
-    perplexity,
-    position_losses,
+    token_losses,
     train,
 )
 
@@ -34,18 +33,18 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert all(a >= b for a, b in itertools.pairwise(values))
 
 
-def test_a_model_with_uniform_predictions_scores_perplexity_256():
+def test_a_model_with_uniform_predictions_loses_log_256_per_byte():
     model = fresh_model(ModelConfig(variant="nope", dim=16, n_layers=1, n_heads=2), 0, torch.device("cpu"))
     with torch.no_grad():
         model.embed.weight.zero_()  # tied with the head: every logit is 0
     windows = torch.randint(0, 256, (3, 17))
-    losses = position_losses(model, windows, 2, torch.device("cpu"))
-    assert losses.shape == (16,)
+    losses = token_losses(model, windows, 2, torch.device("cpu"))
+    assert losses.shape == (3, 16)
     # The logits are float32 zeros; log-softmax of them is exact to float32 rounding.
     torch.testing.assert_close(
-        losses, torch.full((16,), math.log(256.0), dtype=torch.float64), rtol=1e-6, atol=0
+        losses, torch.full((3, 16), math.log(256.0), dtype=torch.float64), rtol=1e-6, atol=0
     )
-    assert perplexity(losses) == pytest.approx(256.0, rel=1e-6)
+    assert math.exp(float(losses.mean())) == pytest.approx(256.0, rel=1e-6)
 
 
 def test_training_is_deterministic_and_lowers_the_loss():

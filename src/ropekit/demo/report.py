@@ -112,26 +112,30 @@ def plot_perplexity(path: Path, results: list[dict], train_length: int) -> None:
     plt.close(fig)
 
 
-def plot_position_loss(path: Path, by_position: dict[str, list[float]], train_length: int) -> None:
-    """Loss per position in the longest windows, averaged over buckets of L/8 bytes, one line per method."""
+def plot_position_loss(path: Path, extra_loss: dict[str, list[float]], train_length: int) -> None:
+    """Per position of the longest windows: loss minus that of the same byte predicted within a window of L.
+
+    Below zero the longer context helps; above zero extrapolating past L costs. Averaged over L/4 buckets.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bucket = max(1, train_length // 8)
+    bucket = max(1, train_length // 4)
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for method, losses in by_position.items():
+    for method, losses in extra_loss.items():
         values = np.asarray(losses)
         n = len(values) // bucket * bucket
         means = values[:n].reshape(-1, bucket).mean(axis=1)  # (n / bucket,)
         centres = np.arange(len(means)) * bucket + bucket / 2
         style = "-" if method in ("nope", "sinusoidal", "rope") else "--"
-        ax.plot(centres, means, style, label=method)
+        ax.plot(centres, means, style, marker=".", label=method)
+    ax.axhline(0.0, color="black", lw=0.8)
     ax.axvline(train_length, color="grey", lw=0.8, ls=":", label="training length L")
     ax.set_xlabel(f"position in the window (bytes; mean over {bucket}-byte buckets)")
-    ax.set_ylabel("next-byte loss (nats)")
-    ax.set_title("Where extrapolation costs: loss by position in the longest windows")
+    ax.set_ylabel("loss - loss of the same byte within L (nats)")
+    ax.set_title("Where extrapolation costs (> 0) or extra context helps (< 0)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -270,8 +274,10 @@ def report_sections(settings, results: list[dict], extra: dict, checks) -> dict[
   then evaluated with factor 2 at every length.
 {skipped}""",
         "Loss by position": "![loss vs position](loss_vs_position.png)\n\n"
-        f"Next-byte loss at each position of the {max(r['length'] for r in results)}-byte windows. Positions "
-        f"before L are in-distribution for every model; the rise after L is the cost of extrapolating.",
+        f"For each byte of the {max(r['length'] for r in results)}-byte windows: its loss minus the loss of "
+        "the same byte predicted within a window of L by the same method, averaged over the chunks. "
+        "Before L the two contexts are identical (0); after it, below 0 means the longer context helped and "
+        "above 0 that positions past L cost more than the context gave.",
         "Attention against relative distance": "![attention vs distance](attention_vs_distance.png)\n\n"
         "Left: the trained rope model's attention probability to the key r bytes back, averaged over layers, "
         "heads and queries of validation windows of length L. Right: RoFormer's long-term-decay bound "

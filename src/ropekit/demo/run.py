@@ -6,6 +6,7 @@ Each phase reports through tqdm; rank 0 alone evaluates and writes. docs/demo.md
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -24,9 +25,8 @@ from ropekit.demo.train import (
     TrainSettings,
     clone,
     fresh_model,
-    perplexity,
-    position_losses,
     setup_distributed,
+    token_losses,
     train,
 )
 from ropekit.schedules import SCHEDULES
@@ -195,7 +195,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
                         "validation_files": list(corpus.validation_files)}}  # fmt: skip
     if s.evaluate:
         tick = time.perf_counter()
-        results, extra["loss_by_position"] = _evaluate_all(models, corpus.validation, s, skipped, ctx)
+        results, extra["extra_loss_by_position"] = _evaluate_all(models, corpus.validation, s, skipped, ctx)
         timings["evaluate"] = time.perf_counter() - tick
     timings["total"] = time.perf_counter() - started
     extra["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
@@ -211,7 +211,8 @@ def run_demo(s: DemoSettings, out: Path) -> int:
 
 
 def _evaluate_all(models, stream, s, skipped, ctx: DistContext) -> tuple[list[dict], dict[str, list[float]]]:
-    """Perplexity of every (method, length) job, and each method's per-position loss at the longest length."""
+    """Perplexity of every (method, length) job; and, per method, how much the loss of each byte of the 8L
+    windows differs from that of the same byte predicted within a window of L (the extrapolation cost)."""
     from tqdm.auto import tqdm
 
     L = s.train_length
@@ -231,17 +232,21 @@ def _evaluate_all(models, stream, s, skipped, ctx: DistContext) -> tuple[list[di
                     (f"rope+{method}", models["rope"], n, rope_config_for(method, n * L, s))
                     for n in EVAL_MULTIPLES
                 ]
-    results, by_position = [], {}
+    results, by_chunk = [], {}
     for name, model, n, config in tqdm(jobs, desc="evaluate", dynamic_ncols=True, leave=False):
         if config is not None:
             model = clone(model)
             model.set_rope(config)
         batch = max(1, 64 // n)  # same bytes per forward pass at every length
-        losses = position_losses(model, windows[n], batch, ctx.device)
-        results.append({"method": name, "length": n * L, "perplexity": perplexity(losses)})
-        if n == max(EVAL_MULTIPLES):
-            by_position[name] = [round(x, 4) for x in losses.tolist()]
-    return results, by_position
+        losses = token_losses(model, windows[n], batch, ctx.device)  # (windows, n * L)
+        results.append({"method": name, "length": n * L, "perplexity": math.exp(float(losses.mean()))})
+        by_chunk[name, n] = losses.reshape(s.eval_chunks, chunk)  # byte-aligned across lengths
+    longest = max(EVAL_MULTIPLES)
+    extra_loss = {
+        name: [round(x, 4) for x in (by_chunk[name, longest] - by_chunk[name, 1]).mean(0).tolist()]
+        for name in dict.fromkeys(name for name, _ in by_chunk)
+    }
+    return results, extra_loss
 
 
 @torch.no_grad()
@@ -265,7 +270,7 @@ def _write_report(out: Path, s: DemoSettings, results, extra, ctx) -> None:
 
     head_dim = s.dim // s.n_heads
     report.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)
-    report.plot_position_loss(out / "loss_vs_position.png", extra["loss_by_position"], s.train_length)
+    report.plot_position_loss(out / "loss_vs_position.png", extra["extra_loss_by_position"], s.train_length)
     report.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
                           10000.0, max(EVAL_MULTIPLES) * s.train_length)  # fmt: skip
     checks = run_checks(RopeConfig(head_dim, 10000.0))

@@ -23,9 +23,8 @@ __all__ = [
     "TrainSettings",
     "clone",
     "fresh_model",
-    "perplexity",
-    "position_losses",
     "setup_distributed",
+    "token_losses",
     "train",
 ]
 
@@ -142,34 +141,26 @@ def train(
 
 
 @torch.no_grad()
-def position_losses(
+def token_losses(
     model: ByteTransformer, windows: torch.Tensor, batch_size: int, device: torch.device
 ) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats) at each position, over all windows.
-
-    ``exp(position_losses(...).mean())`` is the perplexity over every byte of every window (all windows have
-    the same length). Positions past the training length show where extrapolation starts to cost.
+    """Next-byte cross-entropy (nats) of every target byte of every window.
 
     Args:
         windows: (N, S + 1) int64 inputs-plus-targets, e.g. from :func:`ropekit.demo.data.validation_windows`.
         batch_size: windows per forward pass.
 
     Shape:
-        returns (S,), float64, on the CPU.
+        returns (N, S), float64, on the CPU; ``exp(mean)`` is the perplexity.
     """
     model.eval()
-    total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
+    rows = []
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device)
         logits = model(batch[:, :-1]).float()  # (b, S, V)
         nll = nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (b, S)
-        total += nll.double().sum(0).cpu()
-    return total / windows.shape[0]
-
-
-def perplexity(losses: torch.Tensor) -> float:
-    """exp of the mean of per-position losses."""
-    return math.exp(float(losses.mean()))
+        rows.append(nll.double().cpu())
+    return torch.cat(rows)
 
 
 def fresh_model(config: ModelConfig, seed: int, device: torch.device) -> ByteTransformer:
