@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["KernelBackend", "Launch"]
 
@@ -84,6 +85,7 @@ class KernelBackend:
         def rotary_fake(q, k, cos, sin, positions, interleaved, conjugate):
             return [torch.empty_like(q)] + ([] if k is None else [torch.empty_like(k)])
 
+        self._rotary, self._rotary_ = rotary, rotary_
         self.op = torch.library.custom_op(
             f"ropekit::{name}_rotary", rotary, mutates_args=(), schema=_OUT_OF_PLACE
         )
@@ -97,8 +99,15 @@ class KernelBackend:
         raise NotImplementedError
 
     def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace):
+        # Plain eager tensors skip the op dispatcher (tens of microseconds, most of a decode step); anything
+        # that traces (torch.compile, fake tensors, dispatch modes) goes through the registered ops.
+        direct = (
+            not torch.compiler.is_compiling()
+            and type(q) is torch.Tensor
+            and _get_current_dispatch_mode() is None
+        )
         if inplace:
-            self.op_(q, k, cos, sin, positions, interleaved, conjugate)
+            (self._rotary_ if direct else self.op_)(q, k, cos, sin, positions, interleaved, conjugate)
             return q, k
-        outs = self.op(q, k, cos, sin, positions, interleaved, conjugate)
+        outs = (self._rotary if direct else self.op)(q, k, cos, sin, positions, interleaved, conjugate)
         return outs[0], (outs[1] if k is not None else None)
