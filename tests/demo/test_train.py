@@ -47,7 +47,16 @@ def test_a_model_with_uniform_predictions_loses_log_256_per_byte():
     assert math.exp(float(losses.mean())) == pytest.approx(256.0, rel=1e-6)
 
 
-def test_training_is_deterministic_and_lowers_the_loss():
+@pytest.fixture
+def one_thread():
+    # Tiny matmuls gain nothing from threads, and spinning ones stall on a busy machine (see default_threads).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_training_is_deterministic_and_lowers_the_loss(one_thread):
     corpus = load_corpus(100_000, 10_000)
     settings = TrainSettings(steps=20, batch_size=4, length=16, warmup=5)
     runs = []

@@ -194,7 +194,7 @@ def _value(results: list[dict], method: str, length: int) -> float | None:
     return None
 
 
-def observations(results: list[dict], train_length: int) -> list[str]:
+def observations(results: list[dict], train_length: int, extra_loss: dict[str, list[float]]) -> list[str]:
     """Plain sentences read off the numbers (no judgement beyond the comparison each one states)."""
     L = train_length
     lengths, methods = _lengths_and_methods(results)
@@ -211,6 +211,15 @@ def observations(results: list[dict], train_length: int) -> list[str]:
         a, b = _value(results, m, L), _value(results, m, longest)
         if a is not None and b is not None:
             lines.append(f"{m} at {n}L: {b:.3f}, {ratio(b, a)} its perplexity at L.")
+    if extra_loss:
+        tail = {m: float(np.mean(v[-L:])) for m, v in extra_loss.items()}
+        lines.append(
+            f"Over the last L bytes of the {n}L windows, each byte's loss minus its loss within L "
+            "(same method): "
+            + ", ".join(f"{m} {v:+.2f}" for m, v in tail.items())
+            + " nats. The whole-window "
+            "perplexity averages this cost with the cheaper early positions."
+        )
     base = _value(results, "rope", L)
     scaled = [m for m in methods if m.startswith("rope+")]
     if base is not None and scaled:
@@ -263,7 +272,9 @@ def report_sections(settings, results: list[dict], extra: dict, checks) -> dict[
         f"library, evaluated at {', '.join(str(n) for n in sorted({r['length'] for r in results}))} bytes.",
         "Validation perplexity (per byte)": format_table(results, L, markdown=True)
         + "\n\n![perplexity vs length](perplexity_vs_length.png)",
-        "What it shows": "\n".join(f"- {line}" for line in observations(results, L)),
+        "What it shows": "\n".join(
+            f"- {line}" for line in observations(results, L, extra.get("extra_loss_by_position", {}))
+        ),
         "What it does not show": CAVEATS,
         "Scaling choices": f"""\
 - linear (PI), ntk, yarn, llama3: factor = evaluation length / L (1, 2, 4, 8), original context L = {L}.

@@ -256,10 +256,19 @@ def _attention_profile(model, stream, s: DemoSettings, ctx: DistContext):
     return report.attention_by_distance(maps)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def machine_description(ctx: DistContext) -> dict:
-    device = (
-        torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
-    )
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else cpu_name()
     return {"device": str(ctx.device), "device_name": device, "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
