@@ -267,7 +267,7 @@ def report_sections(settings, results: list[dict], extra: dict, checks) -> dict[
     machine = extra["machine"]
     skipped = "\n".join(f"- rope+{m} skipped: {why}" for m, why in extra["skipped"].items()) or "- none"
     finals = ", ".join(f"{k} {v[-1]:.3f}" for k, v in extra["train_loss"].items())
-    return {
+    sections = {
         "": f"# ropekit demo report\n\nByte-level decoders trained at L = {L} on the Python standard "
         f"library, evaluated at {', '.join(str(n) for n in sorted({r['length'] for r in results}))} bytes.",
         "Validation perplexity (per byte)": format_table(results, L, markdown=True)
@@ -289,11 +289,6 @@ def report_sections(settings, results: list[dict], extra: dict, checks) -> dict[
         "the same byte predicted within a window of L by the same method, averaged over the chunks. "
         "Before L the two contexts are identical (0); after it, below 0 means the longer context helped and "
         "above 0 that positions past L cost more than the context gave.",
-        "Attention against relative distance": "![attention vs distance](attention_vs_distance.png)\n\n"
-        "Left: the trained rope model's attention probability to the key r bytes back, averaged over layers, "
-        "heads and queries of validation windows of length L. Right: RoFormer's long-term-decay bound "
-        f"(2/d) sum_j |S_j| for d = {head_dim}, base 10000, up to 8L. The bound is on the score's magnitude "
-        "for constant q, k; learned attention need not follow it.",
         "ropekit verify": f"{len(checks) - failed} passed, {failed} failed "
         f"(head_dim {head_dim}, base 10000).\n\n"
         "| check | max error | tolerance | result |\n|---|---:|---:|---|\n" + verify_rows,
@@ -310,3 +305,14 @@ files from {extra["corpus"]["root"]} (split by file)
 - evaluation: the same {settings.eval_chunks * 8 * L} validation bytes at every length
 - wall time: {", ".join(f"{k} {v:.0f} s" for k, v in extra["timings_s"].items())}""",
     }
+    if "attention_by_distance" in extra:  # only when a rope model was trained
+        tail = {key: sections.pop(key) for key in ("ropekit verify", "Machine and settings")}
+        sections["Attention against relative distance"] = (
+            "![attention vs distance](attention_vs_distance.png)\n\n"
+            "Left: the trained rope model's attention probability to the key r bytes back, averaged over "
+            "layers, heads and queries of validation windows of length L. Right: RoFormer's long-term-decay "
+            f"bound (2/d) sum_j |S_j| for d = {head_dim}, base 10000, up to 8L. The bound is on the score's "
+            "magnitude for constant q, k; learned attention need not follow it."
+        )
+        sections.update(tail)
+    return sections

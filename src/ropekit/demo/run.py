@@ -10,7 +10,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,7 +64,6 @@ class DemoSettings:
     threads: int | None = None  # None: see default_threads
     train_bytes: int = 2_000_000
     validation_bytes: int = 300_000
-    extra: dict = field(default_factory=dict, compare=False)
 
     def model_config(self, variant: str) -> ModelConfig:
         return ModelConfig(variant=variant, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads)
@@ -189,7 +188,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    extra = {"settings": {k: v for k, v in asdict(s).items() if k != "extra"}, "world_size": ctx.world_size,
+    extra = {"settings": asdict(s), "world_size": ctx.world_size,
              "train_loss": train_loss, "skipped": skipped, "machine": machine_description(ctx),
              "corpus": {"root": corpus.root, "train_files": len(corpus.train_files),
                         "validation_files": list(corpus.validation_files)}}  # fmt: skip
@@ -280,8 +279,9 @@ def _write_report(out: Path, s: DemoSettings, results, extra, ctx) -> None:
     head_dim = s.dim // s.n_heads
     report.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)
     report.plot_position_loss(out / "loss_vs_position.png", extra["extra_loss_by_position"], s.train_length)
-    report.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
-                          10000.0, max(EVAL_MULTIPLES) * s.train_length)  # fmt: skip
+    if "attention_by_distance" in extra:
+        report.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
+                              10000.0, max(EVAL_MULTIPLES) * s.train_length)  # fmt: skip
     checks = run_checks(RopeConfig(head_dim, 10000.0))
     report.write_report(out / "report.md", report.report_sections(s, results, extra, checks))
 
