@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, default=Path("ropekit-report"), help="output folder (default ./ropekit-report)"
     )
     p.add_argument(
-        "--quick", action="store_true", help="a smaller, faster run (about a minute; for tests and CI)"
+        "--quick", action="store_true", help="a smaller, faster run (about 15 s of CPU; for tests and CI)"
     )
     p.add_argument("--finetune", action="store_true", help="also fine-tune PI and YaRN briefly at 2L")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)")
@@ -32,7 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=None, help="seed for initialisation and batch order (default 0)"
     )
     p.add_argument(
-        "--threads", type=int, default=None, help="torch threads per process (default: cores / ranks)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default 1; a 4+ core share if any)",
     )
     p.add_argument(
         "--train-only", action="store_true", help="skip evaluation and plots; write the training losses"
