@@ -53,6 +53,8 @@ static inline uint16_t bf16_store(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
 #define F32_LOAD(v) (v)
 #define F32_STORE(v) (v)
 #define F16_LOAD(v) ((float)(v))
@@ -63,14 +65,22 @@ static inline uint16_t bf16_store(float f) {
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
                          int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
                          int interleaved, int copy_tail) { \
-    float ra[2 * half], rb[half]; \
+    float ra[2 * half], rb[half], xf[2 * half]; \
     for (int64_t h = 0; h < heads; ++h) { \
         const T *xr = x + h * sx; \
         T *orow = out + h * so; \
         if (interleaved) { /* c2, s2: c, s repeated per pair, s2 signed; out[j] = x[j] c2 + x[j^1] s2 */ \
-            for (int64_t j = 0; j < 2 * half; ++j) \
-                ra[j] = LOAD(xr[j]) * c2[j] + LOAD(xr[j ^ 1]) * s2[j]; \
-            for (int64_t j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
+            int64_t j = 0; \
+            for (j = 0; j < 2 * half; ++j) xf[j] = LOAD(xr[j]); \
+            for (j = 0; j + 8 <= 2 * half; j += 8) { /* swap within pairs with one shuffle per 8 floats */ \
+                v8f v, cc, ss; \
+                memcpy(&v, xf + j, 32); memcpy(&cc, c2 + j, 32); memcpy(&ss, s2 + j, 32); \
+                v8f w = __builtin_shuffle(v, (v8i){1, 0, 3, 2, 5, 4, 7, 6}); \
+                v = v * cc + w * ss; \
+                memcpy(ra + j, &v, 32); \
+            } \
+            for (; j < 2 * half; ++j) ra[j] = xf[j] * c2[j] + xf[j ^ 1] * s2[j]; \
+            for (j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
         } else { \
             for (int64_t i = 0; i < half; ++i) { \
                 float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
