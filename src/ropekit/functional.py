@@ -130,9 +130,11 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace,
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     impl = select_backend(backend, q, cos)
+    kw = dict(interleaved=interleaved, conjugate=False, inplace=inplace)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, cos, sin)):
+        return impl.rotate_qk(q, k, cos, sin, pos, **kw)  # no graph to record: skip autograd's bookkeeping
     if cos.requires_grad or sin.requires_grad:
         # Learnable tables: let autograd differentiate the plain torch math instead of the fused rule,
         # which treats the tables as constants.
-        impl = select_backend("torch", q, cos)
-        return impl.rotate_qk(q, k, cos, sin, pos, interleaved=interleaved, conjugate=False, inplace=inplace)
+        return select_backend("torch", q, cos).rotate_qk(q, k, cos, sin, pos, **kw)
     return RotaryFunction.apply(q, k, cos, sin, pos, impl, interleaved, inplace)

@@ -109,7 +109,7 @@ def resolve_positions(
         off = _offsets_tensor(offsets, batch, "batch row", x.device)
         pos = off[:, None] + torch.arange(seq, device=x.device)[None, :]  # (batch, seq)
     if table_len is not None and pos.numel() and not is_compiling():
-        lo, hi = int(pos.min()), int(pos.max())
+        lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, not two
         if lo < 0:
             raise ValueError(f"positions: expected values >= 0, got a minimum of {lo}")
         if hi >= table_len:
