@@ -120,6 +120,32 @@ def test_grown_table_rows_equal_a_table_built_at_that_size():
     assert torch.equal(rope.cos, cos) and torch.equal(rope.sin, sin)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_far_away_positions_rotate_exactly_without_allocating_a_table_that_large(layout):
+    from ropekit import reference as ref
+
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, layout=layout)
+    far = torch.tensor([[10**10, 3, 2**40]])  # (B, S)
+    x = torch.randn(1, 3, 2, HEAD_DIM, dtype=torch.float64)  # (B, S, H, D)
+    if layout == "thd":
+        q, _ = rope(x[0], x[0], positions=far[0])
+        got = q[None]
+    else:
+        q, _ = rope(_to_layout(x, layout), _to_layout(x, layout), positions=far)
+        got = _from_layout(q, layout)
+    assert rope.cos.shape[0] <= 4096  # the cached table did not grow toward 2**40 rows
+    theta = ref.inv_freq(HEAD_DIM, rope.config.base)
+    want = ref.rotate_half(x.numpy(), far.numpy()[..., None], theta)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-9)
+
+
+def test_far_away_negative_position_is_still_a_value_error():
+    rope = RotaryEmbedding(head_dim=HEAD_DIM)
+    x = torch.randn(1, 2, 1, HEAD_DIM)
+    with pytest.raises(ValueError, match="positions: expected values >= 0"):
+        rope(x, x, positions=torch.tensor([[-1, 2**40]]))
+
+
 def test_table_is_a_non_persistent_buffer():
     rope = RotaryEmbedding(head_dim=HEAD_DIM)
     assert {"cos", "sin"} <= {name for name, _ in rope.named_buffers()}

@@ -13,6 +13,7 @@ from torch import nn
 from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
+from ropekit.positions import resolve_positions
 from ropekit.validation import describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
@@ -25,6 +26,9 @@ LAYOUT_SHAPES = {
 }
 # Table rows built up front when the config names no context length; grows on demand after that.
 DEFAULT_TABLE_LEN = 2048
+# The table never grows past this many rows (or max_position_embeddings, if larger): a call reaching further
+# computes cos/sin for its own tokens only, so one far-away position id cannot allocate a gigantic table.
+MAX_TABLE_ROWS = 1 << 20
 
 
 class RotaryEmbedding(nn.Module):
@@ -190,7 +194,15 @@ class RotaryEmbedding(nn.Module):
                     q, k = q.transpose(1, 2), k.transpose(1, 2)  # back to (B, H, S, D)
                 return q, k
         if not is_compiling():
-            self._ensure_table(self._needed_rows(q, positions, offsets, cu_seqlens), q)
+            needed = self._needed_rows(q, positions, offsets, cu_seqlens)
+            if needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS):
+                # Far past any table worth keeping: rotate with rows computed for this call's tokens.
+                pos = resolve_positions(
+                    q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=needed
+                )
+                q, k = self._rotate_rows(q, k, pos, self._frequency_seq_len(needed), cu_seqlens)
+                return (q.transpose(1, 2), k.transpose(1, 2)) if self.layout == "bhsd" else (q, k)
+            self._ensure_table(needed, q)
         elif self.cos.device != q.device:
             self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
         q, k = apply_rotary_qk(
@@ -222,11 +234,26 @@ class RotaryEmbedding(nn.Module):
             )
         axes = positions if q.dim() == 4 else positions[:, None, :]  # (axes, B, S)
         seq_len = self._frequency_seq_len(int(positions.max()) + 1) if positions.numel() else None
+        return self._rotate_rows(q, k, axes, seq_len, cu_seqlens)
+
+    def _rotate_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        seq_len: int | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate with one freshly computed cos/sin row per token instead of the cached table.
+
+        positions: anything :meth:`RopeConfig.cos_sin` maps to q.shape[:-2] + (R/2,) rows: positions shaped
+        like q.shape[:-2], or M-RoPE positions (axes, B, S).
+        """
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        cos, sin = self.config.cos_sin(axes, dtype=dtype, device=q.device, seq_len=seq_len)  # (B, S, R/2)
+        cos, sin = self.config.cos_sin(positions, dtype=dtype, device=q.device, seq_len=seq_len)  # (..., R/2)
         half = cos.shape[-1]
-        cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)  # (B * S, R/2): one row per token
-        rows = torch.arange(cos.shape[0], device=q.device).reshape(lead)  # (B, S) or (T,)
+        cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)  # (tokens, R/2): one row per token
+        rows = torch.arange(cos.shape[0], device=q.device).reshape(q.shape[:-2])  # (B, S) or (T,)
         return apply_rotary_qk(
             q,
             k,
