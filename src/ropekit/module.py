@@ -44,6 +44,9 @@ class RotaryEmbedding(nn.Module):
     ``max_position_embeddings`` rows (or 2048) to start with, grows when a later position arrives, and follows
     the inputs' device, and float64 inputs get a float64 table (float32 otherwise: math runs in float32).
     Under ``torch.compile`` the table is not resized, so size it up front with max_position_embeddings.
+    The table stops growing at max(max_position_embeddings, 2^20) rows; a call reaching past that computes
+    cos/sin rows for its own tokens (float64 angles, as always): a far-away position id costs per-token work,
+    not a huge table.
 
     Length-dependent schedules (dynamic NTK, LongRoPE) pick their frequencies per call from
     seq_len = (largest position in the call) + 1, exactly as Hugging Face's ``dynamic_rope_update`` does:
