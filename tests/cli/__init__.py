@@ -1,1 +1,1 @@
-"""Tests of the `ropekit` subcommands (a package, so their basenames may repeat those of the library tests)."""
+"""Tests of the `ropekit` subcommands; a package, so basenames may repeat the library tests' names."""

@@ -1,7 +1,4 @@
-"""`ropekit verify`: the table, --json, exit codes, bad arguments, and `python -m ropekit`.
-
-(Named test_verify_command.py so it does not clash with tests/test_verify.py under pytest's default imports.)
-"""
+"""`ropekit verify`: the table, --json, exit codes, bad arguments, and `python -m ropekit`."""
 
 from __future__ import annotations
 
