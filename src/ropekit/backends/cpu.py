@@ -35,10 +35,12 @@ __all__ = ["CpuBackend", "build_library", "launch"]
 log = logging.getLogger("ropekit.backends")
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-# Below this many elements (4 MB of float32) one thread does the work: waking OpenMP threads costs more than
-# it saves, and on a busy machine a woken thread can wait milliseconds for a core (a Llama-3-8B decode step,
-# 1.3 MB, took 0.4 ms on one thread and 9-12 ms on two under load; docs/benchmarks.md).
-PARALLEL_THRESHOLD = 1 << 20
+# Below this many elements (256 KB of float32, near PyTorch's elementwise grain) one thread does the work.
+# On an idle 2-core machine two threads speed up a Llama-3-8B decode step (64 tokens, 1.3 MB): out of place
+# 262 -> 127 us, in place 117 -> 95 us, mostly by sharing the page faults of the fresh outputs. On a machine
+# oversubscribed by other jobs a woken OpenMP thread can wait milliseconds for a core (seen: 9-12 ms for the
+# same step); there, as for PyTorch's own ops, use torch.set_num_threads(1) (docs/benchmarks.md).
+PARALLEL_THRESHOLD = 1 << 16
 
 _SOURCE = r"""
 #include <stdint.h>
