@@ -15,13 +15,12 @@ Shape notation: N grid cells (patches), R rotary_dim, ... any leading axes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.validation import check_base
+from ropekit.validation import check_base, check_positive
 
 __all__ = ["axial_cos_sin", "mrope_positions", "xpos_cos_sin"]
 
@@ -146,14 +145,8 @@ def xpos_cos_sin(
     Raises:
         ValueError: for scale_base <= 0 or gamma <= 0.
     """
-    for name, value in (("scale_base", scale_base), ("gamma", gamma)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    check_positive("scale_base", scale_base)
+    check_positive("gamma", gamma)
     cos, sin = config.cos_sin(positions, dtype=torch.float64)  # (..., R/2)
     if isinstance(positions, int):
         positions = torch.arange(positions)

@@ -42,6 +42,14 @@ def check_int(name: str, value: Any, *, minimum: int, expected: str) -> int:
     return int(value)
 
 
+def check_positive(name: str, value: Any) -> float:
+    """value must be a finite real number > 0 (a string or a bool is not a number); returns it as a float."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def check_base(base: Any) -> float:
     """base must be a finite real number > 1 (a string or a bool is not a number here)."""
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 1:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import types
 from typing import Any
 
@@ -28,6 +27,7 @@ from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.hf_config import rope_layer_types
 from ropekit.module import RotaryEmbedding
+from ropekit.validation import check_positive
 
 __all__ = ["EXTEND_METHODS", "SUPPORTED_MODEL_TYPES", "extend_context", "patch", "unpatch"]
 
@@ -272,13 +272,7 @@ def extend_context(model: nn.Module, method: str, factor: float, **params: Any) 
     _check_supported(model)
     if method not in EXTEND_METHODS:
         raise ValueError(f"method: expected one of {EXTEND_METHODS}, got {method!r}")
-    if (
-        isinstance(factor, bool)
-        or not isinstance(factor, (int, float))
-        or not math.isfinite(factor)
-        or factor <= 0
-    ):
-        raise ValueError(f"factor: expected a positive number, got {factor!r}")
+    check_positive("factor", factor)
     config = _text_config(model)
     per_layer = rope_layer_types(config)
     target = "full_attention" if per_layer else None

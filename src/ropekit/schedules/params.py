@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ropekit.schedules.registry import RopeSpec
+from ropekit.validation import check_positive
 
 __all__ = ["check_factor_list", "check_int", "check_number"]
 
@@ -50,5 +51,4 @@ def check_factor_list(spec: RopeSpec, key: str, length: int) -> None:
             f"scaling[{key!r}]: expected a list of length {length} (rotary_dim / 2), got length {len(value)}"
         )
     for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"scaling[{key!r}][{i}]: expected a finite number > 0, got {v!r}")
+        check_positive(f"scaling[{key!r}][{i}]", v)
