@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import ropekit
-from ropekit import bench
+from ropekit.tools import bench
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

@@ -1,6 +1,6 @@
 """A LLaMA-style attention block with GQA and RoPE, compiled whole, decoding a left-padded batch.
 
-Run: ``python examples/llama_block.py``. It builds :class:`ropekit.models.Attention` (8 query heads sharing 2
+Run: ``python examples/llama_block.py``. It builds :class:`ropekit.nn.Attention` (8 query heads sharing 2
 key/value heads, RoPE through :class:`ropekit.RotaryEmbedding`), compiles it with
 ``torch.compile(fullgraph=True)`` (any graph break is an error), decodes three prompts of different lengths
 token by token through a KV cache, and checks the result against one full forward pass.
@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from ropekit import RopeConfig, RotaryEmbedding
-from ropekit.models import Attention, incremental_forward, left_pad, padding_positions
+from ropekit.nn import Attention, incremental_forward, left_pad, padding_positions
 
 DIM, N_HEADS, N_KV_HEADS = 256, 8, 2
 # The table is sized up front: a compiled graph never grows it.

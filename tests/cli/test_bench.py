@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 
-from ropekit import bench
 from ropekit.cli import main
+from ropekit.tools import bench
 
 
 def test_bench_writes_csv_and_plot(tmp_path, capsys):

@@ -4,7 +4,7 @@ import pytest
 
 from ropekit.cli import build_parser, main
 from ropekit.cli.demo import settings_from_args
-from ropekit.demo import QUICK, DemoSettings
+from ropekit.tools.demo import QUICK, DemoSettings
 
 
 def parse(*argv):

@@ -10,7 +10,7 @@ import pytest
 
 import ropekit.cli.verify
 from ropekit.cli import main
-from ropekit.verify import Check
+from ropekit.tools.verify import Check
 
 
 def test_prints_a_pass_table_and_exits_zero(capsys):
@@ -40,7 +40,7 @@ def test_json_output_follows_the_schema(capsys):
 
 
 def test_a_failing_check_gives_a_non_zero_exit_and_a_fail_row(monkeypatch, capsys):
-    monkeypatch.setattr("ropekit.verify.run_checks", lambda config: [Check("broken claim", 1.0, 1e-9)])
+    monkeypatch.setattr("ropekit.tools.verify.run_checks", lambda config: [Check("broken claim", 1.0, 1e-9)])
     assert main(["verify"]) == 1
     out = capsys.readouterr().out
     assert "broken claim" in out and "FAIL" in out and "0 passed, 1 failed" in out

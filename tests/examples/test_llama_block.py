@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.models import padding_positions
+from ropekit.nn import padding_positions
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_block.py"
 

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ropekit import bench
+    from ropekit.tools import bench
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     records, notes = bench.run_benchmark(

@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def settings_from_args(args: argparse.Namespace):
     """DemoSettings for the parsed flags: the preset (default or --quick), then each flag given."""
-    from ropekit.demo import QUICK, DemoSettings
+    from ropekit.tools.demo import QUICK, DemoSettings
 
     settings = QUICK if args.quick else DemoSettings()
     overrides = {"finetune": args.finetune, "device": args.device, "evaluate": not args.train_only}
@@ -59,6 +59,6 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ropekit.demo import run_demo
+    from ropekit.tools.demo import run_demo
 
     return run_demo(settings_from_args(args), args.out)

@@ -100,7 +100,7 @@ def format_report(inspection) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ropekit.inspect import inspect_config, plot_inspection
+    from ropekit.tools.inspect import inspect_config, plot_inspection
 
     config, name = _load(args.model, args.layer_type)
     inspection = inspect_config(

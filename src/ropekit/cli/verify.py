@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ropekit.verify import Check
+    from ropekit.tools.verify import Check
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def format_table(checks: Sequence[Check]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ropekit.config import RopeConfig
-    from ropekit.verify import run_checks
+    from ropekit.tools.verify import run_checks
 
     config = RopeConfig(args.head_dim, args.base, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
     checks = run_checks(config)

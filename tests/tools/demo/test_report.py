@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropekit.demo.report import attention_by_distance, format_table, write_results
+from ropekit.tools.demo.report import attention_by_distance, format_table, write_results
 
 RESULTS = [
     {"method": "rope", "length": 64, "perplexity": 5.0},

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ropekit.models.kv_cache import KVCache
 from ropekit.module import RotaryEmbedding
+from ropekit.nn.kv_cache import KVCache
 
 __all__ = ["Attention"]
 

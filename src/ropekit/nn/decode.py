@@ -84,7 +84,7 @@ def incremental_forward(
     forward pass) up to floating-point rounding; the tests hold it to that.
 
     Args:
-        block: a :class:`ropekit.models.Attention`, or a ``torch.compile`` of one.
+        block: a :class:`ropekit.nn.Attention`, or a ``torch.compile`` of one.
         x: (B, S, dim), left-padded.
         prompt_len: P, the tokens processed in the prefill (1 <= P <= S).
         attn_mask: (B, S) bool, True at real tokens; None means no padding.

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.demo.model import ByteTransformer, ModelConfig
+from ropekit.tools.demo.model import ByteTransformer, ModelConfig
 
 SMALL = {"dim": 32, "n_layers": 2, "n_heads": 2}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ropekit.verify
+import ropekit.tools.verify
 from ropekit import RopeConfig
-from ropekit.verify import Check, run_checks
+from ropekit.tools.verify import Check, run_checks
 
 CLAIMS = [
     "R^T R = I",
@@ -49,18 +49,18 @@ def test_checks_ignore_scaling_because_the_claims_are_about_plain_rope():
 
 
 def test_a_wrong_pair_layout_in_apply_rotary_is_caught(monkeypatch):
-    real = ropekit.verify.apply_rotary
+    real = ropekit.tools.verify.apply_rotary
 
     def swapped(x, cos, sin, *, interleaved=False, **kw):
         return real(x, cos, sin, interleaved=not interleaved, **kw)
 
-    monkeypatch.setattr(ropekit.verify, "apply_rotary", swapped)
+    monkeypatch.setattr(ropekit.tools.verify, "apply_rotary", swapped)
     failed = {c.name for c in run_checks(RopeConfig(8)) if not c.passed}
     assert {"apply_rotary (half) = reference", "apply_rotary (interleaved) = reference"} <= failed
 
 
 def test_a_backward_that_is_not_the_inverse_rotation_is_caught(monkeypatch):
-    real = ropekit.verify.apply_rotary
+    real = ropekit.tools.verify.apply_rotary
 
     class ForwardRuleBackward(torch.autograd.Function):  # wrong: rotates gradients by +theta
         @staticmethod
@@ -74,7 +74,7 @@ def test_a_backward_that_is_not_the_inverse_rotation_is_caught(monkeypatch):
             return real(g, cos, sin, **kw), None, None, None
 
     monkeypatch.setattr(
-        ropekit.verify, "apply_rotary", lambda x, c, s, **kw: ForwardRuleBackward.apply(x, c, s, kw)
+        ropekit.tools.verify, "apply_rotary", lambda x, c, s, **kw: ForwardRuleBackward.apply(x, c, s, kw)
     )
     failed = {c.name for c in run_checks(RopeConfig(8)) if not c.passed}
     assert failed == {"apply_rotary backward = inverse rotation"}

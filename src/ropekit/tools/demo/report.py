@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.inspect import decay_bound
+from ropekit.tools.inspect import decay_bound
 
 __all__ = [
     "attention_by_distance",

@@ -1,4 +1,4 @@
-"""ropekit.bench: a tiny interleaved run, memory accounting, and argument checks."""
+"""ropekit.tools.bench: a tiny interleaved run, memory accounting, and argument checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ropekit import bench, reference
+from ropekit import reference
+from ropekit.tools import bench
 
 
 @pytest.fixture(scope="module")

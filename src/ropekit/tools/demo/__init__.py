@@ -4,6 +4,6 @@ Modules: data (corpus), model (the decoder), train (loop, DDP, perplexity), repo
 whole job).
 """
 
-from ropekit.demo.run import QUICK, DemoSettings, run_demo
+from ropekit.tools.demo.run import QUICK, DemoSettings, run_demo
 
 __all__ = ["QUICK", "DemoSettings", "run_demo"]

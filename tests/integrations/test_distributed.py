@@ -12,13 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ropekit import RotaryEmbedding
-from ropekit.distributed import (
+from ropekit.integrations.distributed import (
     all_gather_sequence,
     gathered_kv_attention,
     shard_positions,
     shard_sequence,
 )
-from ropekit.models import Attention
+from ropekit.nn import Attention
 
 WORLD = 2
 BATCH, SEQ, DIM, HEADS, KV_HEADS = 2, 16, 32, 4, 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
-from ropekit.models import Attention
+from ropekit.nn import Attention
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
 

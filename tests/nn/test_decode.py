@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ropekit import RotaryEmbedding
-from ropekit.models import Attention, incremental_forward, left_pad, padding_positions
+from ropekit.nn import Attention, incremental_forward, left_pad, padding_positions
 
 
 def test_left_pad_and_positions():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.demo import QUICK
-from ropekit.demo.run import EVAL_MULTIPLES, SCALING_METHODS, rope_config_for
 from ropekit.schedules import SCHEDULES
+from ropekit.tools.demo import QUICK
+from ropekit.tools.demo.run import EVAL_MULTIPLES, SCALING_METHODS, rope_config_for
 
 REGISTERED = [m for m in SCALING_METHODS if m in SCHEDULES]
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ropekit.demo.data import EXCLUDED_DIRS, load_corpus, sample_batch, stdlib_files, validation_windows
+from ropekit.tools.demo.data import EXCLUDED_DIRS, load_corpus, sample_batch, stdlib_files, validation_windows
 
 
 @pytest.fixture(scope="module")

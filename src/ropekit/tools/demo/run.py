@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ropekit.config import RopeConfig
-from ropekit.demo import report
-from ropekit.demo.data import load_corpus, validation_windows
-from ropekit.demo.model import VARIANTS, ModelConfig
-from ropekit.demo.train import (
+from ropekit.schedules import SCHEDULES
+from ropekit.tools.demo import report
+from ropekit.tools.demo.data import load_corpus, validation_windows
+from ropekit.tools.demo.model import VARIANTS, ModelConfig
+from ropekit.tools.demo.train import (
     DistContext,
     TrainSettings,
     clone,
@@ -29,7 +30,6 @@ from ropekit.demo.train import (
     token_losses,
     train,
 )
-from ropekit.schedules import SCHEDULES
 
 __all__ = ["SCALING_METHODS", "DemoSettings", "rope_config_for", "run_demo"]
 
@@ -274,7 +274,7 @@ def machine_description(ctx: DistContext) -> dict:
 
 
 def _write_report(out: Path, s: DemoSettings, results, extra, ctx) -> None:
-    from ropekit.verify import run_checks
+    from ropekit.tools.verify import run_checks
 
     head_dim = s.dim // s.n_heads
     report.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ropekit.models import KVCache
+from ropekit.nn import KVCache
 
 
 def test_update_writes_at_each_rows_length_and_advances():

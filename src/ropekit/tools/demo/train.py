@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ropekit.demo.data import sample_batch
-from ropekit.demo.model import ByteTransformer, ModelConfig
+from ropekit.tools.demo.data import sample_batch
+from ropekit.tools.demo.model import ByteTransformer, ModelConfig
 
 __all__ = [
     "DistContext",
@@ -147,7 +147,8 @@ def token_losses(
     """Next-byte cross-entropy (nats) of every target byte of every window.
 
     Args:
-        windows: (N, S + 1) int64 inputs-plus-targets, e.g. from :func:`ropekit.demo.data.validation_windows`.
+        windows: (N, S + 1) int64 inputs-plus-targets, e.g. from
+            :func:`ropekit.tools.demo.data.validation_windows`.
         batch_size: windows per forward pass.
 
     Shape:

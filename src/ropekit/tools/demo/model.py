@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ropekit.config import RopeConfig
-from ropekit.models.attention import Attention
 from ropekit.module import RotaryEmbedding
+from ropekit.nn.attention import Attention
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding
 
 __all__ = ["VARIANTS", "ByteTransformer", "ModelConfig"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ropekit import RopeConfig
-from ropekit.inspect import decay_bound, inspect_config, plot_inspection, qk_cosine
+from ropekit.tools.inspect import decay_bound, inspect_config, plot_inspection, qk_cosine
 
 
 def test_pair_facts_follow_the_formulas():

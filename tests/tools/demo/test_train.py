@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from ropekit.demo.data import load_corpus
-from ropekit.demo.model import ModelConfig
-from ropekit.demo.train import (
+from ropekit.tools.demo.data import load_corpus
+from ropekit.tools.demo.model import ModelConfig
+from ropekit.tools.demo.train import (
     DistContext,
     TrainSettings,
     fresh_model,
