@@ -11,6 +11,7 @@ from ropekit.schedules import (  # noqa: F401
     proportional,
     yarn,
 )
+from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
 from ropekit.schedules.mrope import mrope_axis_of_pair, mrope_layout
 from ropekit.schedules.registry import (
     SCHEDULES,
@@ -22,12 +23,15 @@ from ropekit.schedules.registry import (
 )
 
 __all__ = [
+    "EXTEND_METHODS",
     "SCHEDULES",
     "RopeSpec",
     "Schedule",
+    "extension_scaling",
     "get_schedule",
     "mrope_axis_of_pair",
     "mrope_layout",
+    "ntk_base",
     "register_schedule",
     "split_scaling",
 ]

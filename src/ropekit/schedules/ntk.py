@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.schedules.extend import ntk_base
 from ropekit.schedules.params import check_number
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
@@ -22,5 +23,4 @@ def _validate(spec: RopeSpec) -> None:
 
 @register_schedule("ntk", required=("factor",), validate=_validate)
 def ntk(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    d = spec.rotary_dim
-    return spec.default_inv_freq(spec.base * spec.params["factor"] ** (d / (d - 2))), 1.0
+    return spec.default_inv_freq(ntk_base(spec.base, spec.params["factor"], spec.rotary_dim)), 1.0

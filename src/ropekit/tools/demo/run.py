@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ropekit.config import RopeConfig
-from ropekit.schedules import SCHEDULES
+from ropekit.schedules import SCHEDULES, extension_scaling
 from ropekit.tools.demo import report
 from ropekit.tools.demo.data import load_corpus, validation_windows
 from ropekit.tools.demo.model import VARIANTS, ModelConfig
@@ -115,19 +115,12 @@ def rope_config_for(
     """
     head_dim, L = s.dim // s.n_heads, s.train_length
     factor = float(eval_length / L if factor is None else factor)
-    scalings = {
-        "rope": None,
-        "linear": {"rope_type": "linear", "factor": factor},
-        "ntk": {"rope_type": "ntk", "factor": factor},
-        "dynamic": {"rope_type": "dynamic", "factor": DYNAMIC_FACTOR},
-        "yarn": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": L},
-        "llama3": {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": L},
-    }  # fmt: skip
-    if method not in scalings:
-        raise ValueError(f"method: expected one of {sorted(scalings)}, got {method!r}")
-    max_positions = L if method == "dynamic" else max(L, int(L * factor))
-    return RopeConfig(head_dim, 10000.0, scaling=scalings[method], max_position_embeddings=max_positions)
+    if method == "rope":
+        return RopeConfig(head_dim, 10000.0, max_position_embeddings=L)
+    if method not in SCALING_METHODS:
+        raise ValueError(f"method: expected one of {['rope', *SCALING_METHODS]}, got {method!r}")
+    scaling, max_positions = extension_scaling(method, DYNAMIC_FACTOR if method == "dynamic" else factor, L)
+    return RopeConfig(head_dim, 10000.0, scaling=scaling, max_position_embeddings=max_positions)
 
 
 def _missing_schedules(methods) -> dict[str, str]:
