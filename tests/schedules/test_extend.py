@@ -1,4 +1,4 @@
-"""The one (method, factor, original length) -> scaling map that extend_context, inspect and the demo share."""
+"""The one (method, factor, original length) -> scaling map shared by extend_context, inspect and the demo."""
 
 import pytest
 import torch
