@@ -74,3 +74,62 @@ def test_cos_sin_lands_on_the_requested_device_and_has_unit_norm():
     cos, sin = RopeConfig(8).cos_sin(300, dtype=torch.float64, device="cpu")
     assert cos.device.type == "cpu"
     torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos), rtol=0, atol=1e-15)
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5, 2.0, 2.5],
+    "long_factor": [3.0, 3.5, 4.0, 4.5],
+    "original_max_position_embeddings": 16,
+}
+
+
+def test_config_with_a_scaling_dict_is_hashable_and_equal_configs_hash_equal():
+    a = RopeConfig(8, scaling={"rope_type": "linear", "factor": 4.0})
+    b = RopeConfig(8, scaling={"factor": 4, "rope_type": "linear"})  # key order and int/float do not matter
+    c = RopeConfig(8, scaling={"rope_type": "linear", "factor": 2.0})
+    assert a == b and hash(a) == hash(b)
+    assert a != c
+    assert len({a, b, c}) == 2
+    nested = RopeConfig(8, scaling=LONGROPE, max_position_embeddings=64)
+    assert hash(nested) == hash(RopeConfig(8, scaling=dict(LONGROPE), max_position_embeddings=64))
+
+
+def test_scaling_is_read_only():
+    config = RopeConfig(8, scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(TypeError):
+        config.scaling["factor"] = 1.0  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        config.scaling.update({"factor": 1.0})  # type: ignore[attr-defined]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.scaling = None  # type: ignore[misc]
+    assert config.scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_mutating_the_source_dict_changes_nothing():
+    source = {k: list(v) if isinstance(v, list) else v for k, v in LONGROPE.items()}
+    config = RopeConfig(8, scaling=source, max_position_embeddings=64)
+    short, long = config.inv_freq(seq_len=8).clone(), config.inv_freq(seq_len=64).clone()
+    source["short_factor"][0] = 100.0
+    source["long_factor"].append(9.0)
+    source["rope_type"] = "linear"
+    assert config.rope_type == "longrope"
+    assert config.scaling["short_factor"] == (1.0, 1.5, 2.0, 2.5)  # lists are stored as tuples
+    assert config == RopeConfig(8, scaling=LONGROPE, max_position_embeddings=64)
+    torch.testing.assert_close(config.inv_freq(seq_len=8), short, rtol=0, atol=0)
+    torch.testing.assert_close(config.inv_freq(seq_len=64), long, rtol=0, atol=0)
+
+
+def test_config_survives_pickle_deepcopy_and_json_through_to_dict():
+    import copy
+    import json
+    import pickle
+
+    config = RopeConfig(8, scaling=LONGROPE, max_position_embeddings=64)
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert copy.deepcopy(config) == config
+    plain = config.scaling.to_dict()
+    assert plain == LONGROPE and isinstance(plain["short_factor"], list)
+    plain["short_factor"][0] = 7.0  # a mutable copy: the config is untouched
+    assert config.scaling["short_factor"][0] == 1.0
+    assert json.loads(json.dumps(plain)) == plain

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
+import torch
 
 from ropekit import RopeConfig
 from ropekit.hf_config import load_hf_config, rope_kwargs, rope_layer_types
@@ -127,13 +129,26 @@ def test_multimodal_text_config_is_unwrapped():
     ("change", "message"),
     [
         ({"rope_scaling": {"rope_type": "warp", "factor": 2.0}}, r"unknown rope_type 'warp'"),
-        ({"rope_scaling": {"rope_type": "linear"}}, r"missing keys \['factor'\]"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}}, r"unknown keys \['beta'\]"),
+        ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling'\]: rope_type 'linear' requires.*factor"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, r"rope_type 'yarn' requires the keys \['factor'\]"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, r"rope_type 'dynamic' requires the keys \['factor'\]"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            r"parameters'\]: rope_type 'llama3' requires the keys \['high_freq_factor', 'low_freq_factor'\]",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4}},
+            r"requires the keys \['short_factor'\]",
+        ),
         (
             {"rope_scaling": {"rope_type": "linear", "factor": 0.0}},
-            r"scaling\['factor'\]: expected a finite number > 0",
+            r"scaling\['factor'\]: expected a finite number >= 1, got 0.0",
         ),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": -2.0}}, r"factor.*> 0, got -2.0"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": -2.0}}, r"factor'\]: expected .*>= 1, got -2.0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": None}}, r"factor'\]: expected .*>= 1, got None"),
+        ({"rope_scaling": "linear"}, r"config\['rope_scaling'\]: expected a dict .* got 'linear'"),
+        ({"rope_parameters": "yarn"}, r"config\['rope_parameters'\]: expected a dict .* got 'yarn'"),
+        ({"rope_scaling": {"rope_type": 3, "factor": 2.0}}, r"rope_type'\]: expected a string, got 3"),
         (
             {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}},
             r"short_factor'\]: expected a list of length 4",
@@ -161,6 +176,94 @@ def test_invalid_configs_raise_value_errors_that_name_the_problem(change, messag
     cfg = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64, **change}
     with pytest.raises(ValueError, match=message):
         RopeConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 0.5},
+        {"rope_type": "dynamic", "factor": 0.5},
+        {"rope_type": "yarn", "factor": 0.5},
+        {"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        {"rope_type": "longrope", "factor": 0.5, "short_factor": [1.0] * 4, "long_factor": [1.0] * 4},
+    ],
+)
+def test_a_factor_below_one_is_rejected_where_transformers_only_warns(scaling):
+    """A factor < 1 shrinks the context: HF logs a warning and computes it; ropekit refuses."""
+    cfg = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+    cfg["rope_scaling"] = scaling
+    with pytest.raises(ValueError, match=r"scaling\['factor'\]: expected a finite number >= 1, got 0.5"):
+        RopeConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn"},
+        {"rope_type": "yarn", "factor": 4.0},
+        {"rope_type": "linear"},
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic"},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        {"rope_type": "longrope", "short_factor": [1.0] * 4},
+        {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+        {"type": "yarn", "original_max_position_embeddings": 16},
+    ],
+)
+def test_from_hf_rejects_exactly_the_configs_transformers_rejects(scaling):
+    """Missing required keys: HF raises KeyError while building the config; ropekit raises ValueError."""
+    transformers = pytest.importorskip("transformers")
+    kwargs = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+    try:
+        transformers.LlamaConfig(**kwargs, rope_scaling=dict(scaling))
+    except KeyError:
+        hf_rejects = True
+    else:
+        hf_rejects = False
+    if hf_rejects:
+        with pytest.raises(ValueError, match="requires the keys"):
+            RopeConfig.from_hf({**kwargs, "rope_scaling": scaling})
+    else:
+        RopeConfig.from_hf({**kwargs, "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3", "longrope"])
+def test_original_length_defaults_to_max_position_embeddings_as_in_transformers(rope_type):
+    transformers = pytest.importorskip("transformers")
+    scaling = {
+        "yarn": {"rope_type": "yarn", "factor": 4.0},
+        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+    }[rope_type]
+    kwargs = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 4096}
+    hf = transformers.LlamaConfig(**kwargs, rope_scaling=dict(scaling)).rope_parameters
+    config = RopeConfig.from_hf({**kwargs, "rope_scaling": scaling})
+    assert hf["original_max_position_embeddings"] == 4096
+    assert config.scaling["original_max_position_embeddings"] == 4096
+
+
+def test_unknown_keys_are_logged_and_ignored_like_transformers(caplog):
+    cfg = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+    clean = RopeConfig.from_hf({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with caplog.at_level(logging.WARNING, logger="ropekit.hf_config"):
+        stray = RopeConfig.from_hf({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}})
+    assert stray == clean
+    assert "beta" not in stray.scaling
+    assert any("ignoring keys ['beta']" in r.getMessage() for r in caplog.records)
+
+
+def test_from_hf_keeps_no_reference_to_the_source_dict():
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    cfg = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+    cfg["rope_scaling"] = scaling
+    config = RopeConfig.from_hf(cfg)
+    before = config.inv_freq(seq_len=128).clone()
+    scaling["long_factor"][0] = 100.0
+    scaling["rope_type"] = "linear"
+    assert config.scaling["long_factor"][0] == 2.0
+    torch.testing.assert_close(config.inv_freq(seq_len=128), before, rtol=0, atol=0)
 
 
 def test_unreadable_inputs_raise_value_errors(tmp_path):

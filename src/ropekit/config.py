@@ -6,16 +6,17 @@ Angles are always formed in float64 and only then cast, so tables stay accurate 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ropekit.schedules import RopeSpec, Schedule, mrope_axis_of_pair, mrope_layout, split_scaling
-from ropekit.validation import check_base, check_head_dim, check_rotary_dim
+from ropekit.validation import check_base, check_bool, check_head_dim, check_int, check_rotary_dim, describe
 
-__all__ = ["RopeConfig"]
+__all__ = ["FrozenScaling", "RopeConfig"]
 
 
 @dataclass(frozen=True, init=False)
@@ -29,7 +30,8 @@ class RopeConfig:
         interleaved: pair layout. False = GPT-NeoX / Hugging Face "half" pairing (i, i + d/2);
             True = GPT-J / Meta pairing (2i, 2i+1).
         scaling: a context-extension dict in HF's ``rope_scaling`` vocabulary (``{"rope_type": "linear",
-            "factor": 4.0}``), or None.
+            "factor": 4.0}``), or None. It is copied: the config keeps a read-only :class:`FrozenScaling`
+            (lists become tuples), so changing the dict passed in afterwards changes nothing.
         max_position_embeddings: the model's context length; some schedules need it.
         hf_float32_inv_freq: compute inv_freq in float32 with Hugging Face's order of operations, reproducing
             its rounding bit for bit (for comparison with models trained that way). Angles are still formed in
@@ -38,6 +40,9 @@ class RopeConfig:
     The scaling dict may also carry the keys HF keeps inside ``rope_parameters``: ``rope_theta`` (must equal
     base), ``partial_rotary_factor`` (sets rotary_dim = int(head_dim * factor) when rotary_dim is None), and
     M-RoPE's ``mrope_section`` / ``mrope_interleaved`` (see :meth:`cos_sin`).
+
+    A config is immutable and hashable: equal configs compare equal and hash equal, so a config can key a
+    cache of tables.
 
     Raises:
         ValueError: for a non-positive head_dim, an odd / too large rotary_dim, a base that is not finite
@@ -75,20 +80,17 @@ class RopeConfig:
                 f"rotary_dim: expected a positive even integer <= head_dim ({head_dim}), got {rotary_dim!r} "
                 "(head_dim is odd, so pass an even rotary_dim)"
             )
-        if max_position_embeddings is not None and (
-            isinstance(max_position_embeddings, bool)
-            or not isinstance(max_position_embeddings, int)
-            or max_position_embeddings <= 0
-        ):
-            raise ValueError(
-                "max_position_embeddings: expected a positive integer or None, "
-                f"got {max_position_embeddings!r}"
+        if max_position_embeddings is not None:
+            max_position_embeddings = check_int(
+                "max_position_embeddings", max_position_embeddings, expected="a positive integer or None"
             )
-        if not isinstance(interleaved, bool):
-            raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-        if not isinstance(hf_float32_inv_freq, bool):
-            raise ValueError(f"hf_float32_inv_freq: expected a bool, got {hf_float32_inv_freq!r}")
-        scaling = dict(scaling) if isinstance(scaling, Mapping) else scaling  # split_scaling rejects the rest
+        check_bool("interleaved", interleaved)
+        check_bool("hf_float32_inv_freq", hf_float32_inv_freq)
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise ValueError(
+                f"scaling: expected a dict like HF's rope_scaling or None, got {describe(scaling)}"
+            )
+        scaling = None if scaling is None else FrozenScaling(scaling)
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "rotary_dim", rotary_dim)
@@ -168,9 +170,8 @@ class RopeConfig:
         return self._schedule.length_dependent
 
     def _compute(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
-        bad = isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0
-        if seq_len is not None and bad:
-            raise ValueError(f"seq_len: expected a positive integer or None, got {seq_len!r}")
+        if seq_len is not None:
+            seq_len = check_int("seq_len", seq_len, expected="a positive integer or None")
         inv_freq, scaling = self._schedule.fn(self._spec, seq_len)
         return inv_freq.to(torch.float64), float(scaling)
 
@@ -239,6 +240,61 @@ class RopeConfig:
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
+
+
+def _frozen(value: Any) -> Any:
+    """A read-only deep copy: mappings become FrozenScaling, lists and tuples become tuples."""
+    if isinstance(value, Mapping):
+        return FrozenScaling(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return copy.deepcopy(value)
+
+
+class FrozenScaling(Mapping):
+    """A read-only, hashable copy of a scaling dict (nested lists stored as tuples).
+
+    It compares equal to a dict with the same items, reads like one (``scaling["factor"]``, ``dict(scaling)``,
+    ``{**scaling}``), pickles and deep-copies, but has no way to change an item.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_items", {key: _frozen(value) for key, value in items.items()})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("FrozenScaling is read-only; build a new RopeConfig with the changed dict")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenScaling, (self._items,))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, mutable deep copy (nested tuples become lists again), e.g. for JSON."""
+        return {key: _thawed(value) for key, value in self._items.items()}
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, FrozenScaling):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value
 
 
 def _rotary_dim_from_scaling(scaling: Any, head_dim: int, rotary_dim: int | None, base: float) -> int | None:

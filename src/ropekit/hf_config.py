@@ -18,12 +18,19 @@ hidden_size // num_attention_heads.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ropekit.schedules import get_schedule
+from ropekit.schedules.registry import STRUCTURAL_KEYS
+from ropekit.validation import describe
+
 __all__ = ["load_hf_config", "rope_kwargs", "rope_layer_types"]
+
+log = logging.getLogger(__name__)
 
 # HF's default rope_theta when a config names none.
 DEFAULT_THETA = 10000.0
@@ -37,7 +44,8 @@ MROPE_DEFAULTS = {
     "qwen3_vl": ([24, 20, 20], True),
     "qwen3_vl_moe": ([24, 20, 20], True),
 }
-# Schedules that read original_max_position_embeddings; Phi-3 keeps it at the top level of config.json.
+# Schedules that read original_max_position_embeddings; Phi-3 keeps it at the top level of config.json. When a
+# config names none, HF fills it from max_position_embeddings, and so do we.
 USES_ORIGINAL_LENGTH = frozenset({"llama3", "yarn", "longrope", "su"})
 
 
@@ -84,16 +92,29 @@ def _has_rope_keys(d: Mapping[str, Any]) -> bool:
     return any(d.get(k) is not None for k in keys)
 
 
+def _mapping(d: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    """A copy of d[key] when it is a dict, None when absent or null; anything else is a ValueError."""
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"config[{key!r}]: expected a dict such as {{'rope_type': 'linear', 'factor': 4.0}} or null, "
+            f"got {describe(value)}"
+        )
+    return dict(value)
+
+
 def _per_layer_parameters(d: Mapping[str, Any]) -> dict[str, Any] | None:
     """The per-layer-type RoPE dicts, or None for a model with one RoPE for every layer."""
-    params = d.get("rope_parameters")
+    params = _mapping(d, "rope_parameters")
     if (
         isinstance(params, Mapping)
         and params
         and all(v is None or isinstance(v, Mapping) for v in params.values())
     ):
         return {k: None if v is None else dict(v) for k, v in params.items()}
-    scaling = d.get("rope_scaling") or {}
+    scaling = _mapping(d, "rope_scaling") or {}
     if d.get("rope_local_base_freq") is not None:  # Gemma 3: scaling applies to the global layers only
         return {
             "full_attention": {**scaling, "rope_theta": d.get("rope_theta", 1_000_000.0)},
@@ -151,7 +172,7 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
             raise ValueError(
                 f"layer_type: {layer_type!r} layers use no RoPE (their rope_parameters are null)"
             )
-        params = nested[layer_type]
+        params, where = nested[layer_type], f"config['rope_parameters'][{layer_type!r}]"
     else:
         declared = d.get("layer_types") or []
         if layer_type is not None and layer_type not in declared:
@@ -160,9 +181,8 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
                 f"{' or one of ' + str(sorted(set(declared))) if declared else ''}, got {layer_type!r}"
             )
         # HF: rope_scaling, when set, replaces rope_parameters.
-        params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    if not isinstance(params, dict):
-        raise ValueError(f"config['rope_scaling']: expected a dict or null, got {params!r:.80}")
+        where = "config['rope_scaling']" if _mapping(d, "rope_scaling") else "config['rope_parameters']"
+        params = _mapping(d, "rope_scaling") or _mapping(d, "rope_parameters") or {}
     theta = d.get("rope_theta", d.get("rotary_emb_base", DEFAULT_THETA))
     params.setdefault("rope_theta", DEFAULT_THETA if theta is None else theta)
     partial = d.get("partial_rotary_factor", d.get("rotary_pct"))
@@ -179,9 +199,36 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         params.setdefault("mrope_section", section)
         if interleaved:
             params["mrope_interleaved"] = True
-    if kind in USES_ORIGINAL_LENGTH and d.get("original_max_position_embeddings") is not None:
-        params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
-    return params
+    if kind in USES_ORIGINAL_LENGTH:
+        if d.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        elif d.get("max_position_embeddings") is not None:
+            params.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
+    return _known_keys(params, where)
+
+
+def _known_keys(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check the keys against the schedule as HF does: a missing required key is an error, an unknown one is
+    logged and dropped (Hub configs carry stray keys that HF ignores too)."""
+    if not isinstance(params["rope_type"], str):
+        raise ValueError(f"{where}['rope_type']: expected a string, got {describe(params['rope_type'])}")
+    sched = get_schedule(params["rope_type"])
+    missing = sorted(sched.required - params.keys())
+    if missing:
+        raise ValueError(
+            f"{where}: rope_type {params['rope_type']!r} requires the keys {missing}, which are missing "
+            f"(it takes {sorted(sched.required)}, optionally {sorted(sched.optional)})"
+        )
+    unknown = sorted(params.keys() - sched.required - sched.optional - STRUCTURAL_KEYS)
+    if unknown:
+        log.warning(
+            "%s: ignoring keys %s, which rope_type %r does not use (it takes %s)",
+            where,
+            unknown,
+            params["rope_type"],
+            sorted(sched.required | sched.optional),
+        )
+    return {key: value for key, value in params.items() if key not in unknown}
 
 
 def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]:

@@ -12,8 +12,11 @@ import torch
 
 __all__ = [
     "check_base",
+    "check_bool",
     "check_head_dim",
     "check_int",
+    "check_number",
+    "check_positive",
     "check_rotary_dim",
     "check_tables",
     "check_x",
@@ -35,25 +38,43 @@ def describe(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_int(name: str, value: Any, *, minimum: int, expected: str) -> int:
+def check_int(name: str, value: Any, *, minimum: int = 1, expected: str = "a positive integer") -> int:
     """value must be an integer (Python or NumPy, never a bool) >= minimum; returns it as an int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        raise ValueError(f"{name}: expected {expected}, got {describe(value)}")
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """value must be a bool (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {describe(value)}")
+    return value
+
+
+def _is_finite_real(value: Any) -> bool:
+    """A finite real number; a bool or a string is not a number here."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_number(name: str, value: Any, *, minimum: float) -> float:
+    """value must be a finite real number >= minimum; returns it as a float."""
+    if not _is_finite_real(value) or value < minimum:
+        raise ValueError(f"{name}: expected a finite number >= {minimum:g}, got {describe(value)}")
+    return float(value)
+
+
 def check_positive(name: str, value: Any) -> float:
-    """value must be a finite real number > 0 (a string or a bool is not a number); returns it as a float."""
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    """value must be a finite real number > 0; returns it as a float."""
+    if not _is_finite_real(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {describe(value)}")
     return float(value)
 
 
 def check_base(base: Any) -> float:
-    """base must be a finite real number > 1 (a string or a bool is not a number here)."""
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 1:
-        raise ValueError(f"base: expected a finite number > 1, got {base!r}")
+    """base must be a finite real number > 1."""
+    if not _is_finite_real(base) or base <= 1:
+        raise ValueError(f"base: expected a finite number > 1, got {describe(base)}")
     return float(base)
 
 

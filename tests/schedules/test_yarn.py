@@ -31,11 +31,11 @@ def test_attention_factor_forms():
     assert _yarn(attention_factor=1.5).attention_scaling() == 1.5
 
 
-def test_factor_defaults_to_the_length_ratio():
+def test_a_null_factor_defaults_to_the_length_ratio():
     implicit = RopeConfig(
         64,
         1e4,
-        scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
+        scaling={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096},
         max_position_embeddings=65536,
     )
     explicit = RopeConfig(

@@ -27,7 +27,7 @@ def _row(name: str) -> dict:
         "rope_type": config.rope_type,
         "interleaved": config.interleaved,
         "max_position_embeddings": config.max_position_embeddings,
-        "scaling": config.scaling,
+        "scaling": None if config.scaling is None else config.scaling.to_dict(),
         "source": preset.source,
         "note": preset.note,
     }

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.schedules.params import check_number
+from ropekit.schedules.params import check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    check_number(spec, "factor")
+    check_value(spec, "factor", minimum=1, required=True)  # below 1 would shrink the context, never extend it
     if spec.max_position_embeddings is None:
         raise ValueError(
             "max_position_embeddings: dynamic NTK scaling needs the model's context length, got None"

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.schedules.params import check_number
+from ropekit.schedules.params import check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    check_number(spec, "factor")
+    check_value(spec, "factor", minimum=1, required=True)  # below 1 would shrink the context, never extend it
 
 
 @register_schedule("linear", required=("factor",), validate=_validate)

@@ -12,14 +12,15 @@ import math
 
 import torch
 
-from ropekit.schedules.params import check_int, check_number
+from ropekit.schedules.params import check_length, check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        check_number(spec, key)
-    check_int(spec, "original_max_position_embeddings")
+    check_value(spec, "factor", minimum=1, required=True)  # below 1 would shrink the context, never extend it
+    for key in ("low_freq_factor", "high_freq_factor"):
+        check_value(spec, key, required=True)
+    check_length(spec, "original_max_position_embeddings")
     spec.original_length()
     low, high = spec.params["low_freq_factor"], spec.params["high_freq_factor"]
     if high <= low:

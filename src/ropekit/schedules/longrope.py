@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ropekit.schedules.params import check_factor_list, check_int, check_number
+from ropekit.schedules.params import check_factor_list, check_length, check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
@@ -31,9 +31,9 @@ def longrope_attention_factor(spec: RopeSpec) -> float:
 def _validate(spec: RopeSpec) -> None:
     check_factor_list(spec, "short_factor", spec.rotary_dim // 2)
     check_factor_list(spec, "long_factor", spec.rotary_dim // 2)
-    check_number(spec, "factor")
-    check_number(spec, "attention_factor", positive=False, minimum=0)
-    check_int(spec, "original_max_position_embeddings")
+    check_value(spec, "factor", minimum=1)  # below 1 would shrink the context, never extend it
+    check_value(spec, "attention_factor", minimum=0)
+    check_length(spec, "original_max_position_embeddings")
     longrope_attention_factor(spec)  # raises when the lengths are unknown
 
 

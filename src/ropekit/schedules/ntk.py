@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from ropekit.schedules.extend import ntk_base
-from ropekit.schedules.params import check_number
+from ropekit.schedules.params import check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    check_number(spec, "factor")
+    check_value(spec, "factor", minimum=1, required=True)  # below 1 would shrink the context, never extend it
     if spec.rotary_dim <= 2:
         raise ValueError(
             f"rotary_dim: NTK scaling needs rotary_dim > 2 (it uses d / (d - 2)), got {spec.rotary_dim}"

@@ -1,42 +1,46 @@
-"""Checks for schedule parameters: each raises a ValueError naming the key, the value and what was
-expected."""
+"""Reading schedule parameters out of a scaling dict and checking them with :mod:`ropekit.validation`.
+
+Each helper names the key as ``scaling['key']`` in its ValueError; absent keys and keys set to None (HF writes
+absent keys as null) are left to the schedule's defaults.
+"""
 
 from __future__ import annotations
 
-import math
-
 from ropekit.schedules.registry import RopeSpec
-from ropekit.validation import check_positive
+from ropekit.validation import check_bool, check_int, check_number, check_positive
 
-__all__ = ["check_factor_list", "check_int", "check_number"]
+__all__ = ["check_factor_list", "check_flag", "check_length", "check_value"]
 
 
-def check_number(spec: RopeSpec, key: str, *, positive: bool = True, minimum: float | None = None) -> None:
-    """scaling[key], when present and not None, is a finite real number (> 0 if positive, >= minimum)."""
+def check_value(spec: RopeSpec, key: str, *, minimum: float | None = None, required: bool = False) -> None:
+    """scaling[key] is a finite number: > 0 by default, or >= minimum when one is given.
+
+    An absent or null key passes unless ``required`` (the schedule has no default for it).
+    """
     value = spec.params.get(key)
     if value is None:
+        if required:
+            want = "a finite number" + (" > 0" if minimum is None else f" >= {minimum:g}")
+            raise ValueError(f"scaling[{key!r}]: expected {want}, got {value!r}")
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and positive:
-        ok = value > 0
-    if ok and minimum is not None:
-        ok = value >= minimum
-    if not ok:
-        want = "a finite number"
-        if positive:
-            want += " > 0"
-        if minimum is not None:
-            want += f" >= {minimum}"
-        raise ValueError(f"scaling[{key!r}]: expected {want}, got {value!r}")
+    if minimum is None:
+        check_positive(f"scaling[{key!r}]", value)
+    else:
+        check_number(f"scaling[{key!r}]", value, minimum=minimum)
 
 
-def check_int(spec: RopeSpec, key: str) -> None:
-    """scaling[key], when present and not None, is a positive integer."""
+def check_length(spec: RopeSpec, key: str) -> None:
+    """scaling[key] is a positive integer (a context length such as original_max_position_embeddings)."""
     value = spec.params.get(key)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"scaling[{key!r}]: expected a positive integer, got {value!r}")
+    if value is not None:
+        check_int(f"scaling[{key!r}]", value)
+
+
+def check_flag(spec: RopeSpec, key: str) -> None:
+    """scaling[key] is a bool."""
+    value = spec.params.get(key)
+    if value is not None:
+        check_bool(f"scaling[{key!r}]", value)
 
 
 def check_factor_list(spec: RopeSpec, key: str, length: int) -> None:

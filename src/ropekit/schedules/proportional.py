@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.schedules.params import check_number
+from ropekit.schedules.params import check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    check_number(spec, "factor")
-    check_number(spec, "partial_rotary_factor", positive=False, minimum=0)
+    check_value(spec, "factor")
+    check_value(spec, "partial_rotary_factor", minimum=0)
     p = spec.get("partial_rotary_factor", 1.0)
     if p > 1:
         raise ValueError(f"scaling['partial_rotary_factor']: expected a number in [0, 1], got {p!r}")

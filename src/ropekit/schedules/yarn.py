@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ropekit.schedules.params import check_int, check_number
+from ropekit.schedules.params import check_flag, check_length, check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 # The paper's defaults: extrapolate pairs with > 32 rotations in the original context, interpolate those
@@ -57,14 +57,13 @@ def ramp_bounds(spec: RopeSpec) -> tuple[float, float]:
 
 
 def _validate(spec: RopeSpec) -> None:
-    for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
-        check_number(spec, key)
+    check_value(spec, "factor", minimum=1)  # below 1 would shrink the context, never extend it
+    for key in ("beta_fast", "beta_slow", "attention_factor"):
+        check_value(spec, key)
     for key in ("mscale", "mscale_all_dim"):
-        check_number(spec, key, positive=False, minimum=0)
-    check_int(spec, "original_max_position_embeddings")
-    truncate = spec.params.get("truncate")
-    if truncate is not None and not isinstance(truncate, bool):
-        raise ValueError(f"scaling['truncate']: expected a bool, got {truncate!r}")
+        check_value(spec, key, minimum=0)
+    check_length(spec, "original_max_position_embeddings")
+    check_flag(spec, "truncate")
     fast, slow = spec.get("beta_fast", BETA_FAST), spec.get("beta_slow", BETA_SLOW)
     if fast < slow:
         raise ValueError(f"scaling['beta_fast']: expected >= beta_slow ({slow}), got {fast}")
@@ -73,8 +72,9 @@ def _validate(spec: RopeSpec) -> None:
 
 @register_schedule(
     "yarn",
+    # As in HF, the factor key is required but may be null: DeepSeek's configs then take the length ratio.
+    required=("factor",),
     optional=(
-        "factor",
         "original_max_position_embeddings",
         "beta_fast",
         "beta_slow",

@@ -58,7 +58,7 @@ class MethodReport:
         return {
             "name": self.name,
             "rope_type": self.config.rope_type,
-            "scaling": self.config.scaling,
+            "scaling": None if self.config.scaling is None else self.config.scaling.to_dict(),
             "attention_scaling": self.attention_scaling,
             "pairs": [
                 {"pair": i, "theta": float(t), "ratio": float(r), "effect": e}
