@@ -7,9 +7,10 @@ chunk) it reads the cos/sin row once, rotates each head into a stack scratch, an
 the in-place case vectorised (no possible aliasing between the loads and the stores).
 
 The source is plain C (no torch headers), so building it takes about a second; the shared library is cached in
-``$ROPEKIT_CACHE_DIR`` (default ``~/.cache/ropekit``) under a hash of the source, the flags and the CPU. No
-compiler, or a failed build, makes this backend unavailable with a logged reason, and ``backend="auto"`` falls
-back to the torch backend.
+``$ROPEKIT_CACHE_DIR`` (default ``~/.cache/ropekit``, mode 0700, refused if another user could write to it)
+under a hash of the source, the flags, the compiler's identity and the CPU; a file lock makes concurrent
+processes build once. No compiler, a failed or timed-out build, or an unsafe cache makes this backend
+unavailable with a logged reason, and ``backend="auto"`` falls back to the torch backend.
 
 Supported: float32, float16 and bfloat16 storage (math in float32). float64 stays on the torch backend, whose
 math is float64.
@@ -17,6 +18,7 @@ math is float64.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -136,9 +139,42 @@ _ARGTYPES = (
 )
 
 
+# The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
+# instead of blocking the first rotary call forever. A normal build takes about a second.
+BUILD_TIMEOUT_S = 120.0
+
+
 def _cache_dir() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ropekit"
     return Path(os.environ.get("ROPEKIT_CACHE_DIR", default))
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a cache entry another user could have written: ``ctypes.CDLL`` runs the code it loads.
+
+    The owner must be this user and neither group nor others may write to it (as for ``~/.ssh``).
+
+    Raises:
+        RuntimeError: naming the path, its owner or mode, and the fix.
+    """
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise RuntimeError(
+            f"refusing the kernel cache {str(path)!r}: it is owned by uid {info.st_uid}, not by this user "
+            f"(uid {os.getuid()}); set ROPEKIT_CACHE_DIR to a directory of your own"
+        )
+    if info.st_mode & 0o022:
+        raise RuntimeError(
+            f"refusing the kernel cache {str(path)!r}: mode {info.st_mode & 0o777:o} lets group or others "
+            f"write to it (chmod go-w {str(path)!r}, or set ROPEKIT_CACHE_DIR to a private directory)"
+        )
+
+
+def _private_dir(directory: Path) -> Path:
+    """Create the cache directory with mode 0700 (parents as the umask says) and check that it is private."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(directory)
+    return directory
 
 
 def _cpu_signature() -> str:
@@ -150,36 +186,92 @@ def _cpu_signature() -> str:
         return ""
 
 
-def build_library(compiler: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL:
+def _compiler_identity(path: str, timeout: float) -> str:
+    """The compiler's resolved path and ``--version`` banner: upgrading gcc must not reuse old builds."""
+    try:
+        result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout)
+        banner = result.stdout.strip() or result.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        banner = f"unknown ({type(err).__name__})"
+    return f"{os.path.realpath(path)}\n{banner}"
+
+
+def _cache_key(path: str, timeout: float = BUILD_TIMEOUT_S) -> str:
+    """Hash of everything the built library depends on: source, flags, compiler identity and CPU."""
+    parts = [_SOURCE, *FLAGS, _compiler_identity(path, timeout), _cpu_signature()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the cache directory, so concurrent first calls build once.
+
+    Without fcntl (Windows) there is no lock; the atomic rename still keeps every reader safe.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(directory / "build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def build_library(
+    compiler: str | None = None, cache_dir: Path | None = None, *, timeout: float = BUILD_TIMEOUT_S
+) -> ctypes.CDLL:
     """Compile (or load from the cache) the C loop; returns the loaded library.
 
+    The cache directory (``$ROPEKIT_CACHE_DIR``, default ``~/.cache/ropekit``) is created with mode 0700
+    and must belong to this user and be writable by no one else, as must a cached library, because loading
+    a library runs its code. Concurrent processes take a file lock, so the first one builds and the rest
+    load its result.
+
+    Args:
+        compiler: the C compiler; defaults to ``$CC``, else ``cc``.
+        cache_dir: where built libraries are kept; defaults to the directory above.
+        timeout: seconds the compiler may run before the build counts as failed.
+
     Raises:
-        RuntimeError: if no compiler is found or the build fails; the message says why.
+        RuntimeError: if no compiler is found, the build fails or times out, or the cache directory or a
+            cached library is not private to this user; the message says which and why.
     """
     compiler = compiler or os.environ.get("CC") or "cc"
     path = shutil.which(compiler)
     if path is None:
         raise RuntimeError(f"no C compiler found (looked for {compiler!r}; install gcc or set CC)")
-    key = hashlib.sha256("\n".join([_SOURCE, *FLAGS, path, _cpu_signature()]).encode()).hexdigest()[:16]
-    directory = cache_dir or _cache_dir()
-    target = directory / f"rotary_cpu_{key}.so"
-    if not target.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            src = Path(tmp) / "rotary_cpu.c"
-            src.write_text(_SOURCE)
-            built = Path(tmp) / target.name
-            cmd = [path, *FLAGS, str(src), "-o", str(built)]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                err = result.stderr.strip()[-500:]
-                raise RuntimeError(f"building the CPU kernel with {path} failed: {err}")
-            os.replace(built, target)  # atomic: concurrent builders (xdist workers) never see half a file
+    directory = _private_dir(Path(cache_dir) if cache_dir is not None else _cache_dir())
+    target = directory / f"rotary_cpu_{_cache_key(path, timeout)}.so"
+    with _build_lock(directory):
+        if not target.exists():
+            _compile(path, target, timeout)
+    _check_private(target)
     lib = ctypes.CDLL(str(target))
     for entry in _ENTRY.values():
         getattr(lib, entry).argtypes = _ARGTYPES
         getattr(lib, entry).restype = None
     return lib
+
+
+def _compile(path: str, target: Path, timeout: float) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "rotary_cpu.c"
+        src.write_text(_SOURCE)
+        built = Path(tmp) / target.name
+        cmd = [path, *FLAGS, str(src), "-o", str(built)]
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"building the CPU kernel with {path} timed out after {timeout:g} s") from None
+        if result.returncode != 0:
+            err = result.stderr.strip()[-500:]
+            raise RuntimeError(f"building the CPU kernel with {path} failed: {err}")
+        os.chmod(built, 0o700)
+        os.replace(built, target)  # atomic: a reader never sees half a file
 
 
 _library: ctypes.CDLL | None = None
