@@ -52,3 +52,44 @@ def test_missing_matplotlib_explains_how_to_get_it(tmp_path, capsys, monkeypatch
 def test_unknown_model_is_a_clean_error(capsys):
     assert main(["inspect", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exit_info:  # argparse's own usage errors
+        return exit_info.code
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["llama-3.1-8b", "--plot", "/no/such/dir/x.png"], "--plot: '/no/such/dir/x.png'"),
+        (["llama-3.1-8b", "--factor", "4"], "--factor: 4.0 applies to the --method methods"),
+        (["llama-3.1-8b", "--set", "beta_fast=16"], "--set: 'beta_fast=16' applies to the --method methods"),
+        (["llama-3.1-8b", "--method", "warp", "--factor", "2"], "--method: unknown method 'warp'"),
+        (["llama-3.1-8b", "--method", "yarn", "--factor", "0.5"], "argument --factor: expected a finite"),
+        (["llama-3.1-8b", "--method", "yarn", "--factor", "nan"], "argument --factor: expected a finite"),
+        (["llama-3.1-8b", "--target-length", "0"], "argument --target-length: expected a positive integer"),
+        (["llama-3.1-8b", "--layer-type", "sliding_attention"], "--layer-type: 'sliding_attention' selects"),
+    ],
+)
+def test_misuse_is_one_line_naming_the_flag_and_exit_2(argv, flag, capsys, tmp_path):
+    assert _exit_code(["inspect", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("ropekit inspect: error: ")
+
+
+def test_factor_without_method_does_not_change_the_target_length(capsys):
+    """The help says --factor is for the --method methods; alone it is an error, never a new target."""
+    assert main(["inspect", "llama-3.1-8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target_length"] == 131072
+    assert _exit_code(["inspect", "llama-3.1-8b", "--factor", "4"]) == 2
+
+
+def test_method_without_factor_extends_to_the_target_length(capsys):
+    assert main(["inspect", "llama-2-7b", "--method", "linear", "--target-length", "16384", "--json"]) == 0
+    requested = json.loads(capsys.readouterr().out)["methods"][1]
+    assert requested["scaling"] == {"rope_type": "linear", "factor": 4.0}

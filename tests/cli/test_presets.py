@@ -25,3 +25,39 @@ def test_one_preset_in_json_carries_its_source(capsys):
 def test_unknown_preset_is_a_clean_error(capsys):
     assert main(["presets", "gpt-5"]) == 2
     assert "unknown preset 'gpt-5'" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """`ropekit presets --json | head -1`: no BrokenPipeError traceback, exit status 128 + SIGPIPE."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from ropekit.cli import main\n"
+        "read, write = os.pipe()\n"
+        "os.close(read)\n"  # the reader is gone before the first byte
+        "os.dup2(write, sys.stdout.fileno())\n"
+        "sys.exit(main(['presets', '--json']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=os.environ, timeout=120
+    )
+    assert result.returncode == 141, result.stderr
+    assert result.stderr == ""
+
+
+def test_json_rows_are_plain_json_with_lists():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ropekit", "presets", "phi-3-mini-128k", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    row = json.loads(out)
+    assert isinstance(row["scaling"]["short_factor"], list) and len(row["scaling"]["short_factor"]) == 48

@@ -84,3 +84,85 @@ def test_bad_target_length_and_unknown_method():
         inspect_config(RopeConfig(64), target_length=0)
     with pytest.raises(ValueError, match="unknown rope_type 'warp'"):
         inspect_config(RopeConfig(64), methods=["warp"], factor=2.0)
+
+
+def test_factor_or_extra_keys_without_methods_are_errors():
+    with pytest.raises(ValueError, match=r"factor: applies to the requested methods, but none was given"):
+        inspect_config(RopeConfig.preset("llama-3.1-8b"), factor=4.0)
+    with pytest.raises(ValueError, match=r"extra: applies to the requested methods"):
+        inspect_config(RopeConfig.preset("llama-3.1-8b"), extra={"beta_fast": 16})
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "llama3"])
+def test_requested_methods_use_the_one_extension_map(method):
+    from ropekit.schedules import extension_scaling
+
+    config = RopeConfig.preset("llama-2-7b")
+    report = inspect_config(config, methods=[method], factor=4.0)
+    scaling, max_positions = extension_scaling(method, 4.0, 4096)
+    requested = report.methods[1].config
+    assert requested.scaling == scaling
+    assert requested.max_position_embeddings == max_positions
+
+
+def test_a_method_without_a_factor_extends_to_the_target_length():
+    report = inspect_config(RopeConfig.preset("llama-2-7b"), methods=["yarn"], target_length=8192)
+    assert report.methods[1].config.scaling["factor"] == 2.0
+    with pytest.raises(ValueError, match=r"factor: expected a number >= 1"):
+        inspect_config(RopeConfig.preset("llama-2-7b"), methods=["yarn"], target_length=1024)
+
+
+def _figure(report):
+    pytest.importorskip("matplotlib")
+    from ropekit.tools.inspect import inspection_figure
+
+    fig = inspection_figure(report)
+    fig.canvas.draw()
+    return fig
+
+
+def test_plot_legend_is_outside_every_panel_and_names_each_curve_once():
+    import matplotlib.pyplot as plt
+
+    report = inspect_config(RopeConfig.preset("llama-2-7b"), methods=["linear", "yarn"], factor=4.0)
+    fig = _figure(report)
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    # llama-2 is unscaled: its configured curve is the no-scaling curve, drawn and listed once.
+    assert labels[0] == "configured: default (no scaling) (tables ×1)"
+    assert not any(label.startswith("no scaling") for label in labels)
+    assert len(labels) == len(set(labels)) == 5  # configured, linear, yarn, training context, target
+    box = legend.get_window_extent()
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent()), "the legend covers a panel"
+    plt.close(fig)
+
+
+def test_plot_keeps_the_no_scaling_curve_when_the_model_is_scaled():
+    import matplotlib.pyplot as plt
+
+    fig = _figure(inspect_config(RopeConfig.preset("llama-3.1-8b")))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:2] == ["no scaling (tables ×1)", "configured: llama3 (tables ×1)"]
+    plt.close(fig)
+
+
+def test_plot_distance_axes_tick_the_training_and_target_lengths_in_tokens():
+    import matplotlib.pyplot as plt
+
+    report = inspect_config(RopeConfig.preset("llama-2-7b"), methods=["linear"], factor=4.0)
+    fig = _figure(report)
+    for ax in fig.axes[1:]:
+        ticks = list(ax.get_xticks())
+        assert 4096 in ticks and 16384 in ticks and ticks == sorted(ticks)
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert "4k" in labels and "16k" in labels and all("10^" not in x and "$" not in x for x in labels)
+        assert ax.get_xscale() == "log" and ax.get_xlim() == (1, 16384)
+    plt.close(fig)
+
+
+def test_plot_into_a_missing_folder_is_a_value_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = inspect_config(RopeConfig.preset("llama-2-7b"))
+    with pytest.raises(ValueError, match=r"path: folder .*does not exist"):
+        plot_inspection(report, str(tmp_path / "missing" / "x.png"))

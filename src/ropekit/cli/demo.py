@@ -9,6 +9,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from ropekit.cli.args import positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -22,10 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--finetune", action="store_true", help="also fine-tune PI and YaRN briefly at 2L")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)")
-    p.add_argument("--train-length", type=int, default=None, help="training length L in bytes")
-    p.add_argument("--steps", type=int, default=None, help="training steps per variant")
+    p.add_argument("--train-length", type=positive_int, default=None, help="training length L in bytes")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per variant")
     p.add_argument(
-        "--batch-size", type=int, default=None, help="global batch (windows per step, split over ranks)"
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch (windows per step, split over ranks)",
     )
     p.add_argument("--variants", default=None, help="comma-separated subset of nope,sinusoidal,rope")
     p.add_argument(
@@ -33,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch threads per process (default 1; a 4+ core share if any)",
     )

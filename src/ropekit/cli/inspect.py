@@ -8,6 +8,9 @@ import math
 import sys
 from pathlib import Path
 
+from ropekit.cli.args import extension_factor, positive_int
+from ropekit.schedules import EXTEND_METHODS, SCHEDULES
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,20 +20,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "or its folder.",
     )
     p.add_argument("model", help="preset name, or path to config.json or the folder holding it")
-    p.add_argument("--target-length", type=int, default=None, help="context length to plan for")
+    p.add_argument(
+        "--target-length",
+        type=positive_int,
+        default=None,
+        help="context length to plan for (default: training length x --factor, else the config's length)",
+    )
     p.add_argument(
         "--method",
         action="append",
         default=[],
-        help="scaling method to compare (repeatable): linear, ntk, ...",
+        help=f"scaling method to compare with the configured one (repeatable): {', '.join(EXTEND_METHODS)}, "
+        "or another registered rope_type such as proportional",
     )
-    p.add_argument("--factor", type=float, default=None, help="factor for the requested methods")
+    p.add_argument(
+        "--factor",
+        type=extension_factor,
+        default=None,
+        help="extension factor for the --method methods (needs --method; default: target length / training "
+        "length). The configured method keeps its own factor.",
+    )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra scaling key for the requested methods, value as JSON (beta_fast=16)",
+        help="extra scaling key for the --method methods, value as JSON (beta_fast=16)",
     )
     p.add_argument("--layer-type", default=None, help="per-layer-type configs: which layer type to read")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write wavelength / decay / q·k plots")
@@ -56,6 +71,11 @@ def _load(model: str, layer_type: str | None):
     from ropekit.presets import PRESETS
 
     if model.lower() in PRESETS:
+        if layer_type is not None:
+            raise ValueError(
+                f"--layer-type: {layer_type!r} selects a per-layer-type RoPE of a config.json, but "
+                f"{model!r} is a preset with one RoPE for every layer"
+            )
         return RopeConfig.preset(model), model.lower()
     if Path(model).exists():
         return RopeConfig.from_hf(model, layer_type=layer_type), model
@@ -102,6 +122,20 @@ def format_report(inspection) -> str:
 def run(args: argparse.Namespace) -> int:
     from ropekit.tools.inspect import inspect_config, plot_inspection
 
+    if not args.method and (args.factor is not None or args.set):
+        flag, value = ("--factor", args.factor) if args.factor is not None else ("--set", args.set[0])
+        raise ValueError(
+            f"{flag}: {value!r} applies to the --method methods, but no --method was given; add one "
+            "(e.g. --method yarn), or use --target-length alone to see the configured method there"
+        )
+    for method in args.method:
+        if method not in SCHEDULES and method not in EXTEND_METHODS:
+            known = sorted(set(SCHEDULES) | set(EXTEND_METHODS))
+            raise ValueError(f"--method: unknown method {method!r}; expected one of {known}")
+    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
+        raise ValueError(
+            f"--plot: {args.plot!r}: folder {str(Path(args.plot).resolve().parent)!r} does not exist"
+        )
     config, name = _load(args.model, args.layer_type)
     inspection = inspect_config(
         config,
@@ -114,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             plot_inspection(inspection, args.plot)
+        except ValueError as err:
+            raise ValueError(f"--plot: {args.plot!r}: " + str(err).removeprefix("path: ")) from None
         except ImportError:
             print(
                 "ropekit inspect: --plot needs matplotlib, an optional extra: pip install 'ropekit[plot]'",

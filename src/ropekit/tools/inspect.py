@@ -14,17 +14,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ropekit.config import RopeConfig
+from ropekit.validation import check_int
 
 __all__ = [
     "Inspection",
     "MethodReport",
     "decay_bound",
     "inspect_config",
+    "inspection_figure",
     "original_length",
     "plot_inspection",
     "qk_cosine",
@@ -182,26 +185,33 @@ def _report(name: str, config: RopeConfig, theta: np.ndarray, target: int) -> Me
 def requested_config(
     config: RopeConfig, method: str, factor: float | None, extra: Mapping[str, Any], target: int
 ) -> RopeConfig:
-    """The config's geometry with a different scaling method, sized for the target length.
+    """The config's geometry with a different scaling method, extending its training length ``factor`` times.
 
-    Keys the method does not take (factor, original_max_position_embeddings) are left out, so the same
-    ``--factor`` serves every method compared.
+    The context-extension methods (linear, ntk, dynamic, yarn, llama3, longrope) get their scaling dict and
+    max_position_embeddings from :func:`ropekit.schedules.extension_scaling`, the one map that
+    ``extend_context`` uses too. Any other registered schedule (e.g. proportional) gets ``factor`` when it
+    takes one, ``extra``, and max_position_embeddings = max(target, training length).
+
+    Raises:
+        ValueError: for an unknown method, a missing or invalid factor, or keys the method rejects.
     """
-    from ropekit.schedules import get_schedule
+    from ropekit.schedules import EXTEND_METHODS, extension_scaling, get_schedule
 
-    sched = get_schedule(method)
-    keys = sched.required | sched.optional
-    scaling: dict[str, Any] = {"rope_type": sched.name}
-    if factor is not None and "factor" in keys:
-        scaling["factor"] = factor
-    if "original_max_position_embeddings" in keys:
-        scaling["original_max_position_embeddings"] = original_length(config)
-    scaling.update(extra)
-    # Dynamic NTK grows past max_position_embeddings, so that must be the training length; the others read
-    # it as the extended context.
-    max_positions = (
-        original_length(config) if sched.name == "dynamic" else max(target, original_length(config))
-    )
+    original = original_length(config)
+    if method in EXTEND_METHODS:
+        if factor is None:
+            raise ValueError(
+                f"factor: method {method!r} extends the context by a factor, got None "
+                "(pass factor, or a target_length to derive it from)"
+            )
+        scaling, max_positions = extension_scaling(method, factor, original, **extra)
+    else:
+        sched = get_schedule(method)
+        scaling = {"rope_type": sched.name}
+        if factor is not None and "factor" in sched.required | sched.optional:
+            scaling["factor"] = factor
+        scaling.update(extra)
+        max_positions = max(target, original)
     return RopeConfig(
         config.head_dim,
         config.base,
@@ -227,19 +237,28 @@ def inspect_config(
         config: the model's RoPE.
         model: a name for the header.
         target_length: the context to plan for; defaults to original length x factor when a factor is
-            requested, else the config's max_position_embeddings (or the original length).
+            given, else the config's max_position_embeddings (or the original length).
         methods: rope_types to compare against the configured one (e.g. ["linear", "yarn"]).
-        factor: the factor requested methods use.
+        factor: the extension factor the requested methods use; defaults to target_length / original length.
+            It applies to requested methods only, so it needs ``methods``.
         extra: more scaling keys for the requested methods (beta_fast, low_freq_factor, ...).
 
     Raises:
-        ValueError: for a bad target length, an unknown method, or keys a method rejects.
+        ValueError: for a bad target length, a factor or extra keys without methods, an unknown method, or
+            keys a method rejects.
     """
     original = original_length(config)
+    if not methods and (factor is not None or extra):
+        what = "factor" if factor is not None else "extra"
+        raise ValueError(
+            f"{what}: applies to the requested methods, but none was given (methods=[]); name the methods "
+            "to compare (e.g. methods=['yarn']), or pass only target_length to see the configured method"
+        )
     if target_length is None:
         target_length = int(original * factor) if factor else (config.max_position_embeddings or original)
-    if isinstance(target_length, bool) or not isinstance(target_length, int) or target_length <= 0:
-        raise ValueError(f"target_length: expected a positive integer, got {target_length!r}")
+    target_length = check_int("target_length", target_length)
+    if methods and factor is None:
+        factor = target_length / original
     plain = RopeConfig(config.head_dim, config.base, rotary_dim=config.rotary_dim)
     theta = plain.inv_freq().numpy()
     reports = [_report(f"configured: {config.rope_type}", config, theta, target_length)]
@@ -271,8 +290,37 @@ def qk_cosine(inv_freq: np.ndarray, distances: np.ndarray) -> np.ndarray:
     return np.cos(angles).mean(axis=1)
 
 
-def plot_inspection(inspection: Inspection, path: str) -> None:
-    """Write a PNG with three panels: wavelengths per pair, the decay bound, and q·k cosine vs distance.
+_SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+def _tokens(value: float, _pos: Any = None) -> str:
+    """Axis label for a token count: 512, 4k, 128k, 1M for multiples of 1024 (context lengths), 10,000
+    or 10⁶ for the powers of ten of a log axis."""
+    value = float(value)
+    for unit, size in (("M", 1 << 20), ("k", 1 << 10)):
+        if value >= size and value % (size // 4) == 0:
+            return f"{value / size:g}{unit}"
+    if value >= 1e5 and math.log10(value).is_integer():
+        return "10" + str(int(math.log10(value))).translate(_SUPERSCRIPT)
+    return f"{value:,.0f}" if value >= 1 else f"{value:g}"
+
+
+def _distance_ticks(original: int, target: int) -> list[int]:
+    """Powers of 4 from 1 up to the target, plus the two lengths the plan is about."""
+    ticks = {4**k for k in range(32) if 4**k < target} | {original, target}
+    # Drop a power of 4 that would crowd a labelled length (within a factor of 2).
+    return sorted(
+        t
+        for t in ticks
+        if t in (original, target) or all(max(t, m) / min(t, m) >= 2 for m in (original, target))
+    )
+
+
+def inspection_figure(inspection: Inspection) -> Any:
+    """The matplotlib figure of :func:`plot_inspection` (three panels, one legend below them).
+
+    A method whose frequencies equal the unscaled ones (the configured one of an unscaled model) is drawn
+    and labelled once, as "... (no scaling)", rather than hiding a separate "no scaling" line under it.
 
     Raises:
         ImportError: when matplotlib is not installed (``pip install ropekit[plot]``).
@@ -281,34 +329,76 @@ def plot_inspection(inspection: Inspection, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig, (ax_w, ax_d, ax_c) = plt.subplots(1, 3, figsize=(16, 4.8))
+    curves = []
+    unscaled_shown = False
+    for m in inspection.methods:
+        same = bool(np.array_equal(m.inv_freq, inspection.theta)) and m.attention_scaling == 1.0
+        unscaled_shown |= same
+        curves.append((m.name + (" (no scaling)" if same else ""), m.inv_freq, m.attention_scaling))
+    if not unscaled_shown:
+        curves.insert(0, ("no scaling", inspection.theta, 1.0))
+    original, target = inspection.original_length, inspection.target_length
+
+    fig, (ax_w, ax_d, ax_c) = plt.subplots(1, 3, figsize=(16, 5.4))
     pairs = np.arange(len(inspection.theta))
-    curves = [("no scaling", inspection.theta, 1.0)] + [
-        (m.name, m.inv_freq, m.attention_scaling) for m in inspection.methods
-    ]
-    for label, inv, _ in curves:
-        with np.errstate(divide="ignore"):
-            ax_w.semilogy(pairs, np.where(inv > 0, 2 * math.pi / inv, np.nan), marker=".", label=label)
-    ax_w.axhline(inspection.original_length, color="gray", ls="--", lw=1, label="training context")
-    ax_w.axhline(inspection.target_length, color="black", ls=":", lw=1, label="target length")
-    ax_w.set(xlabel="pair i", ylabel="wavelength 2π/θ_i (tokens)", title="Wavelength per pair")
-    ax_w.legend(fontsize=7)
-
-    distances = np.unique(np.geomspace(1, inspection.target_length, 400).astype(np.int64))
-    for label, inv, _ in curves:
-        ax_d.semilogx(distances, decay_bound(inv, distances), label=label)
-    ax_d.axvline(inspection.original_length, color="gray", ls="--", lw=1)
-    ax_d.set(xlabel="relative distance", ylabel="(1/P) Σ|S_j|", title="RoFormer long-term decay bound")
-    ax_d.legend(fontsize=7)
-
     for label, inv, scale in curves:
-        ax_c.semilogx(distances, qk_cosine(inv, distances), label=f"{label} (tables ×{scale:.3g})")
-    ax_c.axvline(inspection.original_length, color="gray", ls="--", lw=1)
-    ax_c.set(xlabel="relative distance", ylabel="cos(R_m q, R_n k), q = k = 1", title="Rotated q·k cosine")
-    ax_c.legend(fontsize=7)
+        with np.errstate(divide="ignore"):
+            wavelength = np.where(inv > 0, 2 * math.pi / inv, np.nan)
+        ax_w.semilogy(pairs, wavelength, marker=".", ms=3, label=f"{label} (tables ×{scale:.3g})")
+    ax_w.axhline(original, color="gray", ls="--", lw=1, label=f"training context ({_tokens(original)})")
+    ax_w.axhline(target, color="black", ls=":", lw=1, label=f"target length ({_tokens(target)})")
+    ax_w.set(xlabel="pair i", ylabel="wavelength 2π/θ_i (tokens)", title="Wavelength per pair")
+    ax_w.yaxis.set_major_formatter(FuncFormatter(_tokens))
+
+    distances = np.unique(np.geomspace(1, target, 400).astype(np.int64))
+    for _label, inv, _scale in curves:
+        ax_d.semilogx(distances, decay_bound(inv, distances))
+        ax_c.semilogx(distances, qk_cosine(inv, distances))
+    ax_d.set(
+        xlabel="relative distance (tokens)", ylabel="(1/P) Σ|S_j|", title="RoFormer long-term decay bound"
+    )
+    ax_c.set(
+        xlabel="relative distance (tokens)", ylabel="cos(R_m q, R_n k), q = k = 1", title="Rotated q·k cosine"
+    )
+    for ax in (ax_d, ax_c):
+        ax.axvline(original, color="gray", ls="--", lw=1)
+        ax.axvline(target, color="black", ls=":", lw=1)
+        ax.set_xlim(1, target)
+        ax.set_xticks(_distance_ticks(original, target))
+        ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(axis="x", labelsize=8)
+    ax_w.grid(True, which="major", alpha=0.3)
+    ax_d.grid(True, alpha=0.3)
+    ax_c.grid(True, alpha=0.3)
+
+    handles, labels = ax_w.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    rows = math.ceil(len(labels) / 4)
     header = f"{inspection.model}: rope_type {inspection.config.rope_type}, base {inspection.config.base:g}"
     fig.suptitle(header)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.05 + 0.04 * rows, 1, 1))  # the legend's rows sit below the panels
+    return fig
+
+
+def plot_inspection(inspection: Inspection, path: str) -> None:
+    """Write a PNG with three panels: wavelengths per pair, the decay bound, and q·k cosine vs distance.
+
+    Raises:
+        ImportError: when matplotlib is not installed (``pip install ropekit[plot]``).
+        ValueError: when the folder of ``path`` does not exist, or matplotlib cannot write that format.
+    """
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"path: folder {str(folder)!r} does not exist (got {str(path)!r})")
+    fig = inspection_figure(inspection)
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as err:
+        raise ValueError(f"path: cannot write {str(path)!r} ({err.strerror or err})") from None
+    finally:
+        plt.close(fig)
