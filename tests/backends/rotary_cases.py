@@ -1,6 +1,8 @@
 """Shared checks for the fused backends (cpu, triton): every layout and position mode vs ropekit.reference.
 
 Not collected by pytest on its own (no ``test_`` prefix); test_cpu.py and the Triton interpreter cases use it.
+The reference rotation and the dtype tolerances come from the one home, ``tests/rotary_reference.py``; the
+names below are re-exported for the files that import them from here.
 """
 
 from __future__ import annotations
@@ -8,18 +10,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ropekit import apply_rotary, apply_rotary_qk, reference
+from ropekit import apply_rotary, apply_rotary_qk
+from rotary_reference import assert_matches_reference, reference_rotation, reference_tables, tolerance
+
+__all__ = [
+    "MODES",
+    "TABLE_LEN",
+    "assert_matches_reference",
+    "check_gradients",
+    "check_matches_reference",
+    "check_single_tensor",
+    "make_inputs",
+    "reference_rotation",
+    "tables",
+    "tolerance",
+]
 
 MODES = ["default", "positions", "offsets_int", "offsets_per_seq", "cu_seqlens", "bhsd"]
-# Tolerance per storage dtype: a few ulps of the output plus float32 math error.
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 TABLE_LEN = 64
 
 
 def tables(rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin tables (TABLE_LEN, rotary_dim // 2) from the reference frequencies."""
-    angle = np.arange(TABLE_LEN)[:, None] * reference.inv_freq(rotary_dim)[None, :]
-    return torch.from_numpy(np.cos(angle)).float(), torch.from_numpy(np.sin(angle)).float()
+    return reference_tables(rotary_dim, TABLE_LEN)
 
 
 def make_inputs(mode: str, heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
@@ -51,12 +64,6 @@ def make_inputs(mode: str, heads: int, head_dim: int, dtype: torch.dtype, seed: 
     raise ValueError(mode)
 
 
-def expected(x: torch.Tensor, pos: np.ndarray, cos, sin, interleaved: bool, conjugate: bool = False):
-    """The float64 reference rotation of x (conjugate: rotate by -theta, the backward pass)."""
-    c, s = cos.double().numpy(), (-sin if conjugate else sin).double().numpy()
-    return torch.from_numpy(reference.apply_tables(x.double().numpy(), c, s, pos, interleaved))
-
-
 def check_matches_reference(backend, mode, dtype, interleaved, inplace, partial, q_heads=4, k_heads=2):
     """q and k through apply_rotary_qk equal the reference; out-of-place leaves the inputs untouched."""
     head_dim = 12
@@ -65,13 +72,10 @@ def check_matches_reference(backend, mode, dtype, interleaved, inplace, partial,
     q, kw, pos = make_inputs(mode, q_heads, head_dim, dtype, seed=1)
     k, _, _ = make_inputs(mode, k_heads, head_dim, dtype, seed=2)
     q_before, k_before = q.clone(), k.clone()
-    want_q = expected(q, pos, cos, sin, interleaved)
-    want_k = expected(k, pos, cos, sin, interleaved)
     kw.update(interleaved=interleaved, inplace=inplace, backend=backend)
     out_q, out_k = apply_rotary_qk(q, k, cos, sin, **kw)
-    tol = TOL[dtype]
-    torch.testing.assert_close(out_q.double(), want_q, atol=tol, rtol=tol)
-    torch.testing.assert_close(out_k.double(), want_k, atol=tol, rtol=tol)
+    assert_matches_reference(out_q, q_before, cos, sin, pos, interleaved=interleaved)
+    assert_matches_reference(out_k, k_before, cos, sin, pos, interleaved=interleaved)
     if inplace:
         assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     else:
@@ -89,10 +93,8 @@ def check_gradients(backend, mode, interleaved):
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     out_q, out_k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend, **kw)
     ((out_q * gq).sum() + (out_k * gk).sum()).backward()
-    want_q = expected(gq, pos, cos, sin, interleaved, conjugate=True)
-    want_k = expected(gk, pos, cos, sin, interleaved, conjugate=True)
-    torch.testing.assert_close(q.grad.double(), want_q, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(k.grad.double(), want_k, atol=2e-5, rtol=2e-5)
+    assert_matches_reference(q.grad, gq, cos, sin, pos, interleaved=interleaved, conjugate=True)
+    assert_matches_reference(k.grad, gk, cos, sin, pos, interleaved=interleaved, conjugate=True)
 
 
 def check_single_tensor(backend, interleaved):
@@ -100,4 +102,4 @@ def check_single_tensor(backend, interleaved):
     cos, sin = tables(12)
     x, kw, pos = make_inputs("positions", 3, 12, torch.float32)
     out = apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend, **kw)
-    torch.testing.assert_close(out.double(), expected(x, pos, cos, sin, interleaved), atol=2e-5, rtol=2e-5)
+    assert_matches_reference(out, x, cos, sin, pos, interleaved=interleaved)
