@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from ropekit import RopeConfig, RotaryEmbedding, apply_rotary, apply_rotary_qk
-from ropekit.validation import check_base, check_rotary_dim
+from ropekit.validation import (
+    check_base,
+    check_bool,
+    check_even,
+    check_fraction,
+    check_int,
+    check_number,
+    check_positive,
+    check_rotary_dim,
+)
 
 COS, SIN = RopeConfig(8).cos_sin(16)
 X = torch.randn(2, 4, 3, 8)
@@ -356,3 +365,33 @@ def test_bad_module_inputs_are_rejected(layout, q, kwargs, match):
     rope = RotaryEmbedding(head_dim=8, layout=layout)
     with pytest.raises(ValueError, match=match):
         rope(q, q, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("check", "good", "bad"),
+    [
+        (lambda v: check_int("n", v), [1, 7, np.int64(3)], [0, -1, True, 2.0, "3", None]),
+        (lambda v: check_int("n", v, minimum=0, maximum=3, expected="in [0, 3]"), [0, 3], [-1, 4, False]),
+        (lambda v: check_even("rotary_dim", v), [2, 64], [0, 3, -2, True, 4.0]),
+        (lambda v: check_bool("flag", v), [True, False], [0, 1, "true", None, np.bool_(True)]),
+        (
+            lambda v: check_number("x", v, minimum=1),
+            [1, 1.5, np.float32(2)],
+            [0.99, math.inf, math.nan, True, "2"],
+        ),
+        (lambda v: check_positive("x", v), [1e-9, 3], [0, -1.0, math.inf, False, "1"]),
+        (lambda v: check_fraction("p", v), [1, 0.25], [0, 1.01, -0.5, math.nan, True]),
+    ],
+)
+def test_the_shared_checks_accept_exactly_their_domain_and_name_the_argument(check, good, bad):
+    for value in good:
+        check(value)
+    for value in bad:
+        with pytest.raises(ValueError, match=r"^\w+: expected .*, got "):
+            check(value)
+
+
+def test_check_int_returns_a_python_int_and_quotes_the_value():
+    assert type(check_int("n", np.int32(5))) is int
+    with pytest.raises(ValueError, match=r"rank: expected an integer in \[0, 4\), got 4"):
+        check_int("rank", 4, minimum=0, maximum=3, expected="an integer in [0, 4)")

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from ropekit.schedules import RopeSpec, Schedule, mrope_axis_of_pair, mrope_layout, split_scaling
-from ropekit.validation import check_base, check_bool, check_head_dim, check_int, check_rotary_dim, describe
+from ropekit.validation import (
+    check_base,
+    check_bool,
+    check_fraction,
+    check_head_dim,
+    check_int,
+    check_rotary_dim,
+    describe,
+)
 
 __all__ = ["FrozenScaling", "RopeConfig"]
 
@@ -311,8 +319,7 @@ def _rotary_dim_from_scaling(scaling: Any, head_dim: int, rotary_dim: int | None
     kind = scaling.get("rope_type", scaling.get("type"))
     if factor is None or kind == "proportional":  # proportional reads the factor itself, over the full width
         return rotary_dim
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ValueError(f"scaling['partial_rotary_factor']: expected a number in (0, 1], got {factor!r}")
+    check_fraction("scaling['partial_rotary_factor']", factor)
     implied = int(head_dim * factor)
     if rotary_dim is not None and rotary_dim != implied:
         raise ValueError(

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ropekit.reference import half_to_interleaved_permutation, interleaved_to_half_permutation
+from ropekit.validation import check_even, check_int
 
 __all__ = ["half_to_interleaved", "interleaved_to_half"]
 
@@ -57,14 +58,11 @@ def _permute_heads(weight, num_heads, rotary_dim, permutation) -> torch.Tensor:
             f"weight: expected a (num_heads * head_dim, hidden) weight or a (num_heads * head_dim,) bias, "
             f"got {weight!r:.80}"
         )
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
+    num_heads = check_int("num_heads", num_heads)
     if weight.shape[0] % num_heads:
         raise ValueError(f"num_heads: weight's first axis {weight.shape[0]} is not a multiple of {num_heads}")
     head_dim = weight.shape[0] // num_heads
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim: expected a positive even integer, got {rotary_dim!r}")
+    rotary_dim = check_even("rotary_dim", head_dim if rotary_dim is None else rotary_dim)
     if rotary_dim > head_dim:
         raise ValueError(f"rotary_dim: expected at most head_dim ({head_dim}), got {rotary_dim}")
     order = np.concatenate([permutation(rotary_dim), np.arange(rotary_dim, head_dim)])

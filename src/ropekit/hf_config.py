@@ -26,7 +26,7 @@ from typing import Any
 
 from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
-from ropekit.validation import describe
+from ropekit.validation import check_fraction, describe
 
 __all__ = ["load_hf_config", "rope_kwargs", "rope_layer_types"]
 
@@ -253,10 +253,7 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
     if params["rope_type"] != "proportional":  # proportional reads the factor itself, over the full width
         partial = params.pop("partial_rotary_factor", None)
         if partial is not None and rotary_dim is None:
-            if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
-                raise ValueError(
-                    f"config['partial_rotary_factor']: expected a number in (0, 1], got {partial!r}"
-                )
+            check_fraction("config['partial_rotary_factor']", partial)
             rotary_dim = int(head_dim * partial)
     model_type = d.get("model_type")
     interleaved = model_type in INTERLEAVED_MODEL_TYPES or (

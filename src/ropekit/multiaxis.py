@@ -20,19 +20,19 @@ from collections.abc import Sequence
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.validation import check_base, check_positive
+from ropekit.validation import check_base, check_even, check_int, check_positive
 
 __all__ = ["axial_cos_sin", "mrope_positions", "xpos_cos_sin"]
 
 
 def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
-    if (
-        not isinstance(values, Sequence)
-        or not values
-        or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values)
-    ):
-        raise ValueError(f"{name}: expected a non-empty list of positive integers, got {values!r}")
-    return tuple(values)
+    expected = f"{name}: expected a non-empty list of positive integers, got {values!r}"
+    if not isinstance(values, Sequence) or isinstance(values, str) or not values:
+        raise ValueError(expected)
+    try:
+        return tuple(check_int(name, v) for v in values)
+    except ValueError:
+        raise ValueError(expected) from None
 
 
 def axial_cos_sin(
@@ -60,9 +60,7 @@ def axial_cos_sin(
         ValueError: for a bad grid, an odd rotary_dim, or pairs that do not add up to rotary_dim / 2.
     """
     grid = _positive_ints("grid", grid)
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim: expected a positive even integer, got {rotary_dim!r}")
-    pairs = rotary_dim // 2
+    pairs = check_even("rotary_dim", rotary_dim) // 2
     if axes_pairs is None:
         if pairs % len(grid):
             raise ValueError(
@@ -102,8 +100,7 @@ def mrope_positions(
     Returns:
         int64 tensor (3, seq); add a batch axis (``[:, None]``) for :meth:`RopeConfig.cos_sin`.
     """
-    if isinstance(spatial_merge, bool) or not isinstance(spatial_merge, int) or spatial_merge <= 0:
-        raise ValueError(f"spatial_merge: expected a positive integer, got {spatial_merge!r}")
+    spatial_merge = check_int("spatial_merge", spatial_merge)
     parts, start = [], 0
     for seg in segments:
         if isinstance(seg, int) and not isinstance(seg, bool) and seg > 0:

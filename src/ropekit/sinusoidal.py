@@ -11,7 +11,8 @@ import numbers
 import torch
 from torch import nn
 
-from ropekit.validation import check_base, check_int, describe, is_compiling
+from ropekit.positions import resolve_positions
+from ropekit.validation import check_base, check_even, check_int, describe, is_compiling
 
 __all__ = ["SinusoidalPositionalEmbedding", "sinusoidal_embedding"]
 
@@ -33,9 +34,7 @@ def sinusoidal_embedding(
     Raises:
         ValueError: dim not a positive even integer, base not finite and > 1, positions negative or not 1-D.
     """
-    dim = check_int("dim", dim, minimum=2, expected="a positive even integer")
-    if dim % 2:
-        raise ValueError(f"dim: expected a positive even integer, got {dim!r}")
+    dim = check_even("dim", dim)
     base = check_base(base)
     if isinstance(positions, bool) or not isinstance(positions, (numbers.Integral, torch.Tensor)):
         raise ValueError(f"positions: expected an int or a 1-D tensor, got {describe(positions)}")
@@ -99,23 +98,12 @@ class SinusoidalPositionalEmbedding(nn.Module):
             raise ValueError(
                 f"x: expected a float tensor of shape (batch, seq, {self.dim}), got {describe(x)}"
             )
-        batch, seq = x.shape[:2]
-        if isinstance(offsets, torch.Tensor):
-            if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
-                raise ValueError(f"offsets: expected an int or an integer tensor, got {describe(offsets)}")
-            if tuple(offsets.shape) != (batch,):
-                raise ValueError(
-                    f"offsets: expected an int or a tensor of shape ({batch},) (one per batch row), "
-                    f"got shape {tuple(offsets.shape)}"
-                )
-            off = offsets.to(device=x.device, dtype=torch.int64)
-        else:
-            off = torch.full((batch,), check_int("offsets", offsets, minimum=0, expected="an int >= 0"))
-            off = off.to(x.device)
-        positions = off[:, None] + torch.arange(seq, device=x.device)  # (batch, seq)
+        # The one position resolver (RoPE's) reads x.shape[:-2] as (batch, seq): a trailing unit axis makes
+        # this (batch, seq, dim) input look like it. It checks the offsets and applies them.
+        positions = resolve_positions(
+            x[..., None], positions=None, offsets=offsets, cu_seqlens=None, table_len=None
+        )  # (batch, seq), int64
         if positions.numel() and not is_compiling():
-            if int(positions.min()) < 0:
-                raise ValueError(f"offsets: expected values >= 0, got a minimum of {int(off.min())}")
             self._ensure_table(int(positions.max()) + 1, x)
         return x + self.pe[positions].to(x.dtype)  # (batch, seq, dim)
 

@@ -13,6 +13,8 @@ import torch
 __all__ = [
     "check_base",
     "check_bool",
+    "check_even",
+    "check_fraction",
     "check_head_dim",
     "check_int",
     "check_number",
@@ -38,11 +40,38 @@ def describe(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_int(name: str, value: Any, *, minimum: int = 1, expected: str = "a positive integer") -> int:
-    """value must be an integer (Python or NumPy, never a bool) >= minimum; returns it as an int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    expected: str = "a positive integer",
+) -> int:
+    """value must be an integer (Python or NumPy, never a bool) in [minimum, maximum]; returns an int."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
         raise ValueError(f"{name}: expected {expected}, got {describe(value)}")
     return int(value)
+
+
+def check_even(name: str, value: Any) -> int:
+    """value must be a positive even integer (a rotated width: features come in pairs)."""
+    value = check_int(name, value, expected="a positive even integer")
+    if value % 2:
+        raise ValueError(f"{name}: expected a positive even integer, got {value!r}")
+    return value
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """value must be a number in (0, 1] (a share of the head width, such as partial_rotary_factor)."""
+    if not _is_finite_real(value) or not 0 < value <= 1:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {describe(value)}")
+    return float(value)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -24,6 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ropekit.validation import check_int
+
 __all__ = ["SCHEMES", "all_gather_sequence", "gathered_kv_attention", "shard_positions", "shard_sequence"]
 
 SCHEMES = ("contiguous", "zigzag")
@@ -49,10 +51,8 @@ def shard_positions(
             ("contiguous") or by 2W ("zigzag").
     """
     for name, value in (("seq_len", seq_len), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected an integer in [0, {world_size}), got {rank!r}")
+        check_int(name, value)
+    check_int("rank", rank, minimum=0, maximum=world_size - 1, expected=f"an integer in [0, {world_size})")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
     chunks = world_size if scheme == "contiguous" else 2 * world_size

@@ -17,6 +17,7 @@ from torch import nn
 
 from ropekit.module import RotaryEmbedding
 from ropekit.nn.kv_cache import KVCache
+from ropekit.validation import check_int
 
 __all__ = ["Attention"]
 
@@ -57,8 +58,7 @@ class Attention(nn.Module):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, value in (("dim", dim), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+            check_int(name, value)
         if dim % n_heads:
             raise ValueError(f"dim: expected a multiple of n_heads ({n_heads}), got {dim}")
         if n_heads % n_kv_heads:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ropekit.validation import check_int
+
 __all__ = ["incremental_forward", "left_pad", "padding_positions"]
 
 
@@ -97,11 +99,9 @@ def incremental_forward(
         ValueError: for a prompt_len or max_len out of range, or a mask of the wrong shape.
     """
     batch, seq, _ = x.shape
-    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or not 1 <= prompt_len <= seq:
-        raise ValueError(f"prompt_len: expected an integer in [1, {seq}], got {prompt_len!r}")
+    check_int("prompt_len", prompt_len, maximum=seq, expected=f"an integer in [1, {seq}]")
     max_len = seq if max_len is None else max_len
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < seq:
-        raise ValueError(f"max_len: expected an integer >= the sequence length {seq}, got {max_len!r}")
+    check_int("max_len", max_len, minimum=seq, expected=f"an integer >= the sequence length {seq}")
     if attn_mask is None:
         attn_mask = torch.ones(batch, seq, dtype=torch.bool, device=x.device)
     if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) != (batch, seq):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.validation import is_compiling
+from ropekit.validation import check_int, is_compiling
 
 __all__ = ["KVCache"]
 
@@ -54,8 +54,7 @@ class KVCache:
             ("n_kv_heads", n_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+            check_int(name, value)
         shape = (batch_size, max_len, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ropekit.validation import check_bool, check_int
+
 __all__ = ["mrope_axis_of_pair", "mrope_layout"]
 
 
@@ -44,17 +46,14 @@ def mrope_layout(scaling: Mapping[str, Any] | None, pairs: int) -> tuple[tuple[i
         if scaling.get("mrope_interleaved") is not None:
             raise ValueError("scaling['mrope_section']: mrope_interleaved needs the section sizes, got none")
         return None
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"scaling['mrope_interleaved']: expected a bool, got {interleaved!r}")
-    if (
-        not isinstance(section, Sequence)
-        or isinstance(section, str)
-        or not section
-        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in section)
-    ):
-        raise ValueError(
-            f"scaling['mrope_section']: expected a list of non-negative integers, got {section!r}"
-        )
+    check_bool("scaling['mrope_interleaved']", interleaved)
+    expected = f"scaling['mrope_section']: expected a list of non-negative integers, got {section!r}"
+    if not isinstance(section, Sequence) or isinstance(section, str) or not section:
+        raise ValueError(expected)
+    try:
+        section = [check_int("mrope_section", s, minimum=0) for s in section]
+    except ValueError:
+        raise ValueError(expected) from None
     if sum(section) != pairs:
         raise ValueError(
             f"scaling['mrope_section']: expected sections summing to rotary_dim / 2 = {pairs}, "
