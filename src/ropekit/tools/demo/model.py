@@ -34,7 +34,7 @@ class ModelConfig:
     n_layers: int = 4  # >= 2 so induction-style copying (which needs position) can form
     n_heads: int = 4  # head_dim 32: 16 rotary pairs, enough for a visible spread of wavelengths
     mlp_ratio: int = 4
-    rope_base: float = 10000.0  # the seeds' base
+    rope_base: float = 10000.0  # the base of RoFormer (Su et al. 2021) and of Vaswani et al.'s sinusoids
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
