@@ -131,8 +131,17 @@ class RopeConfig:
             overrides: RopeConfig keywords that replace what the config says
                 (e.g. ``hf_float32_inv_freq=True``).
 
+        Keys are checked as transformers checks them, and stricter where transformers only warns: a key the
+        method requires (linear's ``factor``, llama3's ``low_freq_factor``, ...) must be present; a default
+        transformers fills is filled the same way (``original_max_position_embeddings`` from
+        ``max_position_embeddings`` for yarn, llama3 and longrope); a key the method does not use is logged
+        (logger ``ropekit.hf_config``) and ignored, so Hub configs with stray keys still load.
+
         Raises:
-            ValueError: for an unreadable or invalid config, listing missing / unknown keys and bad values.
+            ValueError: naming the key, for an unreadable config, a ``rope_scaling`` / ``rope_parameters``
+                that is not a dict, an unknown rope_type, a missing required key, a scaling factor below 1
+                (linear, dynamic, yarn, llama3, longrope: transformers only warns, then shrinks the context),
+                or any other bad value.
         """
         from ropekit.hf_config import rope_kwargs
 
