@@ -121,3 +121,15 @@ def test_concurrent_processes_build_once(tmp_path):
     assert [w.exitcode for w in workers] == [0, 0, 0]
     assert log.read_text().splitlines() == ["build"]
     assert len(list(directory.glob("rotary_cpu_*.so"))) == 1
+
+
+@needs_cc
+def test_a_file_system_without_locks_still_builds(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lib = cpu.build_library(cache_dir=tmp_path / "nfs")
+    assert hasattr(lib, "rotary_f32")

@@ -206,7 +206,8 @@ def _cache_key(path: str, timeout: float = BUILD_TIMEOUT_S) -> str:
 def _build_lock(directory: Path) -> Iterator[None]:
     """An exclusive ``flock`` on the cache directory, so concurrent first calls build once.
 
-    Without fcntl (Windows) there is no lock; the atomic rename still keeps every reader safe.
+    Without fcntl (Windows) or on a file system without locks there is no lock; the atomic rename still keeps
+    every reader safe, and the worst case is a build per process.
     """
     try:
         import fcntl
@@ -215,7 +216,10 @@ def _build_lock(directory: Path) -> Iterator[None]:
         return
     fd = os.open(directory / "build.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # a file system without locks (some NFS mounts): build unlocked
+            log.debug("ropekit: no lock on %s (%s); concurrent processes may each build", directory, err)
         yield
     finally:
         os.close(fd)  # closing releases the lock
