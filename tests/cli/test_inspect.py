@@ -93,3 +93,12 @@ def test_method_without_factor_extends_to_the_target_length(capsys):
     assert main(["inspect", "llama-2-7b", "--method", "linear", "--target-length", "16384", "--json"]) == 0
     requested = json.loads(capsys.readouterr().out)["methods"][1]
     assert requested["scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_a_config_json_with_a_string_rope_scaling_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**get_preset("mistral-7b").config, "rope_scaling": "linear"}))
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ropekit inspect: error: config['rope_scaling']: expected a dict")
+    assert "dictionary update sequence" not in err and len(err.strip().splitlines()) == 1
