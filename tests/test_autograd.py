@@ -68,11 +68,25 @@ def test_nothing_but_tables_and_positions_is_saved_for_backward(backend):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        apply_rotary_qk(q, k, cos, sin, offsets=3, backend=backend)
+        apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, 3]), backend=backend)
     assert len(saved) == 3
     assert saved[0] is cos and saved[1] is sin
     assert saved[2].dtype == torch.int64 and saved[2].shape == (2, 5)  # resolved positions, (batch, seq)
     assert all(t.numel() < q.numel() for t in saved)  # no activations
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_an_int_offset_saves_only_the_tables(backend):
+    """The int-offset fast path has no positions tensor to save: the offset travels as a number."""
+    q, k = torch.randn(2, 5, 4, 8, requires_grad=True), torch.randn(2, 5, 2, 8, requires_grad=True)
+    cos, sin = RopeConfig(8).cos_sin(16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q_out, _ = apply_rotary_qk(q, k, cos, sin, offsets=3, backend=backend)
+    assert len(saved) == 2 and saved[0] is cos and saved[1] is sin
+    q_out.sum().backward()
+    want = apply_rotary(torch.ones_like(q), cos, -sin, offsets=3, backend="torch")  # R(-theta) applied to 1s
+    torch.testing.assert_close(q.grad, want)
 
 
 def test_double_backward_of_the_torch_backend_is_available():

@@ -1,7 +1,11 @@
 """Autograd for the rotation: the backward pass is the same backend run with the conjugate rotation.
 
 A rotation R is orthogonal, so dL/dx = R^T dL/dy = R(-theta) dL/dy (docs/math.md). Nothing but the tables
-and the positions is saved for backward: no activations.
+and the positions tensor (none for an int offset) is saved for backward: no activations.
+
+Two Functions, because PyTorch allows a Function that writes into a view (a slice of a packed qkv buffer) only
+if it returns a single tensor: :class:`RotaryFunction` rotates one tensor (``apply_rotary``, and each of q and
+k for in-place ``apply_rotary_qk``), :class:`RotaryQKFunction` rotates q and k in one launch.
 """
 
 from __future__ import annotations
@@ -12,44 +16,94 @@ import torch
 
 from ropekit.backends import Backend
 
-__all__ = ["RotaryFunction"]
+__all__ = ["RotaryFunction", "RotaryQKFunction"]
+
+
+def _save(ctx: Any, cos, sin, positions, offset, backend, interleaved) -> None:
+    ctx.save_for_backward(cos, sin, *(() if positions is None else (positions,)))
+    ctx.offset, ctx.backend, ctx.interleaved = offset, backend, interleaved
+
+
+def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
+    cos, sin, *positions = ctx.saved_tensors
+    return ctx.backend.rotate_qk(
+        grad_q,
+        grad_k,
+        cos,
+        sin,
+        positions[0] if positions else None,
+        interleaved=ctx.interleaved,
+        conjugate=True,
+        inplace=False,
+        offset=ctx.offset,
+    )
 
 
 class RotaryFunction(torch.autograd.Function):
-    """Rotate q (and k) by the tables' angles; backward rotates the incoming gradients by the negated angles.
+    """Rotate one tensor by the tables' angles; backward rotates the incoming gradient by the negated angles.
 
-    Called as ``RotaryFunction.apply(q, k, cos, sin, positions, backend, interleaved, inplace)`` with
-    positions already resolved (:mod:`ropekit.positions`); k may be None. The tables are constants here:
-    learnable tables take the plain torch path in :mod:`ropekit.functional` instead.
+    Called as ``RotaryFunction.apply(x, cos, sin, positions, offset, backend, interleaved, inplace)`` with
+    positions resolved (:mod:`ropekit.positions`: an int64 tensor, or None and an int offset). The tables
+    are constants here: learnable tables take the plain torch path in :mod:`ropekit.functional` instead.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
+        x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
+        offset: int,
         backend: Backend,
         interleaved: bool,
         inplace: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q_out, k_out = backend.rotate_qk(
-            q, k, cos, sin, positions, interleaved=interleaved, conjugate=False, inplace=inplace
+    ) -> torch.Tensor:
+        out, _ = backend.rotate_qk(
+            x,
+            None,
+            cos,
+            sin,
+            positions,
+            interleaved=interleaved,
+            conjugate=False,
+            inplace=inplace,
+            offset=offset,
         )
-        ctx.save_for_backward(cos, sin, positions)
-        ctx.backend, ctx.interleaved = backend, interleaved
+        _save(ctx, cos, sin, positions, offset, backend, interleaved)
         if inplace:
-            ctx.mark_dirty(*(t for t in (q, k) if t is not None))
-        return q_out, k_out
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
-        # Gradients are materialised (zeros for an unused output), so grad_q is a tensor; grad_k is None
-        # exactly when k was None.
-        cos, sin, positions = ctx.saved_tensors
-        grad_q, grad_k = ctx.backend.rotate_qk(
-            grad_q, grad_k, cos, sin, positions, interleaved=ctx.interleaved, conjugate=True, inplace=False
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _conjugate(ctx, grad, None)[0], None, None, None, None, None, None, None
+
+
+class RotaryQKFunction(torch.autograd.Function):
+    """q and k in one launch: ``RotaryQKFunction.apply(q, k, cos, sin, positions, offset, backend,
+    interleaved)``, out of place (in place, each tensor goes through :class:`RotaryFunction`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None,
+        offset: int,
+        backend: Backend,
+        interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = backend.rotate_qk(
+            q, k, cos, sin, positions, interleaved=interleaved, conjugate=False, inplace=False, offset=offset
         )
+        _save(ctx, cos, sin, positions, offset, backend, interleaved)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[Any, ...]:
+        # Gradients are materialised (zeros for an unused output), so both are tensors.
+        grad_q, grad_k = _conjugate(ctx, grad_q, grad_k)
         return grad_q, grad_k, None, None, None, None, None, None

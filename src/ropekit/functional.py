@@ -16,49 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.autograd import RotaryFunction
-from ropekit.backends import select_backend
-from ropekit.positions import resolve_positions
-from ropekit.validation import check_tables, check_x, describe
+from ropekit.autograd import RotaryFunction, RotaryQKFunction
+from ropekit.backends import BACKENDS, Backend, select_backend
+from ropekit.positions import Positions, resolve
+from ropekit.validation import check_disjoint, check_tables, check_writable, check_x, describe
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
-
-
-def _prepare(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor | None,
-    offsets: int | torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    interleaved: bool,
-    inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate everything the caller passed; return (cos, sin, resolved positions)."""
-    varlen = cu_seqlens is not None
-    check_x("q" if k is not None else "x", q, varlen=varlen)
-    if k is not None:
-        check_x("k", k, varlen=varlen)
-        if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
-            raise ValueError(
-                f"k: expected the same leading axes and head_dim as q {tuple(q.shape)}, got {tuple(k.shape)}"
-            )
-        if k.dtype != q.dtype or k.device != q.device:
-            raise ValueError(
-                f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}"
-            )
-    check_tables(cos, sin, q.shape[-1])
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-    if not isinstance(inplace, bool):
-        raise ValueError(f"inplace: expected a bool, got {inplace!r}")
-    if cos.device != q.device:
-        cos, sin = cos.to(q.device), sin.to(q.device)
-    pos = resolve_positions(
-        q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=cos.shape[0]
-    )
-    return cos, sin, pos
 
 
 def apply_rotary_qk(
@@ -126,15 +89,105 @@ def apply_rotary(
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend):
-    cos, sin, pos = _prepare(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace)
+    check_x("q" if k is not None else "x", q, varlen=cu_seqlens is not None)
+    pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens)
+    return _apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
+
+
+def _apply_resolved(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: Positions,
+    *,
+    interleaved: bool,
+    inplace: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
+
+    A caller that needs the largest position first (to size its table) resolves once with
+    :func:`ropekit.positions.resolve` (``pos.largest``: host-known or None), then calls this, which checks
+    q, k, the tables, the flags and the rows against the table, and dispatches, exactly as
+    :func:`apply_rotary_qk` would (k may be None, as for :func:`apply_rotary`).
+
+    Args:
+        q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
+        cos, sin, interleaved, inplace, backend: as in :func:`apply_rotary`.
+
+    Returns:
+        (q_rotated, k_rotated or None).
+    """
+    if k is not None:  # q was checked by resolve(q, ...)
+        check_x("k", k, varlen=q.dim() == 3)
+        if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+            raise ValueError(
+                f"k: expected the same leading axes and head_dim as q {tuple(q.shape)}, got {tuple(k.shape)}"
+            )
+        if k.dtype != q.dtype or k.device != q.device:
+            raise ValueError(
+                f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}"
+            )
+    check_tables(cos, sin, q.shape[-1])
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
+    if not isinstance(inplace, bool):
+        raise ValueError(f"inplace: expected a bool, got {inplace!r}")
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
+    if inplace:
+        _check_inplace(q, k)
+    if cos.device != q.device:
+        cos, sin = cos.to(q.device), sin.to(q.device)
+    pos.check_table(cos.shape[0])
     impl = select_backend(backend, q, cos)
-    kw = dict(interleaved=interleaved, conjugate=False, inplace=inplace)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, cos, sin)):
-        return impl.rotate_qk(q, k, cos, sin, pos, **kw)  # no graph to record: skip autograd's bookkeeping
+    rows, offset = pos.tensor, pos.offset
+    if not torch.is_grad_enabled() or not (
+        q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
+    ):  # no graph to record: skip autograd's bookkeeping
+        return impl.rotate_qk(
+            q, k, cos, sin, rows, interleaved=interleaved, conjugate=False, inplace=inplace, offset=offset
+        )
     if cos.requires_grad or sin.requires_grad:
-        # Learnable tables: let autograd differentiate the plain torch math instead of the fused rule,
-        # which treats the tables as constants.
-        return select_backend("torch", q, cos).rotate_qk(q, k, cos, sin, pos, **kw)
-    return RotaryFunction.apply(q, k, cos, sin, pos, impl, interleaved, inplace)
+        return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace)
+    if k is None:
+        return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace), None
+    if inplace:  # two single-output Functions: PyTorch lets only those write into views (packed qkv)
+        return (
+            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, True),
+            RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True),
+        )
+    return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved)
+
+
+def _check_inplace(q: torch.Tensor, k: torch.Tensor | None) -> None:
+    """What PyTorch itself refuses for an in-place op, as ValueErrors naming the tensor."""
+    for name, t in (("q" if k is not None else "x", q), ("k", k)):
+        if t is None:
+            continue
+        if t.is_leaf and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name}: inplace=True on a leaf tensor that requires grad would overwrite the value "
+                f"autograd differentiates with respect to; pass {name}.clone() or inplace=False"
+            )
+        check_writable(name, t)
+    if k is not None:
+        check_disjoint("q", q, "k", k)
+
+
+def _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace):
+    """Tables that require grad: autograd differentiates the plain torch math (the fused rule treats the
+    tables as constants). In place, the rotation reads a copy and writes the result back, so the values the
+    table gradient needs are not overwritten before backward."""
+    torch_backend: Backend = BACKENDS["torch"]
+    src_q, src_k = (q.clone(), None if k is None else k.clone()) if inplace else (q, k)
+    out_q, out_k = torch_backend.rotate_qk(
+        src_q, src_k, cos, sin, rows, interleaved=interleaved, conjugate=False, inplace=False, offset=offset
+    )
+    if not inplace:
+        return out_q, out_k
+    q.copy_(out_q)
+    if k is not None:
+        k.copy_(out_k)
+    return q, k

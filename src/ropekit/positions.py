@@ -1,20 +1,65 @@
-"""Turning the caller's position arguments into one integer index per token.
+"""Turning the caller's position arguments into one table row per token.
 
-Every backend receives ``positions`` resolved here: an int64 tensor of shape x.shape[:-2] (``(batch, seq)``,
-or ``(total_tokens,)`` for packed input), each entry a row of the cos/sin tables. Resolving once, here, is
-what lets one kernel serve plain, offset, per-sequence-offset, packed (cu_seqlens) and arbitrary-id inputs.
+Every backend receives positions resolved here, as a :class:`Positions`: either an int64 tensor of shape
+x.shape[:-2] (``(batch, seq)``, or ``(total_tokens,)`` for packed input), each entry a row of the cos/sin
+tables, or, for the common prefill / decode call with one int offset, no tensor at all: the rows are
+``offset + arange(seq)`` for every batch row, and the kernels compute them. Resolving once, here, is what lets
+one kernel serve plain, offset, per-sequence-offset, packed (cu_seqlens) and arbitrary-id inputs.
+
+Where value checks run (docs/safety.md): on the host for CPU tensors in eager mode, with integer arithmetic
+for an int offset, and on the device for CUDA (and meta) tensors, inside the kernels, so that no call reads a
+tensor's values back to the host.
 """
 
 from __future__ import annotations
 
 import itertools
 import numbers
+from typing import NamedTuple
 
 import torch
 
-from ropekit.validation import describe, is_compiling
+from ropekit.validation import check_x, describe, is_compiling
 
-__all__ = ["check_cu_seqlens", "resolve_positions"]
+__all__ = ["Positions", "check_cu_seqlens", "resolve", "resolve_positions"]
+
+# Positions and offsets are int64 in every kernel; anything at or past this cannot be a table row.
+INT64_LIMIT = 1 << 63
+
+
+class Positions(NamedTuple):
+    """Every token's cos/sin table row, resolved once per call by :func:`resolve`.
+
+    Attributes:
+        tensor: int64 rows of shape x.shape[:-2] on x's device, or None when the rows are
+            ``offset + arange(seq)`` for every batch row (an int offset on 4-D (batch, seq, heads, head_dim)
+            input).
+        offset: the int offset when tensor is None; 0 otherwise.
+        largest: the largest row used (-1 when there are no tokens) when it is known on the host without a
+            device sync: always for an int offset, for CPU tensors in eager mode. None for tensors on other
+            devices and under torch.compile, where the kernels check the rows on the device instead.
+    """
+
+    tensor: torch.Tensor | None
+    offset: int
+    largest: int | None
+
+    def as_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows as an int64 tensor of shape x.shape[:-2] (materialising offset + arange(seq))."""
+        if self.tensor is not None:
+            return self.tensor
+        batch, seq = x.shape[:2]
+        rows = torch.arange(self.offset, self.offset + seq, device=x.device)  # (seq,)
+        return rows.expand(batch, seq)  # (batch, seq)
+
+    def check_table(self, table_len: int) -> None:
+        """Raise if a host-known row is past a table of table_len rows (device-side rows: see the kernels)."""
+        if self.largest is not None and self.largest >= table_len:
+            raise ValueError(
+                f"positions: largest position {self.largest} is past the cos/sin table (table_len "
+                f"{table_len}); expected positions < table_len, so build a table with at least "
+                f"{self.largest + 1} rows"
+            )
 
 
 def _is_integer_tensor(t: object) -> bool:
@@ -23,26 +68,50 @@ def _is_integer_tensor(t: object) -> bool:
     )
 
 
+def _host_checked(t: torch.Tensor) -> bool:
+    """Whether t's values may be read here: CPU tensors in eager mode (no device sync, not traced)."""
+    return t.device.type == "cpu" and not is_compiling()
+
+
 def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> torch.Tensor:
-    """cu_seqlens: int32/int64, shape (n+1,), starts at 0, non-decreasing, ends at total_tokens."""
+    """cu_seqlens: int32/int64, shape (n+1,), starts at 0, non-decreasing, ends at total_tokens.
+
+    The values are checked on the host for CPU tensors, and with a device-side assert otherwise (no sync).
+    """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens: expected an int32 or int64 tensor, got {describe(cu_seqlens)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"cu_seqlens: expected shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu_seqlens.shape)}"
         )
-    if not is_compiling():
+    if _host_checked(cu_seqlens):
         values = cu_seqlens.tolist()
         if values[0] != 0 or values[-1] != total_tokens or any(b < a for a, b in itertools.pairwise(values)):
             raise ValueError(
                 f"cu_seqlens: expected non-decreasing offsets from 0 to total_tokens ({total_tokens}), "
                 f"got {values[:8]}{'...' if len(values) > 8 else ''}"
             )
+    else:
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total_tokens) & (cu_seqlens.diff() >= 0).all()
+        torch._assert_async(ok, "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens")
     return cu_seqlens
 
 
+def _check_int_offset(offsets: object) -> int:
+    if isinstance(offsets, bool) or not isinstance(offsets, (numbers.Integral, torch.SymInt)):
+        raise ValueError(
+            f"offsets: expected a non-negative int or an integer tensor, got {describe(offsets)}"
+        )
+    if isinstance(offsets, numbers.Integral) and not 0 <= offsets < INT64_LIMIT:
+        raise ValueError(
+            f"offsets: expected a non-negative int or an integer tensor, got {describe(offsets)}"
+            + (" (past int64: no table has that many rows)" if offsets >= INT64_LIMIT else "")
+        )
+    return offsets if isinstance(offsets, torch.SymInt) else int(offsets)
+
+
 def _offsets_tensor(offsets: int | torch.Tensor, n: int, what: str, device: torch.device) -> torch.Tensor:
-    """offsets as a non-negative int64 tensor of shape (n,)."""
+    """offsets as an int64 tensor of shape (n,); negative values are caught where the rows are checked."""
     if isinstance(offsets, torch.Tensor):
         if not _is_integer_tensor(offsets):
             raise ValueError(f"offsets: expected an int or an integer tensor, got {describe(offsets)}")
@@ -51,37 +120,36 @@ def _offsets_tensor(offsets: int | torch.Tensor, n: int, what: str, device: torc
                 f"offsets: expected an int or a tensor of shape ({n},) (one per {what}), "
                 f"got shape {tuple(offsets.shape)}"
             )
-        if n and not is_compiling() and int(offsets.min()) < 0:
+        if n and _host_checked(offsets) and int(offsets.min()) < 0:
             raise ValueError(f"offsets: expected values >= 0, got a minimum of {int(offsets.min())}")
         return offsets.to(device=device, dtype=torch.int64)
-    if isinstance(offsets, bool) or not isinstance(offsets, numbers.Integral) or offsets < 0:
-        raise ValueError(
-            f"offsets: expected a non-negative int or an integer tensor, got {describe(offsets)}"
-        )
-    return torch.full((n,), int(offsets), dtype=torch.int64, device=device)
+    return torch.full((n,), _check_int_offset(offsets), dtype=torch.int64, device=device)
 
 
-def resolve_positions(
+def resolve(
     x: torch.Tensor,
     *,
-    positions: torch.Tensor | None,
-    offsets: int | torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    table_len: int | None,
-) -> torch.Tensor:
-    """Return int64 positions of shape x.shape[:-2] (see the module docstring), validated against table_len.
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> Positions:
+    """Validate the position arguments for x and resolve them into :class:`Positions` (no table check).
 
     Args:
         x: (B, S, H, D), or (T, H, D) when cu_seqlens is given; only its shape and device are read.
         positions: None, or an integer tensor of shape x.shape[:-2] giving every token's position directly.
         offsets: an int or an integer tensor with one entry per sequence, added to each sequence's arange.
         cu_seqlens: None, or the (N + 1,) cumulative lengths of a packed batch.
-        table_len: rows in the cos/sin table; positions must lie in [0, table_len).
+
+    Returns:
+        Positions; for an int offset on 4-D x, no tensor and ``largest = offset + S - 1`` (plain integers).
 
     Raises:
-        ValueError: positions not an integer tensor of shape x.shape[:-2], negative or >= table_len; offsets
-            non-zero together with positions, negative, or not one per sequence; malformed cu_seqlens.
+        ValueError: x of the wrong rank; positions not an integer tensor of shape x.shape[:-2] or negative;
+            offsets non-zero together with positions, negative, past int64 or not one per sequence; malformed
+            cu_seqlens. Value checks of non-CPU tensors run on the device (see the module docstring).
     """
+    check_x("x", x, varlen=cu_seqlens is not None)
     lead = tuple(x.shape[:-2])  # (batch, seq) or (total_tokens,)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, lead[0])
     if positions is not None:
@@ -104,17 +172,42 @@ def resolve_positions(
         seq_id = torch.searchsorted(cu[1:], token, right=True)  # which packed sequence holds each token
         seq_id = seq_id.clamp(max=n - 1)
         pos = token - cu[seq_id] + _offsets_tensor(offsets, n, "packed sequence", x.device)[seq_id]
-    else:
+    elif isinstance(offsets, torch.Tensor):
         batch, seq = lead
         off = _offsets_tensor(offsets, batch, "batch row", x.device)
         pos = off[:, None] + torch.arange(seq, device=x.device)[None, :]  # (batch, seq)
-    if table_len is not None and pos.numel() and not is_compiling():
-        lo, hi = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, not two
-        if lo < 0:
-            raise ValueError(f"positions: expected values >= 0, got a minimum of {lo}")
-        if hi >= table_len:
-            raise ValueError(
-                f"positions: largest position {hi} is past the cos/sin table (table_len {table_len}); "
-                f"expected positions < table_len, so build a table with at least {hi + 1} rows"
-            )
-    return pos
+    else:
+        offset = _check_int_offset(offsets)  # the fast path: no tensor, the range is integer arithmetic
+        if is_compiling():  # offset may be symbolic: the kernels check the range when the graph runs
+            return Positions(None, offset, None)
+        return Positions(None, offset, offset + lead[1] - 1 if lead[0] and lead[1] else -1)
+    largest = None
+    if _host_checked(pos):
+        largest = -1
+        if pos.numel():
+            lo, largest = torch.stack(torch.aminmax(pos)).tolist()  # CPU: no device sync
+            if lo < 0:
+                raise ValueError(f"positions: expected values >= 0, got a minimum of {lo}")
+    return Positions(pos.contiguous(), 0, largest)
+
+
+def resolve_positions(
+    x: torch.Tensor,
+    *,
+    positions: torch.Tensor | None,
+    offsets: int | torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    table_len: int | None,
+) -> torch.Tensor:
+    """:func:`resolve`, then the table check, as one int64 tensor of shape x.shape[:-2].
+
+    Args:
+        table_len: rows in the cos/sin table; host-known positions must lie in [0, table_len). None: no check.
+
+    Raises:
+        ValueError: as :func:`resolve`, and for a host-known position >= table_len.
+    """
+    pos = resolve(x, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens)
+    if table_len is not None:
+        pos.check_table(table_len)
+    return pos.as_tensor(x)

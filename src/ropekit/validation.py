@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "SUPPORTED_DTYPES",
     "check_base",
     "check_bool",
+    "check_disjoint",
     "check_even",
     "check_fraction",
     "check_head_dim",
@@ -21,10 +23,15 @@ __all__ = [
     "check_positive",
     "check_rotary_dim",
     "check_tables",
+    "check_writable",
     "check_x",
     "describe",
     "is_compiling",
 ]
+
+
+# Storage dtypes the rotation serves: every backend computes in float32 (float64 for float64) and rounds once.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def is_compiling() -> bool:
@@ -127,6 +134,10 @@ def check_x(name: str, x: Any, *, varlen: bool) -> None:
         raise ValueError(f"{name}: expected a torch.Tensor, got {describe(x)}")
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{name}: expected a float16, bfloat16, float32 or float64 tensor, got dtype {x.dtype}"
+        )
     want = 3 if varlen else 4
     if x.dim() != want:
         if varlen:
@@ -163,3 +174,75 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
             f"sin {sin.dtype} on {sin.device}"
         )
     return rotary_dim
+
+
+def check_writable(name: str, x: torch.Tensor) -> None:
+    """x is written in place: no two of its elements may share memory (an expanded or stride-0 view would be
+    rotated once per alias). The same rule, in nearly the same words, as PyTorch's ``add_`` on such a view."""
+    if torch._debug_has_internal_overlap(x) == 1:  # 1: provably overlapping; 2: too hard to tell (as torch)
+        raise ValueError(
+            f"{name}: inplace=True needs a tensor whose elements do not share memory, got shape "
+            f"{tuple(x.shape)} with strides {x.stride()} (an expanded or stride-0 view: more than one "
+            f"element refers to a single memory location); clone() it first or pass inplace=False"
+        )
+
+
+def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
+
+    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass."""
+    if _share_elements(a, b):
+        raise ValueError(
+            f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
+            f"{tuple(a.shape)} and {tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint "
+            f"tensors or inplace=False"
+        )
+
+
+def _extent(x: torch.Tensor) -> tuple[int, int]:
+    """The [first, last] storage elements x can touch."""
+    start = x.storage_offset()
+    return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors (each without internal overlap) address a common storage element."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _extent(a), _extent(b)
+    if a_hi < b_lo or b_hi < a_lo:
+        return False
+    dims_a = sorted((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1)
+    dims_b = sorted((s, n) for n, s in zip(b.shape, b.stride(), strict=True) if n > 1)
+    if [s for s, _ in dims_a] == [s for s, _ in dims_b]:
+        # Same strides (views of one buffer): is b_start - a_start = sum c_d s_d with -(na_d - 1) <= c_d <=
+        # nb_d - 1? Solved exactly by a short depth-first search, largest stride first.
+        ranges = [(s, -(na - 1), nb - 1) for (s, na), (_, nb) in zip(dims_a, dims_b, strict=True)][::-1]
+        found = _solve(b.storage_offset() - a.storage_offset(), ranges, budget=[4096])
+        if found is not None:
+            return found
+    # Anything else: mark a's elements and look for one of b's (rare; costs one pass over the span).
+    lo, hi = min(a_lo, b_lo), max(a_hi, b_hi)
+    marks = torch.zeros(hi - lo + 1, dtype=torch.bool, device=a.device)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
+
+
+def _solve(residual: int, ranges: list[tuple[int, int, int]], budget: list[int]) -> bool | None:
+    """Whether residual = sum c_d s_d for integers lo_d <= c_d <= hi_d ((s_d, lo_d, hi_d) in ranges, strides
+    descending); None if the search budget runs out."""
+    if not ranges:
+        return residual == 0
+    budget[0] -= 1
+    if budget[0] < 0:
+        return None
+    (stride, lo, hi), rest = ranges[0], ranges[1:]
+    reach = sum(s * max(-l, h) for s, l, h in rest)  # |sum over the smaller strides| is at most this
+    first, last = max(lo, -((reach - residual) // stride)), min(hi, (residual + reach) // stride)
+    for c in range(first, last + 1):
+        found = _solve(residual - c * stride, rest, budget)
+        if found is not False:
+            return found
+    return False

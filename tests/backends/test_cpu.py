@@ -8,6 +8,7 @@ import pytest
 import torch
 from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
 
+from ropekit import backends
 from ropekit.backends import cpu
 
 pytestmark = pytest.mark.skipif(
@@ -93,6 +94,7 @@ def test_failed_build_is_logged_and_auto_falls_back_to_torch(monkeypatch, caplog
     monkeypatch.setattr(cpu, "build_library", fail)
     monkeypatch.setattr(cpu, "_library", None)
     monkeypatch.setattr(cpu, "_build_error", None)
+    monkeypatch.setattr(backends, "_choices", {})  # forget the choice made while the kernel was available
     x, (cos, sin) = torch.randn(1, 3, 2, 4), tables(4)
     with caplog.at_level(logging.WARNING, logger="ropekit.backends"):
         assert select_backend("auto", x, cos).name == "torch"

@@ -8,6 +8,7 @@ serve the inputs raises a ValueError with the reason.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -16,7 +17,7 @@ from ropekit.backends.cpu import CpuBackend
 from ropekit.backends.eager import EagerBackend
 from ropekit.backends.triton import TritonBackend
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "register_backend", "select_backend"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "clear_backend_cache", "register_backend", "select_backend"]
 
 log = logging.getLogger("ropekit.backends")
 
@@ -26,15 +27,42 @@ BACKENDS: dict[str, Backend] = {"triton": TritonBackend(), "cpu": CpuBackend(), 
 AUTO_ORDER: list[str] = ["triton", "cpu", "torch"]
 
 
+# (name, device type, dtype, table width, TRITON_INTERPRET) -> the backend chosen for it: the answer never
+# changes within a process, and deciding costs microseconds a decode step cannot spare. Cleared by
+# register_backend and clear_backend_cache (tests that change what is available).
+_choices: dict[tuple, tuple[Backend, list[str]]] = {}
+
+
+def clear_backend_cache() -> None:
+    """Forget every cached backend choice (after changing BACKENDS, AUTO_ORDER or a backend's state)."""
+    _choices.clear()
+
+
 def register_backend(backend: Backend, *, auto_priority: int | None = None) -> None:
     """Add a backend; with auto_priority, also insert it into AUTO_ORDER at that index."""
+    clear_backend_cache()
     BACKENDS[backend.name] = backend
     if auto_priority is not None and backend.name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_priority, backend.name)
 
 
 def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
-    """Return the backend to use for these inputs."""
+    """Return the backend to use for these inputs (cached per name, device type, dtype and table width)."""
+    if torch.compiler.is_compiling():
+        return _select(name, q, cos)
+    key = (name, q.device.type, q.dtype, cos.shape[-1], os.environ.get("TRITON_INTERPRET"))
+    choice = _choices.get(key)
+    if choice is None:
+        skipped: list[str] = []
+        choice = _choices[key] = (_select(name, q, cos, skipped), skipped)
+    if choice[1] and log.isEnabledFor(logging.DEBUG):
+        for line in choice[1]:
+            log.debug("ropekit: backend %s", line)
+    return choice[0]
+
+
+def _select(name: str, q: torch.Tensor, cos: torch.Tensor, skipped: list[str] | None = None) -> Backend:
+    """The backend for these inputs; for "auto", why each earlier candidate was skipped goes to skipped."""
     if name == "auto":
         for candidate in AUTO_ORDER:
             backend = BACKENDS[candidate]
@@ -42,8 +70,8 @@ def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
             reason = getattr(backend, "auto_skip_reason", backend.unavailable_reason)(q, cos)
             if reason is None:
                 return backend
-            if not torch.compiler.is_compiling():  # a logging call would break torch.compile's graph
-                log.debug("ropekit: backend %r skipped: %s", candidate, reason)
+            if skipped is not None:  # never under compile: a logging call would break the graph
+                skipped.append(f"{candidate!r} skipped: {reason}")
         return BACKENDS["torch"]
     if name not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")

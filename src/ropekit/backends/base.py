@@ -2,7 +2,7 @@
 
 A backend rotates q (and optionally k) given cos/sin tables and *resolved* positions (see
 :mod:`ropekit.positions`): an int64 tensor of shape x.shape[:-2], one table row per token, shared by all
-heads.
+heads, or None and an int ``offset``: rows ``offset + arange(seq)`` for every batch row of 4-D input.
 
 Contract of :meth:`Backend.rotate_qk`:
     q: (..., q_heads, head_dim); k: (..., k_heads, head_dim) or None; the leading axes of q and k match
@@ -11,6 +11,9 @@ Contract of :meth:`Backend.rotate_qk`:
     interleaved: False pairs (i, i + d/2) (GPT-NeoX / HF); True pairs (2i, 2i+1) (GPT-J / Meta).
     conjugate: rotate by -theta instead of +theta (the backward pass, and the inverse).
     inplace: write into q and k and return them; otherwise return new tensors and leave the inputs untouched.
+    offset: with positions None, the row of each sequence's first token.
+    A row outside the table is an error (a ValueError where it is checked on the host, a device-side assert
+    otherwise), never a read outside the table.
     Features past rotary_dim are copied unchanged. Math runs in float32 (float64 if q is float64); outputs
     have the input dtype.
 """
@@ -37,9 +40,10 @@ class Backend(Protocol):
         k: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         *,
         interleaved: bool,
         conjugate: bool,
         inplace: bool,
+        offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...

@@ -26,12 +26,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from ropekit.backends.kernel_op import KernelBackend
+from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
 
 __all__ = ["CpuBackend", "build_library", "launch"]
 
@@ -100,17 +100,28 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
         if (copy_tail) memcpy(orow + 2 * half, xr + 2 * half, (size_t)tail * sizeof(T)); \
     } \
 } \
-void NAME(const void *q, void *qo, const void *k, void *ko, const int64_t *st, int64_t batch, \
-          int64_t seq, int64_t q_heads, int64_t k_heads, int64_t half, int64_t tail, const float *cos, \
-          const float *sin, int64_t cos_stride, const int64_t *pos, int interleaved, int conjugate, \
-          int copy_tail, int threads) { \
+/* Returns -1 when done, else the first token whose table row (pos[token], or offset + its index in the \
+   sequence when pos is NULL) is outside [0, table_len); nothing is written then. */ \
+int64_t NAME(const void *q, void *qo, const void *k, void *ko, const int64_t *st, int64_t batch, \
+             int64_t seq, int64_t q_heads, int64_t k_heads, int64_t half, int64_t tail, const float *cos, \
+             const float *sin, int64_t cos_stride, int64_t sin_stride, int64_t table_len, \
+             const int64_t *pos, int64_t offset, int interleaved, int conjugate, int copy_tail, \
+             int threads) { \
     float sign = conjugate ? -1.0f : 1.0f; \
+    int64_t tokens = batch * seq; \
+    if (pos) { \
+        for (int64_t token = 0; token < tokens; ++token) \
+            if (pos[token] < 0 || pos[token] >= table_len) return token; \
+    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) { \
+        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0; \
+    } \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
-    for (int64_t token = 0; token < batch * seq; ++token) { \
+    for (int64_t token = 0; token < tokens; ++token) { \
         int64_t b = token / seq, t = token % seq; \
-        const float *c = cos + pos[token] * cos_stride; \
+        int64_t row = pos ? pos[token] : offset + t; \
+        const float *c = cos + row * cos_stride; \
         float s[half], c2[2 * half], s2[2 * half]; \
-        for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[pos[token] * cos_stride + i]; \
+        for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
         if (interleaved) \
             for (int64_t i = 0; i < half; ++i) { \
                 c2[2 * i] = c2[2 * i + 1] = c[i]; \
@@ -123,6 +134,7 @@ void NAME(const void *q, void *qo, const void *k, void *ko, const int64_t *st, i
             NAME##_heads((const T *)k + b * st[6] + t * st[7], (T *)ko + b * st[9] + t * st[10], st[8], \
                          st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail); \
     } \
+    return -1; \
 }
 
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
@@ -132,11 +144,13 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
 
 _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat16: "rotary_bf16"}
 _ARGTYPES = (
-    [ctypes.c_void_p] * 5
-    + [ctypes.c_int64] * 6
-    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    + [ctypes.c_int] * 4
+    [ctypes.c_void_p] * 5  # q, q_out, k, k_out, strides
+    + [ctypes.c_int64] * 6  # batch, seq, q_heads, k_heads, half, tail
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # tables
+    + [ctypes.c_void_p, ctypes.c_int64]  # positions, offset
+    + [ctypes.c_int] * 4  # interleaved, conjugate, copy_tail, threads
 )
+_STRIDES = ctypes.c_int64 * 12
 
 
 # The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
@@ -257,7 +271,7 @@ def build_library(
     lib = ctypes.CDLL(str(target))
     for entry in _ENTRY.values():
         getattr(lib, entry).argtypes = _ARGTYPES
-        getattr(lib, entry).restype = None
+        getattr(lib, entry).restype = ctypes.c_int64
     return lib
 
 
@@ -304,21 +318,42 @@ def _build_failure() -> str | None:
     return None if _load() is not None else str(_build_error)
 
 
-def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> None:
-    """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch`."""
-    lib = _load()
+_functions: dict[torch.dtype, Callable[..., int]] = {}  # storage dtype -> the loaded C entry point
+
+
+def _function(dtype: torch.dtype) -> Callable[..., int]:
+    if not _functions:
+        lib = _load()
+        if lib is None:
+            raise ValueError(
+                f"backend: 'cpu' cannot serve these inputs: the C kernel could not be built: {_build_error}"
+            )
+        _functions.update({d: getattr(lib, entry) for d, entry in _ENTRY.items()})
+    return _functions[dtype]
+
+
+def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
+    """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch`.
+
+    Raises:
+        ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, CUDA tensors, or a
+            table row outside the table (checked by the C loop on the host before it writes anything).
+    """
+    check_launch(q, k, q_out, k_out, cos, sin, positions, offset, _ENTRY)
+    if q.device.type != "cpu":
+        raise ValueError(f"q: expected a CPU tensor for the C kernel, got one on {q.device}")
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
-    half = cos.shape[-1]
-    cos = cos.to(torch.float32).contiguous()  # (table_len, half); a no-op for the usual float32 tables
-    sin = sin.to(torch.float32).contiguous()
+    table_len, half = cos.shape  # (table_len, rotary_dim // 2)
+    if positions is None:
+        check_offset_rows(offset, seq, table_len)
     has_k = k is not None
     no_k = (0, 0, 0)
-    strides = (ctypes.c_int64 * 12)(
+    strides = _STRIDES(
         *q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else no_k),
         *(k_out.stride()[:3] if has_k else no_k),
     )  # fmt: skip
     work = q.numel() + (k.numel() if has_k else 0)
-    getattr(lib, _ENTRY[q.dtype])(
+    bad = _function(q.dtype)(
         q.data_ptr(),
         q_out.data_ptr(),
         k.data_ptr() if has_k else None,
@@ -333,12 +368,18 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
         cos.data_ptr(),
         sin.data_ptr(),
         cos.stride(0),
-        positions.data_ptr(),
+        sin.stride(0),
+        table_len,
+        None if positions is None else positions.data_ptr(),
+        offset,
         int(interleaved),
         int(conjugate),
         int(q_out.data_ptr() != q.data_ptr()),
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
     )
+    if bad >= 0:
+        position = int(positions[bad]) if positions is not None else offset + bad
+        raise row_error(position, table_len, bad if positions is not None else None)
 
 
 class CpuBackend(KernelBackend):
@@ -350,6 +391,8 @@ class CpuBackend(KernelBackend):
             return f"q is on {q.device.type}; the CPU fast path serves CPU tensors"
         if q.dtype not in _ENTRY:
             return f"dtype {q.dtype} is not supported (float32, float16, bfloat16; float64 uses torch)"
+        if cos.shape[-1] > MAX_HALF:
+            return f"rotary_dim {2 * cos.shape[-1]} is wider than the kernel serves ({2 * MAX_HALF})"
         error = _build_failure()
         if error is not None:
             return f"the C kernel could not be built: {error}"

@@ -11,6 +11,39 @@ import torch
 __all__ = ["EagerBackend", "rotate"]
 
 
+def table_rows(positions: torch.Tensor | None, offset: int, x: torch.Tensor, table_len: int) -> torch.Tensor:
+    """The int64 table row of each token of x (x.shape[:-2]), checked to lie in [0, table_len).
+
+    Indexing would raise for a row past the table on the CPU, but it wraps a negative row silently, and a
+    compiled graph or a CUDA tensor cannot be checked on the host without a sync: there the check is a
+    device-side assert (``torch._assert_async``), which fails the call instead of reading a wrong row.
+    """
+    if positions is None:
+        batch, seq = x.shape[:2]
+        positions = torch.arange(offset, offset + seq, device=x.device).expand(batch, seq)  # (batch, seq)
+        if not torch.compiler.is_compiling():
+            if seq and batch and not 0 <= offset <= table_len - seq:
+                raise ValueError(
+                    f"positions: position {offset + seq - 1} is outside the cos/sin table (table_len "
+                    f"{table_len}); expected 0 <= position < table_len"
+                )
+            return positions
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        if positions.numel():
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+            if lo < 0 or hi >= table_len:
+                raise ValueError(
+                    f"positions: position {lo if lo < 0 else hi} is outside the cos/sin table (table_len "
+                    f"{table_len}); expected 0 <= position < table_len"
+                )
+    else:
+        inside = ((positions >= 0) & (positions < table_len)).all()
+        torch._assert_async(
+            inside, "ropekit: a position is outside the cos/sin table (positions >= table_len)"
+        )
+    return positions
+
+
 def rotate(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -21,7 +54,7 @@ def rotate(
     conjugate: bool,
     inplace: bool,
 ) -> torch.Tensor:
-    """Rotate one tensor; see :mod:`ropekit.backends.base` for the contract."""
+    """Rotate one tensor; see :mod:`ropekit.backends.base` for the contract (positions already checked)."""
     half = cos.shape[-1]
     rot = 2 * half
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -54,7 +87,8 @@ class EagerBackend:
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         return None
 
-    def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace):
+    def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
+        positions = table_rows(positions, offset, q, cos.shape[0])
         kw = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
         q_out = rotate(q, cos, sin, positions, **kw)
         k_out = None if k is None else rotate(k, cos, sin, positions, **kw)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ropekit.backends.kernel_op import KernelBackend
+from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
 
 __all__ = ["TritonBackend", "interpreter_enabled", "launch"]
 
@@ -36,14 +36,25 @@ def _head_block(heads: int, block_half: int) -> int:
     return max(1, min(_next_pow2(heads), MAX_BLOCK_ELEMENTS // block_half))
 
 
-def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> None:
-    """Run the kernel: one program per token; see :data:`ropekit.backends.kernel_op.Launch`."""
+def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
+    """Run the kernel: one program per token; see :data:`ropekit.backends.kernel_op.Launch`.
+
+    Table rows are checked without a host sync: an int offset with integer arithmetic here; a positions
+    tensor on the host when it is a CPU tensor (the interpreter), and on the device otherwise: the kernel
+    clamps a row outside the table into it (it never reads outside the table) and clears an error flag, which
+    ``torch._assert_async`` then asserts on the device, so the bad call fails with a device-side assert
+    instead of returning a result.
+
+    Raises:
+        ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, or (host-checked
+            rows) a table row outside the table.
+    """
     from ropekit.backends.triton_kernel import rotary_kernel
 
+    check_launch(q, k, q_out, k_out, cos, sin, positions, offset, SUPPORTED_DTYPES)
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
-    half = cos.shape[-1]
+    table_len, half = cos.shape  # (table_len, rotary_dim // 2)
     tail = head_dim - 2 * half
-    cos, sin = cos.contiguous(), sin.contiguous()  # (table_len, half): one row stride serves both
     has_k = k is not None
     k_heads = k.shape[2] if has_k else 0
     block_half = _next_pow2(half)
@@ -51,6 +62,16 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
     grid = (batch * seq,)
     if grid[0] == 0:
         return
+    device_check = False
+    if positions is None:
+        check_offset_rows(offset, seq, table_len)
+    elif positions.device.type == "cpu":
+        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+        if lo < 0 or hi >= table_len:
+            raise row_error(lo if lo < 0 else hi, table_len)
+    else:
+        device_check = True
+    flag = torch.ones(1, dtype=torch.int32, device=q.device)  # cleared by a program that meets a bad row
     # Triton launches on the current CUDA device; make it q's (multi-GPU).
     device_guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with device_guard:
@@ -61,7 +82,10 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
             k_args[1],
             cos,
             sin,
-            positions,
+            q if positions is None else positions,  # unused pointer when HAS_POS is False
+            flag,
+            offset,
+            table_len,
             seq,
             q_heads,
             k_heads,
@@ -70,6 +94,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
             *q_out.stride()[:3],
             *k_args[1].stride()[:3],
             cos.stride(0),
+            sin.stride(0),
             HALF=half,
             TAIL=tail,
             BLOCK_HALF=block_half,
@@ -77,10 +102,13 @@ def launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate) -> N
             BLOCK_HQ=_head_block(q_heads, block_half),
             BLOCK_HK=_head_block(max(k_heads, 1), block_half),
             HAS_K=has_k,
+            HAS_POS=positions is not None,
             INTERLEAVED=interleaved,
             CONJUGATE=conjugate,
             COPY_TAIL=tail > 0 and q_out.data_ptr() != q.data_ptr(),
         )
+    if device_check:
+        torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")
 
 
 class TritonBackend(KernelBackend):
@@ -96,6 +124,8 @@ class TritonBackend(KernelBackend):
             return f"q is on {q.device.type}; the Triton kernel needs a CUDA device"
         if q.dtype not in SUPPORTED_DTYPES:
             return f"dtype {q.dtype} is not supported (float32, float16, bfloat16)"
+        if cos.shape[-1] > MAX_HALF:
+            return f"rotary_dim {2 * cos.shape[-1]} is wider than the kernel serves ({2 * MAX_HALF})"
         return None
 
     def auto_skip_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:

@@ -59,7 +59,7 @@ def _rotate_heads(
             tl.store(out_row + tail_idx[None, :], tail, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset"])
 def rotary_kernel(
     q_ptr,
     k_ptr,
@@ -68,6 +68,9 @@ def rotary_kernel(
     cos_ptr,
     sin_ptr,
     pos_ptr,
+    flag_ptr,
+    offset,
+    table_len,
     seq_len,
     q_heads,
     k_heads,
@@ -84,6 +87,7 @@ def rotary_kernel(
     ko_stride_s,
     ko_stride_h,
     cos_stride,
+    sin_stride,
     HALF: tl.constexpr,
     TAIL: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -91,20 +95,33 @@ def rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     HAS_K: tl.constexpr,
+    HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     COPY_TAIL: tl.constexpr,
 ):
-    """Rotate token ``program_id(0)`` of q (and k); leading axes are (batch, seq), the last has stride 1."""
+    """Rotate token ``program_id(0)`` of q (and k); leading axes are (batch, seq), the last has stride 1.
+
+    The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
+    clears ``flag`` and reads row 0 instead (see :func:`ropekit.backends.triton.launch`).
+    """
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
     t = token % seq_len
-    pos = tl.load(pos_ptr + token)
+    if HAS_POS:
+        pos = tl.load(pos_ptr + token)
+    else:
+        pos = offset + t  # an int offset: the launcher checked the range with integers
+    # Never read outside the table: a bad row is clamped and reported through the flag (asserted on the device
+    # by the launcher), so the call fails instead of returning these values.
+    bad = (pos < 0) | (pos >= table_len)
+    tl.store(flag_ptr, 0, mask=bad)
+    pos = tl.where(bad, 0, pos)
 
     half_idx = tl.arange(0, BLOCK_HALF)
     half_mask = half_idx < HALF
     c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     if CONJUGATE:
         s = -s  # R(-theta) = R(theta)^T: the backward pass
     tail_idx = 2 * HALF + tl.arange(0, BLOCK_TAIL)
