@@ -89,8 +89,8 @@ def apply_rotary(
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend):
-    check_x("q" if k is not None else "x", q, varlen=cu_seqlens is not None)
-    pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens)
+    name = "q" if k is not None else "x"
+    pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
     return _apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
 
 

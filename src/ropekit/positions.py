@@ -132,6 +132,7 @@ def resolve(
     positions: torch.Tensor | None = None,
     offsets: int | torch.Tensor = 0,
     cu_seqlens: torch.Tensor | None = None,
+    name: str = "x",
 ) -> Positions:
     """Validate the position arguments for x and resolve them into :class:`Positions` (no table check).
 
@@ -140,6 +141,7 @@ def resolve(
         positions: None, or an integer tensor of shape x.shape[:-2] giving every token's position directly.
         offsets: an int or an integer tensor with one entry per sequence, added to each sequence's arange.
         cu_seqlens: None, or the (N + 1,) cumulative lengths of a packed batch.
+        name: x's name in error messages ("q" for apply_rotary_qk).
 
     Returns:
         Positions; for an int offset on 4-D x, no tensor and ``largest = offset + S - 1`` (plain integers).
@@ -149,7 +151,13 @@ def resolve(
             offsets non-zero together with positions, negative, past int64 or not one per sequence; malformed
             cu_seqlens. Value checks of non-CPU tensors run on the device (see the module docstring).
     """
-    check_x("x", x, varlen=cu_seqlens is not None)
+    check_x(name, x, varlen=cu_seqlens is not None)
+    if cu_seqlens is None and positions is None and type(offsets) is int and 0 <= offsets < INT64_LIMIT:
+        # The fast path (prefill / decode with one int offset): no tensor, the range is integer arithmetic.
+        if is_compiling():  # offset may be symbolic: the kernels check the range when the graph runs
+            return Positions(None, offsets, None)
+        batch, seq = x.shape[0], x.shape[1]
+        return Positions(None, offsets, offsets + seq - 1 if batch and seq else -1)
     lead = tuple(x.shape[:-2])  # (batch, seq) or (total_tokens,)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, lead[0])
     if positions is not None:

@@ -207,9 +207,9 @@ def _extent(x: torch.Tensor) -> tuple[int, int]:
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two strided tensors (each without internal overlap) address a common storage element."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
+    if a.is_meta or b.is_meta or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False  # the common case: separate allocations
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.dtype != b.dtype:
         return False
     (a_lo, a_hi), (b_lo, b_hi) = _extent(a), _extent(b)
     if a_hi < b_lo or b_hi < a_lo:

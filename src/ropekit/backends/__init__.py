@@ -27,7 +27,7 @@ BACKENDS: dict[str, Backend] = {"triton": TritonBackend(), "cpu": CpuBackend(), 
 AUTO_ORDER: list[str] = ["triton", "cpu", "torch"]
 
 
-# (name, device type, dtype, table width, TRITON_INTERPRET) -> the backend chosen for it: the answer never
+# (name, device, dtype, table width, TRITON_INTERPRET) -> the backend chosen for it: the answer never
 # changes within a process, and deciding costs microseconds a decode step cannot spare. Cleared by
 # register_backend and clear_backend_cache (tests that change what is available).
 _choices: dict[tuple, tuple[Backend, list[str]]] = {}
@@ -50,7 +50,9 @@ def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
     """Return the backend to use for these inputs (cached per name, device type, dtype and table width)."""
     if torch.compiler.is_compiling():
         return _select(name, q, cos)
-    key = (name, q.device.type, q.dtype, cos.shape[-1], os.environ.get("TRITON_INTERPRET"))
+    # Only an explicit "triton" on CPU tensors depends on the environment (the interpreter switch).
+    interpret = os.environ.get("TRITON_INTERPRET") if name == "triton" else None
+    key = (name, q.device, q.dtype, cos.shape[-1], interpret)
     choice = _choices.get(key)
     if choice is None:
         skipped: list[str] = []

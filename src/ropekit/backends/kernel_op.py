@@ -51,47 +51,30 @@ def _fail(name: str, expected: str, got: str) -> None:
 def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> None:
     """Everything a raw kernel relies on to stay inside its tensors; ValueError naming the argument otherwise.
 
-    Values (the table rows of positions) are not read here: each kernel checks them where they live.
+    Values (the table rows of positions) are not read here: each kernel checks them where they live. Written
+    for a decode step's budget: a few attribute reads per tensor, no shape slicing.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        _fail("q", "a 4-D tensor (batch, seq, heads, head_dim)", _describe(q))
-    if q.dtype not in dtypes:
-        _fail("q", f"one of {[str(d) for d in dtypes]}", str(q.dtype))
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in dtypes:
+        _fail("q", f"a 4-D (batch, seq, heads, head_dim) tensor of {[str(d) for d in dtypes]}", _describe(q))
+    batch, seq, _, head_dim = q.shape
     device = q.device
-    for name, x, out in (("q", q, q_out), ("k", k, k_out)):
-        if x is None:
-            if out is not None:
-                _fail(f"{name}_out", f"None when {name} is None", _describe(out))
-            continue
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[:2] != q.shape[:2]:
-            _fail(name, f"a 4-D tensor with q's (batch, seq) {tuple(q.shape[:2])}", _describe(x))
-        if x.shape[3] != q.shape[3] or x.dtype != q.dtype or x.device != device:
-            _fail(
-                name, f"head_dim {q.shape[3]}, dtype {q.dtype} on {device}", f"{_describe(x)} on {x.device}"
-            )
-        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
-            _fail(f"{name}_out", f"a {x.dtype} tensor of shape {tuple(x.shape)}", _describe(out))
-        if out.device != device:
-            _fail(f"{name}_out", f"a tensor on {device}", f"one on {out.device}")
-        for label, t in ((name, x), (f"{name}_out", out)):
-            if t.shape[3] > 1 and t.stride(3) != 1:
-                _fail(label, "a last axis of stride 1", f"strides {t.stride()}")
-        check_writable(f"{name}_out", out)
-    if k_out is not None:
+    _check_pair("q", q, q_out, q, device)
+    if k is not None or k_out is not None:
+        _check_pair("k", k, k_out, q, device)
         check_disjoint("q_out", q_out, "k_out", k_out)
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
             _fail(name, "a 2-D float32 tensor (table_len, rotary_dim // 2)", _describe(t))
         if t.device != device:
             _fail(name, f"a tensor on q's device {device}", f"one on {t.device}")
-        if t.shape[1] > 1 and t.stride(1) != 1:
+        if t.stride()[1] != 1 and t.shape[1] > 1:
             _fail(name, "a last axis of stride 1", f"strides {t.stride()}")
-    if cos.shape != sin.shape:
+    table_len, half = cos.shape
+    if sin.shape != cos.shape:
         _fail("sin", f"cos's shape {tuple(cos.shape)}", str(tuple(sin.shape)))
-    half = cos.shape[1]
-    if not 1 <= half <= MAX_HALF or 2 * half > q.shape[3]:
+    if not 1 <= half <= MAX_HALF or 2 * half > head_dim:
         _fail("cos", f"1 <= rotary_dim // 2 <= min(head_dim // 2, {MAX_HALF})", f"width {half}")
-    tokens = q.shape[0] * q.shape[1]
+    tokens = batch * seq
     if positions is not None:
         if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
             _fail("positions", "an int64 tensor", _describe(positions))
@@ -101,10 +84,32 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
                 f"a contiguous tensor of {tokens} rows (batch * seq) on {device}",
                 f"{_describe(positions)} on {positions.device}",
             )
-    elif isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 1 << 63:
+    elif type(offset) is not int or not 0 <= offset < 1 << 63:
         _fail("offset", "a non-negative int64 when positions is None", repr(offset))
-    if tokens and cos.shape[0] == 0:
+    if tokens and table_len == 0:
         _fail("cos", "at least one row", "an empty table")
+
+
+def _check_pair(name: str, x, out, q: torch.Tensor, device: torch.device) -> None:
+    """x (q or k) is read and out written: both 4-D like q, one dtype and device, last stride 1, and out
+    without self-overlap."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        _fail(name, "a 4-D tensor (batch, seq, heads, head_dim)", _describe(x))
+    shape, q_shape = x.shape, q.shape
+    if shape[0] != q_shape[0] or shape[1] != q_shape[1] or shape[3] != q_shape[3]:
+        _fail(name, f"q's batch, seq and head_dim {tuple(q_shape)}", str(tuple(shape)))
+    if x.dtype != q.dtype or x.device != device:
+        _fail(name, f"q's dtype {q.dtype} on {device}", f"{x.dtype} on {x.device}")
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.shape != shape
+        or out.dtype != x.dtype
+        or out.device != device
+    ):
+        _fail(f"{name}_out", f"a {x.dtype} tensor of shape {tuple(shape)} on {device}", _describe(out))
+    if shape[3] > 1 and (x.stride()[3] != 1 or out.stride()[3] != 1):
+        _fail(name, "a last axis of stride 1 (input and output)", f"strides {x.stride()} and {out.stride()}")
+    check_writable(f"{name}_out", out)
 
 
 def row_error(position: int, table_len: int, token: int | None = None) -> ValueError:
@@ -149,14 +154,19 @@ def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interl
     pos = None if positions is None else positions.reshape(-1)  # (batch * seq,)
     if pos is not None and pos.dtype == torch.int64:
         pos = pos.contiguous()
-    dense = torch.contiguous_format
-    if any(out is not None and out.stride(-1) != 1 for out in (q_out, k_out)):
+    strided = [t is not None and t.stride()[-1] != 1 for t in (q, k, q_out, k_out)]
+    if not any(strided):  # the usual case: the kernel reads and writes the tensors themselves
+        k4, k_out4 = (None, None) if k is None else (_as_4d(k), _as_4d(k_out))
+        launch(_as_4d(q), k4, _as_4d(q_out), k_out4, cos, sin, pos, offset, interleaved, conjugate)
+        return
+    if strided[2] or strided[3]:
         # The launcher checks the outputs it writes; a scratch copy would hide an overlapping output.
         for name, out in (("q", q_out), ("k", k_out)):
             if out is not None:
                 check_writable(name, out)
         if k_out is not None:
             check_disjoint("q", q_out, "k", k_out)
+    dense = torch.contiguous_format
     scratch = [
         out if out is None or out.stride(-1) == 1 else torch.empty_like(out, memory_format=dense)
         for out in (q_out, k_out)
