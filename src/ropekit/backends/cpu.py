@@ -110,7 +110,8 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     const int64_t *st = a, batch = a[12], seq = a[13], q_heads = a[14], k_heads = a[15]; \
     const int64_t half = a[16]; \
     const int64_t tail = a[17], cos_stride = a[18], sin_stride = a[19], table_len = a[20], offset = a[21]; \
-    const int interleaved = (int)a[22], conjugate = (int)a[23], copy_tail = (int)a[24], threads = (int)a[25]; \
+    const int interleaved = (int)a[22], conjugate = (int)a[23], copy_tail = (int)a[24]; \
+    const int threads = (int)a[25]; \
     float sign = conjugate ? -1.0f : 1.0f; \
     int64_t tokens = batch * seq; \
     if (pos) { \
