@@ -11,7 +11,7 @@ import pytest
 import torch
 from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
 
-from ropekit import apply_rotary_qk
+from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends.triton import interpreter_enabled
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_triton.py)")
@@ -71,3 +71,49 @@ def test_triton_runs_inside_torch_compile_fullgraph_with_gradients():
     eager_loss.backward()
     torch.testing.assert_close(out_q, eager_q)
     torch.testing.assert_close(grads, (q.grad, k.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_outputs_equal_the_torch_backend_bit_for_bit(dtype, interleaved):
+    """The rounding contract under the interpreter: float32 math, one round-to-nearest-even store, so the
+    output equals the torch backend's bit for bit (a truncating store differs on about half the elements).
+    On a GPU, Triton may contract a * c - b * s into a fused multiply-add: a float32 result one ulp apart can
+    round to a neighbouring fp16/bf16 value, so there the bound is one ulp of the output dtype."""
+    g = torch.Generator().manual_seed(7)
+    cos, sin = tables(8)
+    x = (torch.randn(1, 6, 3, 12, generator=g) * 4).to(dtype)
+    pos = torch.randint(0, 64, (1, 6), generator=g)
+    want = apply_rotary(x, cos, sin, positions=pos, interleaved=interleaved, backend="torch")
+    got = apply_rotary(x, cos, sin, positions=pos, interleaved=interleaved, backend="triton")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+def test_triton_ops_reject_what_the_kernel_cannot_serve():
+    cos, sin = tables(8)
+    q = torch.randn(1, 3, 2, 12)
+    with pytest.raises(ValueError, match=r"positions: expected an int64 tensor, got a torch.int32"):
+        torch.ops.ropekit.triton_rotary(q, None, cos, sin, torch.zeros(1, 3, dtype=torch.int32), False, False)
+    with pytest.raises(ValueError, match=r"position 64 .*table_len 64"):
+        torch.ops.ropekit.triton_rotary(q, None, cos, sin, torch.tensor([[0, 64, 1]]), False, False)
+    with pytest.raises(ValueError, match=r"position 65 .*table_len 64"):
+        torch.ops.ropekit.triton_rotary(q, None, cos, sin, None, False, False, 63)
+    with pytest.raises(ValueError, match=r"cos: expected a 2-D float32 tensor"):
+        torch.ops.ropekit.triton_rotary(q, None, cos.double(), sin.double(), None, False, False)
+
+
+def test_triton_device_side_row_check_never_reads_past_the_table_and_fails(monkeypatch):
+    """The CUDA path, run on the interpreter: rows are checked in the kernel (clamped, flag cleared) and the flag
+    is asserted with torch._assert_async, which on a CPU tensor fails at once."""
+    from ropekit.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_rows_on_host", lambda positions: False)
+    cos, sin = tables(8)
+    q = torch.randn(1, 3, 2, 12)
+    before = q.clone()
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        torch.ops.ropekit.triton_rotary_(q, None, cos, sin, torch.tensor([[3, 1 << 40, -5]]), False, False)
+    # The row in range was rotated; the clamped ones read row 0 (the identity), never memory past the table.
+    assert not torch.allclose(q[:, 0], before[:, 0])
+    assert torch.equal(q[:, 1:], before[:, 1:])

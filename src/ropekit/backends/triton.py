@@ -36,6 +36,11 @@ def _head_block(heads: int, block_half: int) -> int:
     return max(1, min(_next_pow2(heads), MAX_BLOCK_ELEMENTS // block_half))
 
 
+def _rows_on_host(positions: torch.Tensor) -> bool:
+    """Whether to check the rows on the host: CPU tensors (the interpreter); never CUDA ones (a sync)."""
+    return positions.device.type == "cpu"
+
+
 def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
     """Run the kernel: one program per token; see :data:`ropekit.backends.kernel_op.Launch`.
 
@@ -65,7 +70,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     device_check = False
     if positions is None:
         check_offset_rows(offset, seq, table_len)
-    elif positions.device.type == "cpu":
+    elif _rows_on_host(positions):
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= table_len:
             raise row_error(lo if lo < 0 else hi, table_len)
@@ -106,6 +111,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             INTERLEAVED=interleaved,
             CONJUGATE=conjugate,
             COPY_TAIL=tail > 0 and q_out.data_ptr() != q.data_ptr(),
+            BF16=q.dtype == torch.bfloat16,
         )
     if device_check:
         torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")

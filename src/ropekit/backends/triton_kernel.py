@@ -18,6 +18,18 @@ __all__ = ["rotary_kernel"]
 
 
 @triton.jit
+def _bf16_round_to_nearest_even(x):
+    """float32 -> bfloat16, rounding to nearest even, in integer arithmetic (the C loop's bf16_store).
+
+    GPUs round a plain cast to nearest even too, but Triton's interpreter truncates; spelling the rounding out
+    makes the rounding contract (docs/safety.md) hold, and be testable, in both. NaN stays a quiet NaN."""
+    u = x.to(tl.uint32, bitcast=True)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    top = tl.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
@@ -34,6 +46,7 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     COPY_TAIL: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """Rotate n_heads heads of one token; x_ptr/out_ptr point at head 0, feature 0 of that token."""
     if INTERLEAVED:
@@ -51,6 +64,8 @@ def _rotate_heads(
         b = tl.load(x_row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
         ra = a * c - b * s
         rb = b * c + a * s
+        if BF16:
+            ra, rb = _bf16_round_to_nearest_even(ra), _bf16_round_to_nearest_even(rb)
         tl.store(out_row + a_idx[None, :], ra.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_row + b_idx[None, :], rb.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY_TAIL:
@@ -99,6 +114,7 @@ def rotary_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     COPY_TAIL: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """Rotate token ``program_id(0)`` of q (and k); leading axes are (batch, seq), the last has stride 1.
 
@@ -143,6 +159,7 @@ def rotary_kernel(
         BLOCK_HQ,
         INTERLEAVED,
         COPY_TAIL,
+        BF16,
     )
     if HAS_K:
         _rotate_heads(
@@ -161,4 +178,5 @@ def rotary_kernel(
             BLOCK_HK,
             INTERLEAVED,
             COPY_TAIL,
+            BF16,
         )
