@@ -8,8 +8,7 @@ import pytest
 import torch
 from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
 
-from ropekit import backends
-from ropekit import apply_rotary
+from ropekit import apply_rotary, backends
 from ropekit.backends import cpu
 
 pytestmark = pytest.mark.skipif(
