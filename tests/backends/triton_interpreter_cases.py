@@ -104,8 +104,8 @@ def test_triton_ops_reject_what_the_kernel_cannot_serve():
 
 
 def test_triton_device_side_row_check_never_reads_past_the_table_and_fails(monkeypatch):
-    """The CUDA path, run on the interpreter: rows are checked in the kernel (clamped, flag cleared) and the flag
-    is asserted with torch._assert_async, which on a CPU tensor fails at once."""
+    """The CUDA path, run on the interpreter: rows are checked in the kernel (clamped, flag cleared) and the
+    flag is asserted with torch._assert_async, which on a CPU tensor fails at once."""
     from ropekit.backends import triton as triton_backend
 
     monkeypatch.setattr(triton_backend, "_rows_on_host", lambda positions: False)
