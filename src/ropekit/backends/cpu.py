@@ -41,7 +41,8 @@ log = logging.getLogger("ropekit.backends")
 
 # -ffp-contract=off: no fused multiply-adds, so the float32 math rounds after each product and sum exactly
 # as the torch backend's separate ops do; with the round-to-nearest-even stores, fp16/bf16/fp32 outputs then
-# equal the torch backend's bit for bit (tests/backends/test_cpu.py). The loop is memory-bound: FMA buys nothing.
+# equal the torch backend's bit for bit (tests/backends/test_cpu.py). The loop is memory-bound: FMA buys
+# nothing.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # Below this many elements (256 KB of float32, near PyTorch's elementwise grain) one thread does the work.
 # On an idle 2-core machine two threads speed up a Llama-3-8B decode step (64 tokens, 1.3 MB): out of place
