@@ -1,0 +1,171 @@
+"""The kernel boundary is a wall: the registered ops and the launchers check everything the kernels rely on.
+
+Each case calls ``torch.ops.ropekit.cpu_rotary(_)`` or the C launcher directly, as a user (or a compiled
+graph) could, with something the kernel cannot serve; each must be a ValueError naming the argument, with the
+inputs untouched, never a crash or a read outside a tensor. The Triton ops share these checks
+(tests/backends/triton_interpreter_cases.py runs them through the interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rotary_cases import tables
+
+from ropekit import apply_rotary, apply_rotary_qk
+from ropekit.backends import cpu
+
+pytestmark = pytest.mark.skipif(
+    cpu.CpuBackend().unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
+    reason="the CPU kernel cannot be built here (no C compiler)",
+)
+
+COS, SIN = tables(8)  # (64, 4): 64 table rows, rotary_dim 8
+Q, K = torch.randn(2, 3, 4, 12), torch.randn(2, 3, 2, 12)
+POS = torch.tensor([[0, 5, 9], [1, 2, 63]])
+
+
+def op(*args):
+    return torch.ops.ropekit.cpu_rotary(*args)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            (Q, K, COS, SIN, POS.int(), False, False),
+            r"positions: expected an int64 tensor, got a torch.int32",
+        ),
+        ((Q, K, COS, SIN, POS.float(), False, False), r"positions: expected an int64 tensor"),
+        ((Q, K, COS, SIN, POS[:, :2], False, False), r"positions: expected a tensor of shape \(2, 3\)"),
+        ((Q, K, COS.double(), SIN.double(), POS, False, False), r"cos: expected a 2-D float32 tensor"),
+        ((Q, K, COS, SIN[:, :3], POS, False, False), r"sin: expected cos's shape \(64, 4\)"),
+        ((Q, K, COS.t(), SIN.t(), None, False, False), r"cos: expected a last axis of stride 1"),
+        ((Q[..., :6], K[..., :6], COS, SIN, POS, False, False), r"cos: expected 1 <= rotary_dim // 2"),
+        ((Q, K[:, :2], COS, SIN, POS, False, False), r"k: expected q's batch, seq and head_dim"),
+        ((Q, K.double(), COS, SIN, POS, False, False), r"k: expected q's dtype torch.float32"),
+        ((Q.double(), None, COS, SIN, POS, False, False), r"q: expected a 4-D .* of \['torch.float32'"),
+        ((Q[0, 0], None, COS, SIN, POS, False, False), r"q: expected a \(batch, seq, heads, head_dim\) or"),
+        ((Q, K, COS[:0], SIN[:0], POS, False, False), r"cos: expected at least one row, got an empty table"),
+        ((Q, K, COS, SIN, None, False, False, -1), r"offset: expected a non-negative int64"),
+    ],
+)
+def test_cpu_op_rejects_what_the_kernel_cannot_serve(args, match):
+    q_before = args[0].clone()
+    with pytest.raises(ValueError, match=match):
+        op(*args)
+    assert torch.equal(args[0], q_before)
+
+
+def test_cpu_op_accepts_int32_nowhere_but_the_functional_api_converts_it():
+    want = op(Q, K, COS, SIN, POS, False, False)
+    got = apply_rotary_qk(Q, K, COS, SIN, positions=POS.int(), backend="cpu")
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("bad", [64, 1 << 40, -1, -(1 << 62)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_op_row_outside_the_table_is_a_value_error_and_nothing_is_written(bad, inplace):
+    positions = POS.clone()
+    positions[1, 1] = bad
+    q, k = Q.clone(), K.clone()
+    with pytest.raises(ValueError, match=rf"positions: position {bad} \(token 4\) is outside .*table_len 64"):
+        if inplace:
+            torch.ops.ropekit.cpu_rotary_(q, k, COS, SIN, positions, False, False)
+        else:
+            op(q, k, COS, SIN, positions, False, False)
+    assert torch.equal(q, Q) and torch.equal(k, K)
+
+
+@pytest.mark.parametrize("offset, last", [(62, 64), (1 << 62, (1 << 62) + 2), ((1 << 63) - 2, None)])
+def test_cpu_op_offset_past_the_table_is_a_value_error(offset, last):
+    match = rf"position {last} is outside" if last is not None else r"position \d+ is outside"
+    with pytest.raises(ValueError, match=match):
+        op(Q, K, COS, SIN, None, False, False, offset)
+
+
+def test_cpu_op_int_offset_equals_explicit_positions():
+    rows = torch.arange(7, 10).expand(2, 3).contiguous()
+    for interleaved in (False, True):
+        by_offset = op(Q, K, COS, SIN, None, interleaved, False, 7)
+        by_rows = op(Q, K, COS, SIN, rows, interleaved, False)
+        for a, b in zip(by_offset, by_rows, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_cpu_op_in_place_on_an_expanded_tensor_is_the_value_error_pytorch_users_know():
+    k1 = torch.randn(1, 1, 8, 12)
+    expanded = k1.expand(1, 4, 8, 12)
+    with pytest.raises(
+        ValueError, match=r"q(_out)?: inplace=True needs a tensor whose elements do not share memory"
+    ):
+        torch.ops.ropekit.cpu_rotary_(expanded, None, COS, SIN, None, False, False)
+    strided = torch.randn(1, 1, 8, 24)[..., ::2].expand(1, 4, 8, 12)  # scratch-copy path: checked before
+    with pytest.raises(
+        ValueError, match=r"q(_out)?: inplace=True needs a tensor whose elements do not share memory"
+    ):
+        torch.ops.ropekit.cpu_rotary_(strided, None, COS, SIN, None, False, False)
+
+
+def test_cpu_op_in_place_on_q_and_k_sharing_memory_is_a_value_error():
+    x = Q.clone()
+    with pytest.raises(ValueError, match=r"k_out: inplace=True writes q_out and k_out, which share memory"):
+        torch.ops.ropekit.cpu_rotary_(x, x, COS, SIN, None, False, False)
+    assert torch.equal(x, Q)
+
+
+def test_cpu_launcher_checks_its_own_arguments():
+    q_out = torch.empty(2, 3, 4, 10)
+    with pytest.raises(ValueError, match=r"q_out: expected a torch.float32 tensor of shape \(2, 3, 4, 12\)"):
+        cpu.launch(Q, None, q_out, None, COS, SIN, None, 0, False, False)
+    with pytest.raises(ValueError, match=r"q: expected a last axis of stride 1"):
+        cpu.launch(
+            Q.transpose(2, 3).contiguous().transpose(2, 3), None, Q.clone(), None, COS, SIN, None, 0, 0, 0
+        )
+    with pytest.raises(ValueError, match=r"positions: expected a contiguous tensor of 6 rows"):
+        cpu.launch(Q, None, Q.clone(), None, COS, SIN, POS.t().contiguous().t(), 0, False, False)
+
+
+def test_cpu_launcher_rejects_tables_on_another_device():
+    with pytest.raises(ValueError, match=r"cos: expected a tensor on q's device cpu, got one on meta"):
+        cpu.launch(Q, None, Q.clone(), None, COS.to("meta"), SIN.to("meta"), None, 0, False, False)
+
+
+def test_compiled_call_past_the_table_is_an_error_not_garbage():
+    """Under torch.compile the functional range check cannot read values; the op checks when the graph runs."""
+
+    def step(q, k, offset):
+        return apply_rotary_qk(q, k, COS, SIN, offsets=offset, backend="cpu")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(Q, K, 3), step(Q, K, 3), strict=True):
+        assert torch.equal(got, want)
+    for offset in (62, 100_000, 1 << 50):
+        with pytest.raises(ValueError, match=r"is outside the cos/sin table \(table_len 64\)"):
+            compiled(Q, K, offset)
+
+
+def test_compiled_positions_past_the_table_are_an_error_not_garbage():
+    def step(x, positions):
+        return apply_rotary(x, COS, SIN, positions=positions, backend="cpu")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(Q, POS), step(Q, POS))
+    with pytest.raises(ValueError, match=r"position 64 \(token 1\) is outside the cos/sin table"):
+        compiled(Q, torch.tensor([[0, 64, 1], [1, 2, 3]]))
+
+
+@pytest.mark.parametrize(
+    "positions", [torch.tensor([[0, 64, 1], [1, 2, 3]]), torch.tensor([[0, -1, 1], [1, 2, 3]])]
+)
+def test_compiled_torch_backend_never_indexes_outside_or_wraps(positions):
+    """The torch backend under compile: a device-side assert, not a wrapped negative row or a wild read."""
+
+    def step(x, positions):
+        return apply_rotary(x, COS, SIN, positions=positions, backend="torch")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(Q, POS), step(Q, POS))
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        compiled(Q, positions)
