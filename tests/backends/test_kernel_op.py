@@ -133,7 +133,7 @@ def test_cpu_launcher_rejects_tables_on_another_device():
 
 
 def test_compiled_call_past_the_table_is_an_error_not_garbage():
-    """Under torch.compile the functional range check cannot read values; the op checks when the graph runs."""
+    """Under torch.compile the functional range check cannot read values: the op checks as the graph runs."""
 
     def step(q, k, offset):
         return apply_rotary_qk(q, k, COS, SIN, offsets=offset, backend="cpu")
