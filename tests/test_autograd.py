@@ -92,3 +92,84 @@ def test_an_int_offset_saves_only_the_tables(backend):
 def test_double_backward_of_the_torch_backend_is_available():
     q, _, cos, sin, kwargs = _inputs("bshd")
     assert torch.autograd.gradgradcheck(lambda q: apply_rotary(q, cos, sin, backend="torch", **kwargs), (q,))
+
+
+def _packed_qkv_grads(rotate, inplace, backend, dtype=torch.float64):
+    """Gradient of a fixed loss w.r.t. a packed (B, S, 3, H, D) qkv projection whose q and k slices are rotated
+    in place (the flash-attn habit) or out of place."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3, 4, 8, dtype=dtype, requires_grad=True)
+    cos, sin = RopeConfig(8).cos_sin(16, dtype=torch.float32)
+    weight = torch.randn(2, 5, 3, 4, 8, dtype=dtype)
+    x = qkv * 1.0  # a non-leaf buffer: the projection's output
+    q, k = x[:, :, 0], x[:, :, 1]  # views of one buffer, (B, S, H, D) each
+    out_q, out_k = rotate(q, k, cos, sin, inplace=inplace, backend=backend, offsets=torch.tensor([0, 7]))
+    full = x if inplace else torch.stack([out_q, out_k, x[:, :, 2]], 2)
+    (full * weight).sum().backward()
+    return full.detach(), qkv.grad
+
+
+def _qk_separately(q, k, cos, sin, **kw):
+    return apply_rotary(q, cos, sin, **kw), apply_rotary(k, cos, sin, **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("rotate", [apply_rotary_qk, _qk_separately], ids=["apply_rotary_qk", "apply_rotary"])
+def test_in_place_rotation_of_packed_qkv_views_trains_like_out_of_place(rotate, backend):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    out_in, grad_in = _packed_qkv_grads(rotate, True, backend, dtype)
+    out_out, grad_out = _packed_qkv_grads(rotate, False, backend, dtype)
+    torch.testing.assert_close(out_in, out_out, rtol=0, atol=0)
+    torch.testing.assert_close(grad_in, grad_out, rtol=0, atol=0)  # the same conjugate rotation, same rows
+
+
+def test_in_place_gradients_equal_out_of_place_gradients_with_an_int_offset():
+    cos, sin = RopeConfig(8).cos_sin(32)
+    grads = []
+    for inplace in (False, True):
+        torch.manual_seed(1)
+        q = torch.randn(2, 5, 4, 8, requires_grad=True)
+        k = torch.randn(2, 5, 2, 8, requires_grad=True)
+        out_q, out_k = apply_rotary_qk(q * 1, k * 1, cos, sin, offsets=9, inplace=inplace)
+        (out_q.square().sum() + (out_k * torch.arange(8)).sum()).backward()
+        grads.append((q.grad, k.grad))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_learnable_tables_train_in_place_and_out_of_place_alike(inplace):
+    """In place, the rotation reads a copy of x, so backward still has the values the table gradient needs."""
+    cos0, sin0 = RopeConfig(8).cos_sin(16, dtype=torch.float64)
+    x0 = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    cos, sin = cos0.clone().requires_grad_(True), sin0.clone().requires_grad_(True)
+    out = apply_rotary(x0.clone(), cos, sin, offsets=2, inplace=inplace)
+    (out * torch.arange(8)).sum().backward()
+    ref_cos, ref_sin = cos0.clone().requires_grad_(True), sin0.clone().requires_grad_(True)
+    (apply_rotary(x0, ref_cos, ref_sin, offsets=2) * torch.arange(8)).sum().backward()
+    torch.testing.assert_close(cos.grad, ref_cos.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sin.grad, ref_sin.grad, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda c, s: apply_rotary(x0.clone(), c, s, offsets=2, inplace=True), (cos, sin)
+    )
+
+
+def test_in_place_on_a_leaf_that_requires_grad_is_a_value_error():
+    q = torch.randn(1, 3, 2, 8, requires_grad=True)
+    cos, sin = RopeConfig(8).cos_sin(4)
+    with pytest.raises(ValueError, match=r"x: inplace=True on a leaf tensor that requires grad"):
+        apply_rotary(q, cos, sin, inplace=True)
+    with torch.no_grad():  # allowed, as for any in-place op on a leaf
+        apply_rotary(q, cos, sin, inplace=True)
+
+
+def test_in_place_on_an_expanded_tensor_is_a_value_error_and_leaves_it_untouched():
+    k1 = torch.randn(1, 1, 8, 64)
+    before = k1.clone()
+    cos, sin = RopeConfig(64).cos_sin(8)
+    with pytest.raises(
+        ValueError, match=r"x: inplace=True needs a tensor whose elements do not share memory"
+    ):
+        apply_rotary(k1.expand(1, 4, 8, 64), cos, sin, inplace=True)
+    assert torch.equal(k1, before)
+    out = apply_rotary(k1.expand(1, 4, 8, 64), cos, sin)  # out of place reads the shared memory: fine
+    torch.testing.assert_close(out[0, 1], apply_rotary(k1, cos, sin, offsets=1)[0, 0])

@@ -11,6 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ropekit import RopeConfig, RotaryEmbedding, apply_rotary, apply_rotary_qk
 from ropekit.validation import (
@@ -395,3 +397,83 @@ def test_check_int_returns_a_python_int_and_quotes_the_value():
     assert type(check_int("n", np.int32(5))) is int
     with pytest.raises(ValueError, match=r"rank: expected an integer in \[0, 4\), got 4"):
         check_int("rank", 4, minimum=0, maximum=3, expected="an integer in [0, 4)")
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: apply_rotary(X, COS, SIN, offsets=2**64),
+            r"offsets: expected a non-negative int or an integer tensor, got 18446744073709551616 \(past int64",
+        ),
+        (
+            lambda: apply_rotary(X.to(torch.float8_e4m3fn), COS, SIN),
+            r"x: expected a float16, bfloat16, float32 or float64 tensor, got dtype torch.float8_e4m3fn",
+        ),
+        (
+            lambda: apply_rotary(X, COS, SIN, positions=torch.full((2, 4), float("nan"))),
+            r"positions: expected an integer tensor, got a torch.float32 tensor of shape \(2, 4\)",
+        ),
+        (
+            lambda: apply_rotary(X, COS, SIN, offsets=2**62),
+            r"positions: largest position 4611686018427387907 is past the cos/sin table \(table_len 16\)",
+        ),
+        (
+            lambda: apply_rotary_qk(X, X, COS, SIN, inplace=True),
+            r"k: inplace=True writes q and k, which share memory",
+        ),
+        (
+            lambda: apply_rotary_qk(X, X[:, :, 1:], COS, SIN, inplace=True),
+            r"k: inplace=True writes q and k, which share memory",
+        ),
+    ],
+)
+def test_misuse_found_by_users_is_a_one_line_value_error(call, match):
+    before = X.clone()
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+    assert torch.equal(X, before)
+
+
+def test_views_of_one_packed_buffer_are_not_mistaken_for_shared_memory():
+    qkv = torch.randn(2, 5, 3, 4, 8)  # (B, S, 3, H, D): q, k, v slices interleave in memory but never overlap
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    flat = torch.randn(2, 5, (4 + 2 + 2) * 8)  # (B, S, (Hq + 2 Hk) * D), Llama-style fused projection
+    fq, fk = flat[..., :32].view(2, 5, 4, 8), flat[..., 32:48].view(2, 5, 2, 8)
+    for a, b in ((q, k), (fq, fk)):
+        want_a, want_b = apply_rotary_qk(a, b, COS, SIN)
+        got_a, got_b = apply_rotary_qk(a, b, COS, SIN, inplace=True)
+        assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
+
+
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    perm_seed=st.integers(0, 10),
+    starts=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    steps=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+    same_strides=st.booleans(),
+)
+def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed, starts, steps, same_strides):
+    """validation._share_elements against the brute force: mark one view's elements, look for the other's."""
+    from ropekit.validation import _share_elements
+
+    base = torch.zeros(4000)
+    g = torch.Generator().manual_seed(perm_seed)
+    strides = []
+    extent = 1
+    for n, step in zip(shape, steps, strict=False):  # nested strides: neither view overlaps itself
+        strides.append(extent * step)
+        extent = extent * step * n
+    strides = [strides[i] for i in torch.randperm(len(shape), generator=g).tolist()]
+    other = strides if same_strides else [s + 1 for s in strides]
+    a = base.as_strided(shape, strides, starts[0])
+    if torch._debug_has_internal_overlap(a) == 1:
+        return
+    b = base.as_strided(shape, other, starts[1])
+    if torch._debug_has_internal_overlap(b) == 1:
+        return
+    marks = torch.zeros(4000, dtype=torch.bool)
+    marks.as_strided(shape, strides, starts[0]).fill_(True)
+    want = bool(marks.as_strided(shape, other, starts[1]).any())
+    assert _share_elements(a, b) == want
