@@ -95,8 +95,8 @@ def test_double_backward_of_the_torch_backend_is_available():
 
 
 def _packed_qkv_grads(rotate, inplace, backend, dtype=torch.float64):
-    """Gradient of a fixed loss w.r.t. a packed (B, S, 3, H, D) qkv projection whose q and k slices are rotated
-    in place (the flash-attn habit) or out of place."""
+    """Gradient of a fixed loss w.r.t. a packed (B, S, 3, H, D) qkv projection whose q and k slices are
+    rotated in place (the flash-attn habit) or out of place."""
     torch.manual_seed(0)
     qkv = torch.randn(2, 5, 3, 4, 8, dtype=dtype, requires_grad=True)
     cos, sin = RopeConfig(8).cos_sin(16, dtype=torch.float32)

@@ -404,7 +404,8 @@ def test_check_int_returns_a_python_int_and_quotes_the_value():
     [
         (
             lambda: apply_rotary(X, COS, SIN, offsets=2**64),
-            r"offsets: expected a non-negative int or an integer tensor, got 18446744073709551616 \(past int64",
+            r"offsets: expected a non-negative int or an integer tensor, got 18446744073709551616 "
+            r"\(past int64",
         ),
         (
             lambda: apply_rotary(X.to(torch.float8_e4m3fn), COS, SIN),
