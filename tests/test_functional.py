@@ -249,3 +249,63 @@ def test_empty_sequence_is_returned_empty():
     x = torch.randn(2, 0, 3, 8)
     out = apply_rotary(x, *RopeConfig(8).cos_sin(4))
     assert out.shape == x.shape
+
+
+META_CASES = {
+    "default": {},
+    "int offset": {"offsets": 3},
+    "per-sequence offsets": {"offsets": torch.tensor([1, 7])},
+    "positions": {"positions": torch.tensor([[0, 5, 9, 2, 1], [3, 3, 3, 3, 31]])},
+}
+
+
+@pytest.mark.parametrize("case", META_CASES)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_functional_path_reads_no_tensor_value_on_the_host(case, inplace, backend):
+    """The stand-in for "no device-to-host sync on CUDA": on meta tensors any .item() / .tolist() / int(t) /
+    bool(t) raises, so the whole path (validation, resolution, range checks, dispatch, backward) must run on
+    shapes alone and leave value checks to the device."""
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in META_CASES[case].items()}
+    cos, sin = (t.to("meta") for t in tables(8, torch.float32))
+    q = torch.randn(2, 5, 4, 12, device="meta", requires_grad=not inplace)
+    k = torch.randn(2, 5, 2, 12, device="meta", requires_grad=not inplace)
+    out_q, out_k = apply_rotary_qk(q, k, cos, sin, inplace=inplace, backend=backend, **meta)
+    assert out_q.is_meta and out_q.shape == q.shape and out_k.shape == k.shape
+    if not inplace:
+        (out_q.sum() + out_k.sum()).backward()
+        assert q.grad.shape == q.shape
+
+
+def test_packed_path_reads_no_tensor_value_on_the_host():
+    cos, sin = (t.to("meta") for t in tables(8, torch.float32))
+    x = torch.randn(7, 2, 8, device="meta")
+    cu = torch.tensor([0, 3, 7], device="meta")
+    out = apply_rotary(x, cos, sin, cu_seqlens=cu, offsets=torch.tensor([2, 5], device="meta"))
+    assert out.is_meta and out.shape == x.shape
+
+
+def test_compiled_call_past_the_table_raises_instead_of_returning_garbage():
+    """Issue repro: compiled, an offset past the table gave inf (and a segfault further out)."""
+    cos, sin = RopeConfig(64).cos_sin(2048)
+    q, k = torch.randn(1, 8, 4, 64), torch.randn(1, 8, 2, 64)
+    compiled = torch.compile(lambda q, k, o: apply_rotary_qk(q, k, cos, sin, offsets=o), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, 5), apply_rotary_qk(q, k, cos, sin, offsets=5))
+    with pytest.raises(ValueError, match=r"position 100007 is outside the cos/sin table \(table_len 2048\)"):
+        compiled(q, k, 100000)
+
+
+def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
+    """Issue repro: torch.compile(RotaryEmbedding(head_dim=64))(q, k, offsets=100000) returned inf."""
+    from ropekit import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim=64)
+    q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 4, 2, 64)
+    try:
+        out_q, out_k = torch.compile(rope)(q, k, offsets=100000)
+    except (ValueError, RuntimeError) as err:  # the kernel refuses rows past the table
+        assert "100000" in str(err) or "outside" in str(err)
+    else:  # or the table was grown to serve the call: then the result must be right
+        want_q, want_k = RotaryEmbedding(head_dim=64)(q, k, offsets=100000)
+        torch.testing.assert_close(out_q, want_q)
+        torch.testing.assert_close(out_k, want_k)
