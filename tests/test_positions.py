@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.positions import resolve, resolve_positions
+from ropekit import positions as rp
+from ropekit.positions import resolve_positions
 
 
 def resolve(x, *, positions=None, offsets=0, cu_seqlens=None, table_len=1000):
@@ -57,23 +58,23 @@ def test_no_table_length_means_no_range_check():
 def test_an_int_offset_resolves_to_no_tensor():
     """The decode fast path: an int offset is carried as a number, its range checked with integers."""
     x = torch.empty(2, 3, 1, 8)
-    pos = resolve(x, offsets=7)
+    pos = rp.resolve(x, offsets=7)
     assert pos.tensor is None and pos.offset == 7 and pos.largest == 9
     assert pos.as_tensor(x).tolist() == [[7, 8, 9], [7, 8, 9]]
     with pytest.raises(ValueError, match=r"largest position 9 is past the cos/sin table \(table_len 9\)"):
         pos.check_table(9)
-    assert resolve(torch.empty(0, 3, 1, 8), offsets=5000).largest == -1  # no tokens: nothing to check
+    assert rp.resolve(torch.empty(0, 3, 1, 8), offsets=5000).largest == -1  # no tokens: nothing to check
 
 
 def test_cpu_tensor_positions_report_their_largest_row_and_device_ones_do_not():
     x = torch.empty(2, 3, 1, 8)
-    assert resolve(x, offsets=torch.tensor([4, 1])).largest == 6
-    assert resolve(x, positions=torch.tensor([[0, 9, 2], [1, 1, 1]])).largest == 9
-    on_meta = resolve(x.to("meta"), positions=torch.zeros(2, 3, dtype=torch.long, device="meta"))
+    assert rp.resolve(x, offsets=torch.tensor([4, 1])).largest == 6
+    assert rp.resolve(x, positions=torch.tensor([[0, 9, 2], [1, 1, 1]])).largest == 9
+    on_meta = rp.resolve(x.to("meta"), positions=torch.zeros(2, 3, dtype=torch.long, device="meta"))
     assert on_meta.largest is None  # unknown without reading the device: the kernels check instead
     on_meta.check_table(1)  # nothing to check on the host
 
 
 def test_negative_per_sequence_offsets_are_rejected_with_their_value():
     with pytest.raises(ValueError, match=r"offsets: expected values >= 0, got a minimum of -4"):
-        resolve(torch.empty(2, 3, 1, 8), offsets=torch.tensor([3, -4]))
+        rp.resolve(torch.empty(2, 3, 1, 8), offsets=torch.tensor([3, -4]))
