@@ -117,3 +117,13 @@ def test_triton_device_side_row_check_never_reads_past_the_table_and_fails(monke
     # The row in range was rotated; the clamped ones read row 0 (the identity), never memory past the table.
     assert not torch.allclose(q[:, 0], before[:, 0])
     assert torch.equal(q[:, 1:], before[:, 1:])
+
+
+def test_triton_in_place_keeps_the_tail_of_a_strided_k_next_to_a_dense_q():
+    """The tail copy is decided per tensor (a strided k runs through a scratch buffer, q in place)."""
+    cos, sin = tables(8)
+    q, k = torch.randn(1, 3, 2, 12), torch.randn(1, 3, 2, 24)[..., ::2]
+    pos = torch.tensor([[0, 5, 9]])
+    want = apply_rotary_qk(q, k, cos, sin, positions=pos, backend="torch")
+    torch.ops.ropekit.triton_rotary_(q, k, cos, sin, pos, False, False)
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])

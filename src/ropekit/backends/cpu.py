@@ -138,10 +138,10 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
                 s2[2 * i + 1] = s[i]; \
             } \
         NAME##_heads((const T *)q + b * st[0] + t * st[1], (T *)qo + b * st[3] + t * st[4], st[2], \
-                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail); \
+                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 1); \
         if (k) \
             NAME##_heads((const T *)k + b * st[6] + t * st[7], (T *)ko + b * st[9] + t * st[10], st[8], \
-                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail); \
+                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 2); \
     } \
     return -1; \
 }
@@ -157,6 +157,7 @@ _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat
 _ARGTYPES = [ctypes.c_void_p] * 8
 # strides {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}, batch, seq, q_heads, k_heads,
 # half, tail, cos_stride, sin_stride, table_len, offset, interleaved, conjugate, copy_tail, threads.
+# copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
 _INT_ARGS = struct.Struct("26q")
 _per_thread = threading.local()  # each Python thread packs its arguments into its own buffer
 
@@ -365,7 +366,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
     table_len, half = cos.shape  # (table_len, rotary_dim // 2)
     if positions is None:
-        check_offset_rows(offset, seq, table_len)
+        check_offset_rows(offset, batch, seq, table_len)
     has_k = k is not None
     work = q.numel() + (k.numel() if has_k else 0)
     buf, address = _int_args_buffer()
@@ -375,7 +376,8 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         *(k_out.stride()[:3] if has_k else _NO_K),
         batch, seq, q_heads, k.shape[2] if has_k else 0, half, head_dim - 2 * half,
         cos.stride()[0], sin.stride()[0], table_len, offset,
-        interleaved, conjugate, q_out.data_ptr() != q.data_ptr(),
+        interleaved, conjugate,
+        (q_out.data_ptr() != q.data_ptr()) | (has_k and k_out.data_ptr() != k.data_ptr()) << 1,
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
     )  # fmt: skip
     bad = _function(q.dtype)(

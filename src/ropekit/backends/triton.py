@@ -69,7 +69,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         return
     device_check = False
     if positions is None:
-        check_offset_rows(offset, seq, table_len)
+        check_offset_rows(offset, batch, seq, table_len)
     elif _rows_on_host(positions):
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= table_len:
@@ -110,7 +110,8 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             HAS_POS=positions is not None,
             INTERLEAVED=interleaved,
             CONJUGATE=conjugate,
-            COPY_TAIL=tail > 0 and q_out.data_ptr() != q.data_ptr(),
+            COPY_TAIL_Q=tail > 0 and q_out.data_ptr() != q.data_ptr(),
+            COPY_TAIL_K=tail > 0 and has_k and k_out.data_ptr() != k.data_ptr(),
             BF16=q.dtype == torch.bfloat16,
         )
     if device_check:

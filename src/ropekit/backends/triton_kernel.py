@@ -113,7 +113,8 @@ def rotary_kernel(
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
-    COPY_TAIL: tl.constexpr,
+    COPY_TAIL_Q: tl.constexpr,
+    COPY_TAIL_K: tl.constexpr,
     BF16: tl.constexpr,
 ):
     """Rotate token ``program_id(0)`` of q (and k); leading axes are (batch, seq), the last has stride 1.
@@ -158,7 +159,7 @@ def rotary_kernel(
         HALF,
         BLOCK_HQ,
         INTERLEAVED,
-        COPY_TAIL,
+        COPY_TAIL_Q,
         BF16,
     )
     if HAS_K:
@@ -177,6 +178,6 @@ def rotary_kernel(
             HALF,
             BLOCK_HK,
             INTERLEAVED,
-            COPY_TAIL,
+            COPY_TAIL_K,
             BF16,
         )
