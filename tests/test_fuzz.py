@@ -1,18 +1,18 @@
-"""A misuse fuzzer for the functional API: random calls, valid and invalid, each checked against an independent
-model of what the call should do.
+"""A misuse fuzzer for the functional API: random calls, valid and invalid, each checked against an
+independent model of what the call should do.
 
-Each example draws a layout (contiguous, HF's transposed bhsd view, a slice of a packed qkv buffer, a strided last
-axis, an expanded view, packed thd with cu_seqlens), a dtype, shapes, partial rotary, a position mode (none, int
-offset, per-sequence offsets, explicit positions, cu_seqlens, each sometimes out of range, negative, of the wrong
-dtype or shape), a backend (torch, cpu, auto), inplace, interleaved, and whether gradients flow. The model below
-decides, without ropekit's code, whether the call is valid. Then:
+Each example draws a layout (contiguous, HF's transposed bhsd view, a slice of a packed qkv buffer, a strided
+last axis, an expanded view, packed thd with cu_seqlens), a dtype, shapes, partial rotary, a position mode
+(none, int offset, per-sequence offsets, explicit positions, cu_seqlens; each sometimes out of range,
+negative, of the wrong dtype or shape), a backend (torch, cpu, auto), inplace, interleaved, and whether gradients flow.
+The model below decides, without ropekit's code, whether the call is valid. Then:
 
 * valid: the output equals the float64 reference (ropekit.reference) within the dtype's tolerance, is finite,
   inputs are unchanged unless inplace=True, and gradients are the reference's conjugate rotation;
 * invalid: a ValueError, with every input unchanged.
 
-Anything else (another exception, a crash, NaN/inf, a modified input) fails. ``ROPEKIT_FUZZ_EXAMPLES`` sets the
-number of eager examples (default 300, about 20 s on a 2-core machine); the compiled test runs 1/40 as many.
+Anything else (another exception, a crash, NaN/inf, a modified input) fails. ``ROPEKIT_FUZZ_EXAMPLES`` sets
+the number of eager examples (default 300); the compiled test runs 1/40 as many (at least 4).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from conftest import reference_rotation, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import reference_rotation, tolerance
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS
 
@@ -163,9 +163,9 @@ def cases(draw):
                 t is not None
                 and t.numel()
                 and 0 in t.stride()
-                and any(n > 1 for n, s in zip(t.shape, t.stride()) if s == 0)
+                and any(n > 1 for n, s in zip(t.shape, t.stride(), strict=True) if s == 0)
             ):
-                invalid.append("in place on an expanded view")  # noqa: E501
+                invalid.append("in place on an expanded view")
         if with_k and draw(st.integers(0, 10)) == 0 and k.shape == x.shape and x.numel():
             k = x  # q and k the same memory
             invalid.append("q and k share memory")

@@ -173,8 +173,8 @@ def test_compiled_torch_backend_never_indexes_outside_or_wraps(positions):
 
 @pytest.mark.parametrize("strided", ["q", "k"])
 def test_cpu_in_place_keeps_the_tail_of_a_strided_tensor_next_to_a_dense_one(strided):
-    """Found by the fuzzer: the tail copy was decided for q alone, so a k computed in a scratch buffer (strided
-    last axis) while q was rotated in place got an uninitialised tail."""
+    """Found by the fuzzer: the tail copy was decided for q alone, so a k computed in a scratch buffer
+    (strided last axis) while q was rotated in place got an uninitialised tail."""
     q = torch.randn(2, 3, 4, 12)
     k = torch.randn(2, 3, 2, 24)[..., ::2]  # (2, 3, 2, 12), last-axis stride 2
     if strided == "q":
