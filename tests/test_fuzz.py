@@ -4,8 +4,8 @@ independent model of what the call should do.
 Each example draws a layout (contiguous, HF's transposed bhsd view, a slice of a packed qkv buffer, a strided
 last axis, an expanded view, packed thd with cu_seqlens), a dtype, shapes, partial rotary, a position mode
 (none, int offset, per-sequence offsets, explicit positions, cu_seqlens; each sometimes out of range,
-negative, of the wrong dtype or shape), a backend (torch, cpu, auto), inplace, interleaved, and whether gradients flow.
-The model below decides, without ropekit's code, whether the call is valid. Then:
+negative, of the wrong dtype or shape), a backend (torch, cpu, auto), inplace, interleaved, and whether
+gradients flow. The model below decides, without ropekit's code, whether the call is valid. Then:
 
 * valid: the output equals the float64 reference (ropekit.reference) within the dtype's tolerance, is finite,
   inputs are unchanged unless inplace=True, and gradients are the reference's conjugate rotation;
