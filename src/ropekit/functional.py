@@ -121,7 +121,12 @@ def _apply_resolved(
     """
     if k is not None:  # q was checked by resolve(q, ...)
         check_x("k", k, varlen=q.dim() == 3)
-        if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        q_shape, k_shape = q.shape, k.shape  # same rank (check_x); no slicing: this runs every decode step
+        if (
+            k_shape[0] != q_shape[0]
+            or k_shape[-1] != q_shape[-1]
+            or (len(q_shape) == 4 and k_shape[1] != q_shape[1])
+        ):
             raise ValueError(
                 f"k: expected the same leading axes and head_dim as q {tuple(q.shape)}, got {tuple(k.shape)}"
             )

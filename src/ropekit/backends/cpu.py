@@ -28,7 +28,6 @@ import struct
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-import threading
 from pathlib import Path
 
 import torch
@@ -159,18 +158,6 @@ _ARGTYPES = [ctypes.c_void_p] * 8
 # half, tail, cos_stride, sin_stride, table_len, offset, interleaved, conjugate, copy_tail, threads.
 # copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
 _INT_ARGS = struct.Struct("26q")
-_per_thread = threading.local()  # each Python thread packs its arguments into its own buffer
-
-
-def _int_args_buffer() -> tuple[bytearray, int]:
-    """This thread's argument buffer and its address."""
-    try:
-        return _per_thread.buffer
-    except AttributeError:
-        buf = bytearray(_INT_ARGS.size)
-        view = (ctypes.c_char * len(buf)).from_buffer(buf)  # pins buf: it can never move or be resized
-        _per_thread.view, _per_thread.buffer = view, (buf, ctypes.addressof(view))
-        return _per_thread.buffer
 
 
 # The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
@@ -369,9 +356,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         check_offset_rows(offset, batch, seq, table_len)
     has_k = k is not None
     work = q.numel() + (k.numel() if has_k else 0)
-    buf, address = _int_args_buffer()
-    _INT_ARGS.pack_into(
-        buf, 0,
+    int_args = _INT_ARGS.pack(
         *q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else _NO_K),
         *(k_out.stride()[:3] if has_k else _NO_K),
         batch, seq, q_heads, k.shape[2] if has_k else 0, half, head_dim - 2 * half,
@@ -388,7 +373,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         cos.data_ptr(),
         sin.data_ptr(),
         None if positions is None else positions.data_ptr(),
-        address,
+        int_args,  # bytes: read-only for the C loop, owned by this call (thread-safe)
     )
     if bad >= 0:
         position = int(positions[bad]) if positions is not None else offset + bad
