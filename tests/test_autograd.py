@@ -173,3 +173,19 @@ def test_in_place_on_an_expanded_tensor_is_a_value_error_and_leaves_it_untouched
     assert torch.equal(k1, before)
     out = apply_rotary(k1.expand(1, 4, 8, 64), cos, sin)  # out of place reads the shared memory: fine
     torch.testing.assert_close(out[0, 1], apply_rotary(k1, cos, sin, offsets=1)[0, 0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_in_place_rotation_of_packed_qkv_views_trains_under_torch_compile_fullgraph(backend):
+    cos, sin = RopeConfig(16).cos_sin(64)
+    qkv = torch.randn(2, 5, 3, 4, 16, requires_grad=True)
+
+    def loss(qkv):
+        x = qkv * 1.0
+        apply_rotary_qk(x[:, :, 0], x[:, :, 1], cos, sin, offsets=2, inplace=True, backend=backend)
+        return (x * x * torch.arange(16)).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(qkv), qkv)[0]
+    want = torch.autograd.grad(loss(qkv), qkv)[0]
+    torch.testing.assert_close(got, want)

@@ -156,6 +156,16 @@ def _apply_resolved(
         )
     if cos.requires_grad or sin.requires_grad:
         return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace)
+    if inplace and impl.name == "torch":
+        # The torch backend writes through slice assignments, which AOTAutograd cannot replay inside a
+        # Function that dirties a view: rotate out of place and copy back (autograd's own in-place rule).
+        out_q, out_k = _apply_resolved(
+            q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend
+        )
+        q.copy_(out_q)
+        if k is not None:
+            k.copy_(out_k)
+        return q, k
     if k is None:
         return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace), None
     if inplace:  # two single-output Functions: PyTorch lets only those write into views (packed qkv)

@@ -179,7 +179,11 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
 def check_writable(name: str, x: torch.Tensor) -> None:
     """x is written in place: no two of its elements may share memory (an expanded or stride-0 view would be
     rotated once per alias). The same rule, in nearly the same words, as PyTorch's ``add_`` on such a view."""
-    if torch._debug_has_internal_overlap(x) == 1:  # 1: provably overlapping; 2: too hard to tell (as torch)
+    if is_compiling():  # torch's overlap query is not traceable: catch the common case, a stride-0 axis
+        overlapping = any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride(), strict=True))
+    else:  # 1: provably overlapping; 2: too hard to tell (as torch, which refuses 1 only)
+        overlapping = torch._debug_has_internal_overlap(x) == 1
+    if overlapping:
         raise ValueError(
             f"{name}: inplace=True needs a tensor whose elements do not share memory, got shape "
             f"{tuple(x.shape)} with strides {x.stride()} (an expanded or stride-0 view: more than one "
@@ -190,8 +194,9 @@ def check_writable(name: str, x: torch.Tensor) -> None:
 def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
-    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass."""
-    if _share_elements(a, b):
+    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. Not checked while
+    torch.compile traces (storage identity is not traceable); the kernels' ops check it when the graph runs."""
+    if not is_compiling() and _share_elements(a, b):
         raise ValueError(
             f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
             f"{tuple(a.shape)} and {tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint "
