@@ -195,7 +195,7 @@ def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
     Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. Not checked while
-    torch.compile traces (storage identity is not traceable); the kernels' ops check it when the graph runs."""
+    torch.compile traces (storage identity is not traceable); the kernels' ops check it as the graph runs."""
     if not is_compiling() and _share_elements(a, b):
         raise ValueError(
             f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
