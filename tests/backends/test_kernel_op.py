@@ -12,11 +12,11 @@ import pytest
 import torch
 from rotary_cases import tables
 
-from ropekit import apply_rotary, apply_rotary_qk
+from ropekit import apply_rotary, apply_rotary_qk, backends
 from ropekit.backends import cpu
 
 pytestmark = pytest.mark.skipif(
-    cpu.CpuBackend().unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
+    backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
     reason="the CPU kernel cannot be built here (no C compiler)",
 )
 

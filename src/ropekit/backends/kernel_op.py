@@ -189,6 +189,10 @@ def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interl
             out.copy_(tmp)
 
 
+# name -> (direct out-of-place, direct in-place, op, in-place op): each op name is registered once.
+_REGISTERED: dict[str, tuple] = {}
+
+
 class KernelBackend:
     """A :class:`~ropekit.backends.base.Backend` around a raw kernel, callable under torch.compile.
 
@@ -224,6 +228,11 @@ class KernelBackend:
             if k is not None:
                 check_writable("k", k)
 
+        if name in _REGISTERED:
+            # Registering the op names again would replace the ops under the first instance's feet (a
+            # compiled graph holding them then fails): later instances share the first registration.
+            self._rotary, self._rotary_, self.op, self.op_ = _REGISTERED[name]
+            return
         self._rotary, self._rotary_ = rotary, rotary_
         self.op = torch.library.custom_op(
             f"ropekit::{name}_rotary", rotary, mutates_args=(), schema=_OUT_OF_PLACE
@@ -233,6 +242,7 @@ class KernelBackend:
             f"ropekit::{name}_rotary_", rotary_, mutates_args=("q", "k"), schema=_IN_PLACE
         )
         self.op_.register_fake(rotary_fake_)
+        _REGISTERED[name] = self._rotary, self._rotary_, self.op, self.op_
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
