@@ -182,3 +182,9 @@ def test_cpu_in_place_keeps_the_tail_of_a_strided_tensor_next_to_a_dense_one(str
     want_q, want_k = op(q.contiguous(), k.contiguous(), COS, SIN, POS, False, False)
     torch.ops.ropekit.cpu_rotary_(q, k, COS, SIN, POS, False, False)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_a_second_backend_instance_shares_the_registered_ops():
+    """Registering ropekit::cpu_rotary(_) again would replace the ops a compiled graph already holds."""
+    again = cpu.CpuBackend()
+    assert again.op is backends.BACKENDS["cpu"].op and again.op_ is backends.BACKENDS["cpu"].op_
