@@ -315,7 +315,15 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (it sets this marker, torch/_dynamo/decorators.py),
+    without importing torch._dynamo, which would cost seconds at ``import ropekit``. A test checks that the
+    marker still matches the public decorator."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _build_failure() -> str | None:
     """None once the library is loaded, else why it could not be built.
 
