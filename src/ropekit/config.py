@@ -22,9 +22,13 @@ from ropekit.validation import (
     check_int,
     check_rotary_dim,
     describe,
+    is_compiling,
 )
 
 __all__ = ["FrozenScaling", "RopeConfig"]
+
+# cos_sin forms at most this many float64 angles at once (2 MB): tables are built in chunks of rows.
+COS_SIN_CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True, init=False)
@@ -251,12 +255,27 @@ class RopeConfig:
             # Pair j takes the angle of its own axis: gather along the axes dimension.
             index = axis.expand(1, *per_axis.shape[1:])  # (1, batch, seq, rotary_dim // 2)
             angles = per_axis.gather(0, index)[0]  # (batch, seq, rotary_dim // 2)
-        else:
-            angles = positions[..., None] * inv_freq.to(device)
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
-        return cos.to(dtype), sin.to(dtype)
+            cos, sin = torch.cos(angles), torch.sin(angles)
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+            return cos.to(dtype), sin.to(dtype)
+        inv_freq = inv_freq.to(device)
+        half = inv_freq.shape[0]
+        cos = torch.empty(*positions.shape, half, dtype=dtype, device=device)  # (..., rotary_dim // 2)
+        sin = torch.empty_like(cos)
+        flat_pos, flat_cos, flat_sin = positions.reshape(-1), cos.view(-1, half), sin.view(-1, half)
+        # Float64 angles a chunk of rows at a time: a big table never holds a float64 copy of itself, so
+        # building it peaks near its own size (a float32 table would otherwise cost 4x its bytes on top).
+        # (Compiled code fuses the whole computation, so it takes the rows in one piece.)
+        rows = flat_pos.shape[0] if is_compiling() else max(1, COS_SIN_CHUNK_ELEMENTS // half)
+        for start in range(0, flat_pos.shape[0], max(rows, 1)):
+            angles = flat_pos[start : start + rows, None] * inv_freq  # (rows, rotary_dim // 2) float64
+            chunk_sin, chunk_cos = angles.sin(), angles.cos_()
+            if scale != 1.0:
+                chunk_sin, chunk_cos = chunk_sin * scale, chunk_cos * scale
+            flat_sin[start : start + rows] = chunk_sin
+            flat_cos[start : start + rows] = chunk_cos
+        return cos, sin
 
 
 def _frozen(value: Any) -> Any:

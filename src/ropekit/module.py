@@ -5,15 +5,16 @@ Shape notation: B batch, S sequence, T packed tokens, H heads, D head_dim.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from ropekit.backends import BACKENDS
-from ropekit.config import RopeConfig
+from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
 from ropekit.functional import apply_rotary_qk
-from ropekit.positions import resolve_positions
+from ropekit.positions import _is_integer_tensor, resolve_positions
 from ropekit.validation import describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
@@ -24,7 +25,9 @@ LAYOUT_SHAPES = {
     "bhsd": "(batch, heads, seq, head_dim)",
     "thd": "(total_tokens, heads, head_dim)",
 }
-# Table rows built up front when the config names no context length; grows on demand after that.
+# Rows built at construction (fewer if max_position_embeddings is smaller); the table grows as positions
+# arrive. Also the rows a table covers when the config names no context length and the largest position
+# of a call is unknown on the host (tensor positions on a GPU, see the class docstring).
 DEFAULT_TABLE_LEN = 2048
 # The table never grows past this many rows (or max_position_embeddings, if larger): a call reaching further
 # computes cos/sin for its own tokens only, so one far-away position id cannot allocate a gigantic table.
@@ -40,13 +43,30 @@ class RotaryEmbedding(nn.Module):
             "thd" (T, H, D) packed, with cu_seqlens.
         backend: forwarded to :func:`ropekit.apply_rotary_qk`.
 
-    The cos/sin table is a non-persistent buffer (it is never saved in a state_dict). It holds
-    ``max_position_embeddings`` rows (or 2048) to start with, grows when a later position arrives, and follows
-    the inputs' device, and float64 inputs get a float64 table (float32 otherwise: math runs in float32).
-    Under ``torch.compile`` the table is not resized, so size it up front with max_position_embeddings.
-    The table stops growing at max(max_position_embeddings, 2^20) rows; a call reaching past that computes
-    cos/sin rows for its own tokens (float64 angles, as always): a far-away position id costs per-token work,
-    not a huge table.
+    The cos/sin table is a non-persistent buffer (it is never saved in a state_dict) that follows the inputs'
+    device; float64 inputs get a float64 table (float32 otherwise: math runs in float32).
+
+    Table policy (docs/benchmarks.md, "Tables"):
+
+    - **Lazy.** Construction builds min(max_position_embeddings, 2048) rows, not max_position_embeddings
+      rows; the table grows when a call reaches past its end, to the next power of two (capped at
+      max_position_embeddings when the call fits under it). Growing computes only the new rows, a chunk at a
+      time, into the larger table: building N rows peaks near 1.5x the finished table's bytes.
+    - **Where the largest position comes from.** It is read on the host when that costs no device sync:
+      from an int ``offsets`` and the shapes (any device), or from CPU tensors. For tensor positions or
+      offsets on a GPU, reading it would stall the stream, so the table instead covers
+      max_position_embeddings rows (2048 when the config names none), grown once, and positions are
+      checked against it by :func:`ropekit.apply_rotary_qk` (on the device, for CUDA tensors): a position
+      past it is an error, never a wrong row. Set max_position_embeddings to the longest context you serve.
+      Length-dependent schedules (below) need the exact largest position and read it each call (a sync on
+      a GPU) unless :meth:`freeze` fixes their length.
+    - **Far positions.** The table stops growing at max(max_position_embeddings, 2^20) rows; a call
+      reaching past that computes cos/sin rows for its own tokens (float64 angles, as always): a far-away
+      position id costs per-token work, not a huge table.
+    - **torch.compile.** A call that needs more rows than the table holds, known while tracing (an int
+      ``offsets`` and the shapes), grows the table eagerly outside the graph (a graph break, then a
+      recompile for the larger table); tensor positions are checked against the table's rows. A position
+      past the table is never read as garbage.
 
     Length-dependent schedules (dynamic NTK, LongRoPE) pick their frequencies per call from
     seq_len = (largest position in the call) + 1, exactly as Hugging Face's ``dynamic_rope_update`` does:
@@ -54,7 +74,8 @@ class RotaryEmbedding(nn.Module):
     the frequencies of the longest sequence seen and returns to the original ones when a sequence shorter than
     max_position_embeddings arrives. During generation with a KV cache that means keys cached under one base
     meet queries rotated under another; :meth:`freeze` fixes the frequencies for a whole generation
-    (docs/scaling.md, "KV-cache hazard").
+    (docs/scaling.md, "KV-cache hazard"). Under torch.compile they keep the frequencies the table was built
+    with.
 
     M-RoPE configs (``mrope_section``) accept positions of shape (3, B, S) (temporal, height, width), or
     (3, T) for "thd"; each token's cos/sin row is then built for that call.
@@ -89,7 +110,7 @@ class RotaryEmbedding(nn.Module):
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.backend = backend
-        cos, sin = config.cos_sin(config.max_position_embeddings or DEFAULT_TABLE_LEN)
+        cos, sin = config.cos_sin(min(self._covered_rows, DEFAULT_TABLE_LEN))
         self.register_buffer("cos", cos, persistent=False)  # (table_len, rotary_dim // 2)
         self.register_buffer("sin", sin, persistent=False)
         # Length-dependent schedules: the seq_len the table was built for, HF's "max_seq_len_cached" for
@@ -97,6 +118,11 @@ class RotaryEmbedding(nn.Module):
         self._table_seq_len: int | None = None
         self._longest: int | None = config.max_position_embeddings
         self._frozen_seq_len: int | None = None
+
+    @property
+    def _covered_rows(self) -> int:
+        """Rows the table holds when a call's largest position is unknown on the host."""
+        return self.config.max_position_embeddings or DEFAULT_TABLE_LEN
 
     def freeze(self, seq_len: int) -> _FrozenFrequencies:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
@@ -119,12 +145,15 @@ class RotaryEmbedding(nn.Module):
         """Let length-dependent frequencies follow each call's largest position again."""
         self._frozen_seq_len = None
 
-    def _frequency_seq_len(self, needed: int) -> int | None:
-        """The seq_len a length-dependent schedule uses for a call whose largest position is needed - 1."""
+    def _frequency_seq_len(self, needed: int | None) -> int | None:
+        """The seq_len a length-dependent schedule uses for a call whose largest position is needed - 1
+        (None: not known, so keep the table's)."""
         if not self.config.length_dependent:
             return None
         if self._frozen_seq_len is not None:
             return self._frozen_seq_len
+        if needed is None:
+            return self._table_seq_len
         if not self.config.schedule.keeps_longest or self._longest is None:
             return needed
         # HF's dynamic NTK: grow past the longest sequence seen; reset once a short sequence arrives.
@@ -138,9 +167,17 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.config}, layout={self.layout!r}, table_len={self.cos.shape[0]}"
 
-    def _ensure_table(self, needed: int, like: torch.Tensor) -> None:
-        """Grow the table to at least `needed` rows and move it to like's device / precision; for
-        length-dependent schedules, rebuild it when this call's frequencies differ from the table's."""
+    def _table_ready(self, needed: int | None, like: torch.Tensor) -> bool:
+        """True when the table serves a call reaching row needed - 1 (None: covered rows) on like's device and
+        precision, with no rebuild for a change of frequencies (checked in _ensure_table)."""
+        rows = self._covered_rows if needed is None else needed
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return self.cos.shape[0] >= rows and self.cos.device == like.device and self.cos.dtype == dtype
+
+    def _ensure_table(self, needed: int | None, like: torch.Tensor) -> None:
+        """Make the table serve a call whose largest position is needed - 1 (None: unknown, so cover
+        max_position_embeddings rows) on like's device and precision; for length-dependent schedules, rebuild
+        it when this call's frequencies differ from the table's."""
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         seq_len = self._frequency_seq_len(needed)
         same_frequencies = seq_len == self._table_seq_len or (
@@ -148,18 +185,48 @@ class RotaryEmbedding(nn.Module):
             and torch.equal(self.config.inv_freq(seq_len), self.config.inv_freq(self._table_seq_len))
             and self.config.attention_scaling(seq_len) == self.config.attention_scaling(self._table_seq_len)
         )
-        if (
-            self.cos.shape[0] >= needed
-            and self.cos.device == like.device
-            and self.cos.dtype == dtype
-            and same_frequencies
-        ):
-            return
-        length = max(self.cos.shape[0], needed)
-        if length > self.cos.shape[0]:
-            length = 1 << (length - 1).bit_length()  # grow geometrically: amortised O(1) regrowth
-        self.cos, self.sin = self.config.cos_sin(length, dtype=dtype, device=like.device, seq_len=seq_len)
-        self._table_seq_len = seq_len
+        if not same_frequencies or self.cos.dtype != dtype:
+            # New frequencies or precision: every row changes (a float32 table cannot give float64 rows).
+            self.cos, self.sin = self._build_rows(0, self.cos.shape[0], dtype, like.device, seq_len)
+            self._table_seq_len = seq_len
+        elif self.cos.device != like.device:
+            self.cos, self.sin = self.cos.to(like.device), self.sin.to(like.device)  # the same values
+        rows = self._covered_rows if needed is None else needed
+        if self.cos.shape[0] < rows:
+            length = 1 << (rows - 1).bit_length()  # grow geometrically: amortised O(1) regrowth
+            covered = self.config.max_position_embeddings
+            if covered is not None and rows <= covered:
+                length = min(length, covered)
+            self.cos, self.sin = self._grow(length, seq_len)
+
+    def _build_rows(
+        self, start: int, stop: int, dtype: torch.dtype, device: torch.device, seq_len: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [start, stop), built a chunk at a time (peak: the result plus one chunk)."""
+        half = self.config.rotary_dim // 2
+        cos = torch.empty(stop - start, half, dtype=dtype, device=device)  # (rows, rotary_dim // 2)
+        sin = torch.empty_like(cos)
+        self._fill_rows(cos, sin, start, seq_len)
+        return cos, sin
+
+    def _fill_rows(self, cos: torch.Tensor, sin: torch.Tensor, start: int, seq_len: int | None) -> None:
+        """Write the rows of positions start, start + 1, ... into cos and sin, one chunk at a time."""
+        chunk = max(1, COS_SIN_CHUNK_ELEMENTS // cos.shape[1])
+        for first in range(0, cos.shape[0], chunk):
+            last = min(first + chunk, cos.shape[0])
+            positions = torch.arange(start + first, start + last, device=cos.device)
+            cos[first:last], sin[first:last] = self.config.cos_sin(
+                positions, dtype=cos.dtype, device=cos.device, seq_len=seq_len
+            )
+
+    def _grow(self, length: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table extended to `length` rows: the old rows are copied, only the new ones computed."""
+        old = self.cos.shape[0]
+        cos = torch.empty(length, self.cos.shape[1], dtype=self.cos.dtype, device=self.cos.device)
+        sin = torch.empty_like(cos)
+        cos[:old], sin[:old] = self.cos, self.sin
+        self._fill_rows(cos[old:], sin[old:], old, seq_len)
+        return cos, sin
 
     def forward(
         self,
@@ -173,8 +240,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate q and k laid out as ``self.layout``; positions / offsets / cu_seqlens as in apply_rotary.
 
         Raises:
-            ValueError: q or k not of the layout's rank, "thd" without cu_seqlens or positions, or any bad
-                argument :func:`ropekit.apply_rotary_qk` rejects.
+            ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
+                without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
         rank = 3 if self.layout == "thd" else 4
         for name, t in (("q", q), ("k", k)):
@@ -183,32 +250,47 @@ class RotaryEmbedding(nn.Module):
                     f"{name}: expected a {rank}-D tensor {LAYOUT_SHAPES[self.layout]} for layout "
                     f"{self.layout!r}, got {describe(t)}"
                 )
-        if self.layout == "thd" and cu_seqlens is None:
+            if t.shape[-1] != self.config.head_dim:
+                raise ValueError(
+                    f"{name}: expected head_dim {self.config.head_dim} (this RotaryEmbedding's config), got "
+                    f"{t.shape[-1]} in shape {tuple(t.shape)}"
+                )
+        bhsd = self.layout == "bhsd"
+        alone = self.layout == "thd" and cu_seqlens is None  # packed tokens, explicit positions: 1 sequence
+        if bhsd:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
+        if alone:
             if positions is None:
                 raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens or positions, got None")
-            # Packed tokens with explicit positions only: one sequence of T tokens.
-            cu_seqlens = torch.tensor([0, q.shape[0]], device=q.device)
-        if self.layout == "bhsd":
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
+            q, k = q[None], k[None]  # (1, T, H, D)
+            if isinstance(positions, torch.Tensor):
+                mrope = self.config.mrope_section is not None and positions.dim() == 2
+                positions = positions[:, None] if mrope else positions[None]  # (axes, 1, T) or (1, T)
+        q, k = self._rotate(q, k, positions, offsets, cu_seqlens)
+        if alone:
+            q, k = q[0], k[0]  # (T, H, D)
+        return (q.transpose(1, 2), k.transpose(1, 2)) if bhsd else (q, k)
+
+    def _rotate(self, q, k, positions, offsets, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward on (B, S, H, D) or, with cu_seqlens, (T, H, D) inputs."""
         if isinstance(positions, torch.Tensor) and self.config.mrope_section is not None:
             if positions.dim() == q.dim() - 1 and positions.shape[0] == len(self.config.mrope_section):
-                q, k = self._rotate_mrope(q, k, positions, cu_seqlens)
-                if self.layout == "bhsd":
-                    q, k = q.transpose(1, 2), k.transpose(1, 2)  # back to (B, H, S, D)
-                return q, k
-        if not is_compiling():
-            needed = self._needed_rows(q, positions, offsets, cu_seqlens)
-            if needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS):
-                # Far past any table worth keeping: rotate with rows computed for this call's tokens.
-                pos = resolve_positions(
-                    q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=needed
-                )
-                q, k = self._rotate_rows(q, k, pos, self._frequency_seq_len(needed), cu_seqlens)
-                return (q.transpose(1, 2), k.transpose(1, 2)) if self.layout == "bhsd" else (q, k)
+                return self._rotate_mrope(q, k, positions, cu_seqlens)
+        needed = self._rows_needed(q, positions, offsets, cu_seqlens)
+        far = needed is not None and needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS)
+        if far:
+            # Far past any table worth keeping: rotate with rows computed for this call's tokens.
+            pos = resolve_positions(
+                q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=needed
+            )
+            return self._rotate_rows(q, k, pos, self._frequency_seq_len(needed), cu_seqlens)
+        if is_compiling():
+            if not self._table_ready(needed, q):
+                # Resizing a buffer is not graph code: run it eagerly (a graph break), then recompile.
+                torch.compiler.disable(self._ensure_table)(needed, q)
+        else:
             self._ensure_table(needed, q)
-        elif self.cos.device != q.device:
-            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
-        q, k = apply_rotary_qk(
+        return apply_rotary_qk(
             q,
             k,
             self.cos,
@@ -219,9 +301,6 @@ class RotaryEmbedding(nn.Module):
             interleaved=self.config.interleaved,
             backend=self.backend,
         )
-        if self.layout == "bhsd":
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # back to (B, H, S, D)
-        return q, k
 
     def _rotate_mrope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None
@@ -236,7 +315,8 @@ class RotaryEmbedding(nn.Module):
                 f"{(positions.shape[0], *lead)}, got {tuple(positions.shape)}"
             )
         axes = positions if q.dim() == 4 else positions[:, None, :]  # (axes, B, S)
-        seq_len = self._frequency_seq_len(int(positions.max()) + 1) if positions.numel() else None
+        exact = self.config.length_dependent and self._frozen_seq_len is None and positions.numel()
+        seq_len = self._frequency_seq_len(int(positions.max()) + 1 if exact else None)
         return self._rotate_rows(q, k, axes, seq_len, cu_seqlens)
 
     def _rotate_rows(
@@ -268,21 +348,36 @@ class RotaryEmbedding(nn.Module):
             backend=self.backend,
         )
 
-    @staticmethod
-    def _needed_rows(q, positions, offsets, cu_seqlens) -> int:
-        """1 + the largest position this call touches (validation of bad values happens downstream)."""
+    def _rows_needed(self, q, positions, offsets, cu_seqlens) -> int | None:
+        """1 + the largest position this call touches, when the host can know it without a device sync;
+        None when it cannot. Bad values give 1: apply_rotary_qk rejects them with the argument's name.
+
+        From an int offset and the shapes on any device (with cu_seqlens, the packed length bounds every
+        sequence); from tensors only on the CPU, where reading them is free, or where a length-dependent
+        schedule needs the exact value (then a GPU syncs, as Hugging Face's dynamic update does).
+        """
+        exact = self.config.length_dependent and self._frozen_seq_len is None and not is_compiling()
+        readable = exact or (q.device.type == "cpu" and not is_compiling())
         if positions is not None:
-            has_values = isinstance(positions, torch.Tensor) and positions.numel()
-            return int(positions.max()) + 1 if has_values else 1
-        if cu_seqlens is not None:
-            if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() >= 2:
-                longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            else:
-                longest = 0
+            if not _is_integer_tensor(positions) or not positions.numel():
+                return 1
+            return int(positions.max()) + 1 if readable else None
+        if isinstance(offsets, torch.Tensor):
+            if not _is_integer_tensor(offsets) or not offsets.numel():
+                return 1
+            if not readable:
+                return None
+            offsets = int(offsets.max())
+        elif isinstance(offsets, bool) or not isinstance(offsets, (numbers.Integral, torch.SymInt)):
+            return 1
+        if cu_seqlens is None:
+            longest = q.shape[1]  # (B, S, H, D)
+        elif readable and _is_integer_tensor(cu_seqlens) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 1:
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         else:
-            longest = q.shape[1] if q.dim() == 4 else 0
-        off = int(offsets.max()) if isinstance(offsets, torch.Tensor) and offsets.numel() else offsets
-        return max(int(off) if isinstance(off, int) else 0, 0) + longest
+            longest = q.shape[0]  # (T, H, D): no packed sequence is longer than the pack
+        # No int(): under torch.compile an int offset may be symbolic, and int() would pin its value.
+        return offsets + max(longest, 1) if offsets >= 0 else 1
 
 
 class _FrozenFrequencies:
