@@ -25,3 +25,12 @@ def test_bench_writes_csv_and_plot(tmp_path, capsys):
 def test_bench_unknown_shape_is_an_error_message(capsys):
     assert main(["bench", "--shapes", "nope", "--repeats", "1"]) == 2
     assert "shapes: expected names" in capsys.readouterr().err
+
+
+def test_bench_min_run_time_is_passed_on_and_checked(capsys):
+    argv = ["bench", "--shapes", "decode-1", "--repeats", "1", "--rows", "ropekit[cpu]", "--no-memory"]
+    assert main([*argv, "--min-run-time", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "min_run_time=0.01s" in out and "== decode-1 ==" in out
+    assert main([*argv, "--min-run-time", "0"]) == 2
+    assert "min_run_time: expected a number of seconds > 0" in capsys.readouterr().err

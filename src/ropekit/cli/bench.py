@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_SHAPES = ["prefill-4k", "prefill-16k", "decode", "varlen"]
+DEFAULT_SHAPES = ["prefill-4k", "prefill-16k", "decode", "decode-1", "varlen"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=int, default=5, help="interleaved rounds; figures are medians (default 5)"
     )
     p.add_argument(
+        "--min-run-time", type=float, default=None, metavar="SECONDS",
+        help="seconds of calls per row per round (torch.utils.benchmark's blocked_autorange; default 0.1)",
+    )  # fmt: skip
+    p.add_argument(
         "--rows", nargs="+", default=None, metavar="NAME", help="keep only rows whose name contains one"
     )
     p.add_argument("--no-memory", action="store_true", help="skip the saved/peak memory pass")
@@ -36,11 +40,16 @@ def run(args: argparse.Namespace) -> int:
     from ropekit.tools import bench
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    min_run_time = bench.MIN_RUN_TIME_S if args.min_run_time is None else args.min_run_time
     records, notes = bench.run_benchmark(
         args.shapes, device=args.device, dtype=dtype, repeats=args.repeats, include=args.rows,
-        memory=not args.no_memory, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        memory=not args.no_memory, min_run_time=min_run_time,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )  # fmt: skip
-    print(f"ropekit bench: device={args.device} dtype={dtype} repeats={args.repeats} (medians)")
+    print(
+        f"ropekit bench: device={args.device} dtype={dtype} repeats={args.repeats} "
+        f"min_run_time={min_run_time:g}s (medians of torch.utils.benchmark blocked_autorange)"
+    )
     print(bench.format_table(records))
     for note in notes:
         print(f"note: {note}")

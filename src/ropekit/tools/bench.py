@@ -2,22 +2,25 @@
 
 RoPE reads q and k and writes them once, so copying those bytes is the floor. Every row gets the same q and k
 (in-place rows get their own copy of the same values), rows run interleaved round by round, and each figure is
-the median over rounds. Each row's forward output is also checked against ropekit's torch backend with the
-same pair layout, so a fast but wrong row shows up as a mismatch.
+the median over rounds of a ``torch.utils.benchmark`` measurement (``blocked_autorange``: as many calls per
+block as make the timer's resolution negligible, blocks until ``min_run_time`` has passed, the median block;
+on CUDA it synchronizes the device around each block). Each row's forward output is also checked against
+ropekit's torch backend with the same pair layout, so a fast but wrong row shows up as a mismatch.
 
 Rows:
     copy_ / clone: the floors (copy into existing buffers; a fresh allocation plus the copy).
-    ropekit[<backend>] and ropekit[<backend>] in-place, for each backend that can serve the inputs.
+    ropekit[<backend>] and ropekit[<backend>] in-place, for the backend ``backend="auto"`` picks for the
+    inputs (the dispatch in :mod:`ropekit.backends` decides) and the plain torch backend.
     HF eager (transformers' apply_rotary_pos_emb), HF + torch.compile, Meta's complex form (written here,
     after Meta's LLaMA reference code), rotary-embedding-torch, torchtune, and on CUDA flash-attn and Liger.
     A peer that is not installed is skipped with a note.
 
-Columns: fwd_ms, fwd_bwd_ms, fwd_gbps (q and k read and written once, over the forward time), x_copy and
-x_clone (forward time over the floors), saved_mb (what autograd keeps for backward), peak_mb (the most memory
-held at once by fwd+bwd beyond the inputs; torch.cuda's counter on CUDA, a count of live op outputs on the
-CPU, where compiled rows are not measured), max_err (against ropekit's torch backend; peers that build their
-angles in float32 drift by ~1e-4 at position 4k, which is their precision, not a bug; "MISMATCH" marks errors
-too large for that, such as a wrong pair layout).
+Columns: fwd_ms and fwd_us (one forward call), fwd_bwd_ms, fwd_gbps (q and k read and written once, over
+the forward time), x_copy and x_clone (forward time over the floors), saved_mb (what autograd keeps for
+backward), peak_mb (the most memory held at once by fwd+bwd beyond the inputs; torch.cuda's counter on CUDA, a
+count of live op outputs on the CPU, where compiled rows are not measured), max_err (against ropekit's torch
+backend; peers that build their angles in float32 drift by ~1e-4 at position 4k, which is their precision,
+not a bug; "MISMATCH" marks errors too large for that, such as a wrong pair layout).
 
 Shape notation: B batch, S sequence, T packed tokens, Hq / Hk query / key heads, D head_dim.
 """
@@ -25,9 +28,9 @@ Shape notation: B batch, S sequence, T packed tokens, Hq / Hk query / key heads,
 from __future__ import annotations
 
 import csv
+import importlib
 import math
 import statistics
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +40,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import ropekit
-from ropekit.backends import BACKENDS
+from ropekit.backends import BACKENDS, select_backend
 
-__all__ = ["COLUMNS", "SHAPES", "Shape", "format_table", "run_benchmark", "write_csv"]
+__all__ = [
+    "COLUMNS",
+    "PEER_ROWS",
+    "SHAPES",
+    "PeerRow",
+    "Shape",
+    "figure",
+    "format_table",
+    "plot",
+    "run_benchmark",
+    "write_csv",
+]
 
 COLUMNS = [
     "shape",
@@ -47,6 +61,7 @@ COLUMNS = [
     "device",
     "dtype",
     "fwd_ms",
+    "fwd_us",
     "fwd_bwd_ms",
     "fwd_gbps",
     "x_copy",
@@ -56,8 +71,8 @@ COLUMNS = [
     "max_err",
     "note",
 ]
-# A sample should last at least this long, so timer resolution does not swamp tiny shapes (decode).
-MIN_SAMPLE_S = 2e-3
+# Seconds of calls behind one measurement of one row in one round (torch.utils.benchmark's min_run_time).
+MIN_RUN_TIME_S = 0.1
 # max_err above this marks a row as disagreeing (a layout or input bug), beyond precision noise.
 MISMATCH = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 1e-1}
 
@@ -74,6 +89,7 @@ class Shape:
     head_dim: int = 128
     seqlens: tuple[int, ...] | None = None  # varlen pack: lengths summing to seq, packed with cu_seqlens
     decode: bool = False  # one token per sequence at a per-sequence offset (KV-cache decoding)
+    int_offset: bool = False  # with decode: one int offset for the batch (no offsets tensor), as in serving
 
 
 SHAPES = {
@@ -82,6 +98,7 @@ SHAPES = {
         Shape("prefill-4k", 1, 4096),
         Shape("prefill-16k", 1, 16384),
         Shape("decode", 64, 1, decode=True),
+        Shape("decode-1", 1, 1, decode=True, int_offset=True),  # one token of one sequence
         Shape("varlen", 1, 4096, seqlens=(256, 1792, 512, 1024, 512)),
         Shape("tiny", 2, 16, 4, 2, 32),  # for tests and smoke runs
         Shape("tiny-varlen", 1, 24, 4, 1, 16, seqlens=(5, 19)),
@@ -113,9 +130,10 @@ def make_case(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int 
     k = torch.randn(shape.batch, shape.seq, shape.k_heads, shape.head_dim, generator=g)  # (B, S, Hk, D)
     kwargs: dict = {}
     if shape.decode:
-        offsets = torch.randint(0, 4096, (shape.batch,), generator=g)
+        offsets = torch.randint(0, 4096, (1 if shape.int_offset else shape.batch,), generator=g)
         positions = offsets[:, None] + torch.arange(shape.seq)[None, :]  # (B, S)
-        kwargs["offsets"] = offsets.to(device)
+        positions = positions.expand(shape.batch, -1)
+        kwargs["offsets"] = int(offsets[0]) if shape.int_offset else offsets.to(device)
     elif shape.seqlens is not None:
         positions = torch.cat([torch.arange(n) for n in shape.seqlens])[None, :]  # (1, T)
         cu = torch.tensor([0, *torch.tensor(shape.seqlens).cumsum(0).tolist()], dtype=torch.int32)
@@ -240,7 +258,8 @@ def _flash_attn_row() -> Row:
         cos, sin = case.cos.to(case.q.dtype), case.sin.to(case.q.dtype)
         kw = dict(case.ropekit_kwargs)
         if "offsets" in kw:
-            kw["seqlen_offsets"] = kw.pop("offsets").to(torch.int32)
+            offsets = kw.pop("offsets")
+            kw["seqlen_offsets"] = offsets if isinstance(offsets, int) else offsets.to(torch.int32)
         if "cu_seqlens" in kw:
             kw["max_seqlen"] = max(case.shape.seqlens)
 
@@ -268,43 +287,63 @@ def _liger_row() -> Row:
     return Row("Liger", setup)
 
 
-def _peer_rows(device: torch.device) -> list[tuple[str, Callable[[], Row]]]:
-    peers = [
-        ("transformers", lambda: _hf_row(False)),
-        ("transformers", lambda: _hf_row(True)),
-        ("", _meta_row),
-        ("rotary_embedding_torch", _rotary_embedding_torch_row),
-        ("torchtune.modules", _torchtune_row),
-    ]
-    if device.type == "cuda":
-        peers += [
-            ("flash_attn.layers.rotary", _flash_attn_row),
-            ("liger_kernel.transformers.rope", _liger_row),
-        ]
-    return peers
+@dataclass(frozen=True)
+class PeerRow:
+    """A row that is not one of ropekit's backends: make() -> Row; skipped with a note when ``requires``
+    (a module name, or "" for none) cannot be imported or the device is not in ``devices``."""
+
+    make: Callable[[], Row]
+    requires: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+# Every row beyond ropekit's backends, in table order. Append a PeerRow to add one (a peer library, or another
+# way of calling ropekit such as its compat APIs).
+PEER_ROWS: list[PeerRow] = [
+    PeerRow(lambda: _hf_row(False), "transformers"),
+    PeerRow(lambda: _hf_row(True), "transformers"),
+    PeerRow(_meta_row),
+    PeerRow(_rotary_embedding_torch_row, "rotary_embedding_torch"),
+    PeerRow(_torchtune_row, "torchtune.modules"),
+    PeerRow(_flash_attn_row, "flash_attn.layers.rotary", devices=("cuda",)),
+    PeerRow(_liger_row, "liger_kernel.transformers.rope", devices=("cuda",)),
+]
+
+
+def ropekit_backends(case: Case) -> tuple[list[str], list[str]]:
+    """The backends to time on these inputs and a note for each other registered one, as decided by the
+    dispatch (:func:`ropekit.backends.select_backend`): the one ``backend="auto"`` picks, plus the plain
+    torch backend as the baseline."""
+    chosen = select_backend("auto", case.q, case.cos).name
+    names = list(dict.fromkeys([chosen, "torch"]))
+    notes = []
+    for name in BACKENDS:
+        if name in names:
+            continue
+        try:
+            select_backend(name, case.q, case.cos)
+        except ValueError as err:
+            notes.append(f"ropekit[{name}] skipped: {err}")
+        else:
+            notes.append(f"ropekit[{name}] skipped: backend='auto' picks {chosen!r} for these inputs")
+    return names, notes
 
 
 def build_rows(case: Case, include: list[str] | None = None) -> tuple[list[Row], list[str]]:
     """All rows that can run on these inputs, and a note for each that cannot. include: keep names containing
     any of these substrings (case-insensitive)."""
-    import importlib
-
-    rows, notes = [], []
-    for name, backend in BACKENDS.items():
-        reason = backend.auto_skip_reason(case.q, case.cos) if hasattr(backend, "auto_skip_reason") else None
-        reason = reason or backend.unavailable_reason(case.q, case.cos)
-        if reason:
-            notes.append(f"ropekit[{name}] skipped: {reason}")
+    names, notes = ropekit_backends(case)
+    rows = [_ropekit_row(name, inplace) for name in names for inplace in (False, True)]
+    for peer in PEER_ROWS:
+        if case.q.device.type not in peer.devices:
             continue
-        rows += [_ropekit_row(name, inplace=False), _ropekit_row(name, inplace=True)]
-    for module, make in _peer_rows(case.q.device):
-        row = make()
-        if module:
+        row = peer.make()
+        if peer.requires:
             try:
-                importlib.import_module(module)
+                importlib.import_module(peer.requires)
             except Exception as err:  # any import failure means the peer cannot run here
                 notes.append(
-                    f"{row.name} skipped: cannot import {module} ({type(err).__name__}: {err})"[:200]
+                    f"{row.name} skipped: cannot import {peer.requires} ({type(err).__name__}: {err})"[:200]
                 )
                 continue
         rows.append(row)
@@ -384,23 +423,13 @@ def measure_memory(row: Row, fn, case: Case) -> tuple[float, float]:
     return saved_bytes / 2**20, peak / 2**20
 
 
-def _timer(device: torch.device) -> Callable[[Callable, int], float]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def measure(fn: Callable[[], object], min_run_time: float) -> float:
+    """Seconds per call of fn: torch.utils.benchmark's blocked_autorange (median block; CUDA synchronized)."""
+    from torch.utils import benchmark
 
-    def timed(fn: Callable, number: int) -> float:
-        sync()
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        sync()
-        return (time.perf_counter() - start) / number
-
-    return timed
-
-
-def _calls_per_sample(timed, fn) -> int:
-    once = timed(fn, 1)
-    return max(1, min(100, math.ceil(MIN_SAMPLE_S / max(once, 1e-7))))
+    return (
+        benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    )
 
 
 def run_benchmark(
@@ -411,12 +440,15 @@ def run_benchmark(
     repeats: int = 5,
     include: list[str] | None = None,
     memory: bool = True,
+    min_run_time: float = MIN_RUN_TIME_S,
     log: Callable[[str], None] = lambda msg: None,
 ) -> tuple[list[dict], list[str]]:
     """Run every row on every shape; returns (records with :data:`COLUMNS`, notes on skipped rows).
 
+    Each round measures every row for at least ``min_run_time`` seconds; figures are medians over rounds.
+
     Raises:
-        ValueError: on an unknown shape, dtype or device, or repeats < 1.
+        ValueError: on an unknown shape, dtype or device, repeats < 1 or min_run_time <= 0.
     """
     for name in shapes:
         if name not in SHAPES:
@@ -430,18 +462,19 @@ def run_benchmark(
         raise ValueError("device: 'cuda' requested but torch.cuda.is_available() is False")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+    if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or not min_run_time > 0:
+        raise ValueError(f"min_run_time: expected a number of seconds > 0, got {min_run_time!r}")
     dev, torch_dtype = torch.device(device), dtypes[dtype]
-    timed = _timer(dev)
     records, all_notes = [], []
     for shape_name in shapes:
         case = make_case(SHAPES[shape_name], torch_dtype, dev)
         rows, notes = build_rows(case, include)
         all_notes += [f"{shape_name}: {n}" for n in notes]
-        records += _run_case(case, rows, timed, repeats, memory, log)
+        records += _run_case(case, rows, min_run_time, repeats, memory, log)
     return records, sorted(set(all_notes))
 
 
-def _run_case(case, rows, timed, repeats, memory, log) -> list[dict]:
+def _run_case(case, rows, min_run_time, repeats, memory, log) -> list[dict]:
     q_buf, k_buf = torch.empty_like(case.q), torch.empty_like(case.k)
     floors = {
         "copy_": lambda: (q_buf.copy_(case.q), k_buf.copy_(case.k)),
@@ -480,15 +513,12 @@ def _run_case(case, rows, timed, repeats, memory, log) -> list[dict]:
             task["fwd_bwd"] = lambda fn=fn: _fwd_bwd(fn, q_leaf, k_leaf, grads)
         tasks[row.name] = task
     del wants
-    numbers = {
-        (name, kind): _calls_per_sample(timed, f) for name, t in tasks.items() for kind, f in t.items()
-    }
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in numbers}
-    for r in range(repeats):  # interleaved: each round runs every row once, so drift hits all rows alike
+    samples: dict[tuple[str, str], list[float]] = {(n, kind): [] for n, t in tasks.items() for kind in t}
+    for r in range(repeats):  # interleaved: each round measures every row once, so drift hits all rows alike
         log(f"{case.shape.name}: round {r + 1}/{repeats}")
         for name, t in tasks.items():
             for kind, f in t.items():
-                samples[(name, kind)].append(timed(f, numbers[(name, kind)]))
+                samples[(name, kind)].append(measure(f, min_run_time))
     med = {key: statistics.median(v) for key, v in samples.items()}
     records = []
     by_name = {row.name: row for row in rows}
@@ -507,6 +537,7 @@ def _run_case(case, rows, timed, repeats, memory, log) -> list[dict]:
                 "device": case.q.device.type,
                 "dtype": str(case.q.dtype).removeprefix("torch."),
                 "fwd_ms": fwd * 1e3,
+                "fwd_us": fwd * 1e6,
                 "fwd_bwd_ms": med.get((name, "fwd_bwd"), math.nan) * 1e3,
                 "fwd_gbps": 2 * case.nbytes / fwd / 1e9,
                 "x_copy": fwd / med[("copy_", "fwd")],
@@ -533,18 +564,29 @@ def write_csv(records: list[dict], path: str) -> None:
             writer.writerow({c: (f"{v:.4g}" if isinstance(v, float) else v) for c, v in rec.items()})
 
 
+TABLE_COLUMNS = ("fwd_ms", "fwd_us", "fwd_bwd_ms", "fwd_gbps", "x_copy", "x_clone", "saved_mb", "peak_mb")
+
+
 def format_table(records: list[dict]) -> str:
     """A fixed-width text table, one block per shape."""
-    head = f"{'row':<26} {'fwd ms':>9} {'fwd+bwd ms':>10} {'GB/s':>7} {'x copy_':>7} {'x clone':>7} "
-    head += f"{'saved MB':>8} {'peak MB':>8} {'max err':>8}  note"
+    head = f"{'row':<26} {'fwd ms':>9} {'fwd us':>8} {'fwd+bwd ms':>10} {'GB/s':>7} {'x copy_':>7} "
+    head += f"{'x clone':>7} {'saved MB':>8} {'peak MB':>8} {'max err':>8}  note"
     lines = []
     for shape in dict.fromkeys(r["shape"] for r in records):
         lines += [f"== {shape} ==", head]
         for r in (r for r in records if r["shape"] == shape):
-            nums = [
-                r[c] for c in ("fwd_ms", "fwd_bwd_ms", "fwd_gbps", "x_copy", "x_clone", "saved_mb", "peak_mb")
-            ]
-            widths = (9, 10, 7, 7, 7, 8, 8)
+            columns = (
+                "fwd_ms",
+                "fwd_us",
+                "fwd_bwd_ms",
+                "fwd_gbps",
+                "x_copy",
+                "x_clone",
+                "saved_mb",
+                "peak_mb",
+            )
+            nums = [r[c] for c in columns]
+            widths = (9, 8, 10, 7, 7, 7, 8, 8)
             cells = " ".join(_fmt(v, w) for v, w in zip(nums, widths, strict=True))
             lines.append(f"{r['row']:<26} {cells} {_fmt(r['max_err'], 8, '.1e')}  {r['note']}")
     return "\n".join(lines)
@@ -556,8 +598,9 @@ def _fmt(value, width: int, spec: str = ".3g") -> str:
     return f"{value:>{width}{spec}}"
 
 
-def plot(records: list[dict], path: str) -> None:
-    """Bar chart of forward time over copy_ per row, one group per shape."""
+def figure(records: list[dict]):
+    """Bar chart of forward time over copy_ per row, one group per shape; the legend sits right of the axes,
+    so it never covers a bar. Returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -577,7 +620,15 @@ def plot(records: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("forward time / copy_ of the same bytes")
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Save :func:`figure` to path (cropped to include the legend)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(records)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
