@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,7 +41,8 @@ def test_json_output_follows_the_schema(capsys):
 
 
 def test_a_failing_check_gives_a_non_zero_exit_and_a_fail_row(monkeypatch, capsys):
-    monkeypatch.setattr("ropekit.tools.verify.run_checks", lambda config: [Check("broken claim", 1.0, 1e-9)])
+    broken = [Check("broken claim", 1.0, 1e-9)]
+    monkeypatch.setattr("ropekit.tools.verify.run_checks", lambda config, **kw: broken)
     assert main(["verify"]) == 1
     out = capsys.readouterr().out
     assert "broken claim" in out and "FAIL" in out and "0 passed, 1 failed" in out
@@ -87,3 +89,41 @@ def test_python_dash_m_ropekit_verify_runs_the_same_command():
     )
     assert done.returncode == 0, done.stderr
     assert all(c["passed"] for c in json.loads(done.stdout)["checks"])
+
+
+def test_a_huge_head_dim_is_a_one_line_error_not_a_memory_error():
+    done = subprocess.run(
+        [sys.executable, "-m", "ropekit", "verify", "--head-dim", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "ropekit verify: error: head_dim: expected at most 1024 for verify (its checks build head_dim x "
+        "head_dim rotation matrices), got 100000"
+    ]
+
+
+def test_backend_rows_are_printed_for_the_cpu_fast_path(capsys):
+    assert main(["verify", "--head-dim", "16", "--backends", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for row in ("backend cpu float32 (half)", "backend cpu bfloat16 (interleaved)"):
+        assert row in out
+    assert "backend torch" not in out
+
+
+def test_backends_triton_without_a_gpu_runs_the_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, "-m", "ropekit", "verify", "--head-dim", "16", "--backends", "triton", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
+    assert done.returncode in (0, 1), done.stderr
+    rows = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    for layout in ("half", "interleaved"):
+        assert rows[f"backend triton float32 ({layout}) = float64 reference (error / bound)"]["passed"]
+        assert f"backend triton bfloat16 ({layout}) = float64 reference (error / bound)" in rows

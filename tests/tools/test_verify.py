@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,3 +84,71 @@ def test_a_backward_that_is_not_the_inverse_rotation_is_caught(monkeypatch):
 def test_check_reports_pass_against_its_tolerance():
     assert Check("a", 1e-12, 1e-9).passed and not Check("b", 1e-3, 1e-9).passed
     assert Check("a", 0.5, 1.0).as_dict() == {"name": "a", "max_error": 0.5, "tolerance": 1.0, "passed": True}
+
+
+def test_production_backends_are_checked_in_float32_and_bfloat16_as_named_rows():
+    checks = {c.name: c for c in run_checks(RopeConfig(16, rotary_dim=12), backends=["cpu", "torch"])}
+    for backend in ("cpu", "torch"):
+        for dtype in ("float32", "bfloat16"):
+            for layout in ("half", "interleaved"):
+                check = checks[f"backend {backend} {dtype} ({layout}) = float64 reference (error / bound)"]
+                assert check.passed, check
+
+
+def test_backend_error_bound_is_half_an_ulp_of_each_element_plus_float32_arithmetic():
+    from ropekit.tools.verify import backend_error_bound
+
+    arithmetic = 8 * torch.finfo(torch.float32).eps * 2.0
+    got = backend_error_bound(np.array([1.0, -3.0, 0.25]), torch.bfloat16, scale=2.0)
+    np.testing.assert_allclose(got, np.array([2.0**-8, 2.0**-7, 2.0**-10]) + arithmetic, rtol=1e-12)
+
+
+def test_default_backends_are_those_the_dispatch_accepts_here():
+    from ropekit.tools.verify import available_backends
+
+    names = available_backends()
+    assert "torch" in names and "triton" not in names  # no GPU, no interpreter: triton is not available
+    rows = [c.name for c in run_checks(RopeConfig(8)) if c.name.startswith("backend ")]
+    assert {row.split()[1] for row in rows} == set(names)
+
+
+class _TruncatingBackend:
+    """Right math, but stores bfloat16 by truncating the float32 result instead of rounding to nearest."""
+
+    name = "truncating"
+
+    def unavailable_reason(self, q, cos):
+        return None
+
+    def rotate_qk(self, q, k, cos, sin, positions, **kw):
+        from ropekit.backends.eager import rotate
+
+        exact = rotate(q.float(), cos, sin, positions, **kw)
+        if q.dtype == torch.bfloat16:
+            exact = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32)  # drop the low 16 bits
+        return exact.to(q.dtype), None
+
+
+def test_a_backend_that_truncates_bfloat16_stores_fails_only_its_bfloat16_rows(monkeypatch):
+    from ropekit.backends import BACKENDS
+
+    monkeypatch.setitem(BACKENDS, "truncating", _TruncatingBackend())
+    checks = [c for c in run_checks(RopeConfig(64), backends=["truncating"]) if "truncating" in c.name]
+    failed = {c.name for c in checks if not c.passed}
+    assert failed == {
+        "backend truncating bfloat16 (half) = float64 reference (error / bound)",
+        "backend truncating bfloat16 (interleaved) = float64 reference (error / bound)",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"config": RopeConfig(100000)}, r"head_dim: expected at most 1024 for verify .* got 100000"),
+        ({"config": RopeConfig(8), "backends": ["nope"]}, "backend: expected 'auto' or one of"),
+    ],
+)
+def test_bad_arguments_are_value_errors(kwargs, match):
+    config = kwargs.pop("config")
+    with pytest.raises(ValueError, match=match):
+        run_checks(config, **kwargs)

@@ -1,9 +1,12 @@
-"""`ropekit verify`: check every claim of the seed documents numerically for one configuration."""
+"""`ropekit verify`: check every claim of the seed documents numerically for one configuration, and the
+production backends in float32 and bfloat16 against the float64 reference."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", type=float, default=10000.0, help="RoPE base (default 10000)")
     p.add_argument("--rotary-dim", type=int, default=None, help="rotated features (default: head dim)")
     p.add_argument("--interleaved", action="store_true", help="GPT-J / Meta pairing (2i, 2i+1)")
+    p.add_argument(
+        "--backends", nargs="+", default=None, metavar="NAME",
+        help="backends to check in float32 and bfloat16 against the float64 reference (default: those "
+        "available here; 'triton' without a GPU runs in Triton's CPU interpreter)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
 
@@ -27,10 +35,25 @@ def format_table(checks: Sequence[Check]) -> str:
     lines = [f"{'check':<{width}}  {'max error':>10}  {'tolerance':>9}  result", "-" * (width + 32)]
     for c in checks:
         verdict = "PASS" if c.passed else "FAIL"
-        lines.append(f"{c.name:<{width}}  {c.max_error:>10.2e}  {c.tolerance:>9.0e}  {verdict}")
+        lines.append(f"{c.name:<{width}}  {c.max_error:>10.2e}  {c.tolerance:>9.1e}  {verdict}")
     failed = sum(not c.passed for c in checks)
     lines.append(f"{len(checks) - failed} passed, {failed} failed")
     return "\n".join(lines)
+
+
+def _use_triton_interpreter_without_a_gpu(backends: list[str] | None) -> None:
+    """`--backends triton` on a machine without CUDA: run the kernel in Triton's CPU interpreter, which Triton
+    reads from TRITON_INTERPRET when it is first imported."""
+    import torch
+
+    if not backends or "triton" not in backends or torch.cuda.is_available():
+        return
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(
+            "backends: 'triton' without a GPU needs Triton's interpreter, and Triton was already imported "
+            "without it; run with TRITON_INTERPRET=1 set"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from ropekit.tools.verify import run_checks
 
     config = RopeConfig(args.head_dim, args.base, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
-    checks = run_checks(config)
+    _use_triton_interpreter_without_a_gpu(args.backends)
+    checks = run_checks(config, backends=args.backends)
     if args.json:
         print(json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2))
     else:

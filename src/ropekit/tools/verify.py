@@ -1,12 +1,17 @@
-"""Numerical checks of every claim the seed documents make, for one configuration.
+"""Numerical checks of every claim the seed documents make, for one configuration, and of the backends that
+serve float32 and bfloat16 in production.
 
 Each check compares two computations that the mathematics (docs/math.md) says are equal and reports the
-largest difference against a float64 tolerance. Used by ``ropekit verify`` and the demo report.
+largest difference against a tolerance: float64 round-off for the float64 claims. A backend's float32 or
+bfloat16 output is held to a bound per element, one rounding of the output dtype plus float32 arithmetic
+(:func:`backend_error_bound`); its row reports the largest error / bound, which must stay <= 1.
+Used by ``ropekit verify`` and the demo report.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,17 +19,22 @@ import numpy as np
 import torch
 
 from ropekit import reference as ref
+from ropekit.backends import BACKENDS, select_backend
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary
 from ropekit.sinusoidal import sinusoidal_embedding
 
-__all__ = ["TOL", "Check", "run_checks"]
+__all__ = ["MAX_HEAD_DIM", "TOL", "Check", "available_backends", "backend_error_bound", "run_checks"]
 
 # float64 round-off grows with the angle m*theta (about 1e-16 * m); positions below a few thousand keep every
 # error near 1e-12, so 1e-9 leaves a wide margin while still catching any real mistake (those are O(1)).
 TOL = 1e-9
 # The textbook prints its sinusoidal values to 3-5 significant digits.
 PRINTED_DIGITS_TOL = 5e-4
+# The checks build head_dim x head_dim rotation matrices (8 MB at 1024); real models use 512 at most.
+MAX_HEAD_DIM = 1024
+# Storage dtypes the production backends are checked in (math runs in float32 for both).
+BACKEND_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,90 @@ def _textbook_dot(angle_deg: float, m: int, n: int) -> float:
     return float(ref.rotate_interleaved(e1, m, theta) @ ref.rotate_interleaved(e1, n, theta))
 
 
+def backend_device(name: str) -> torch.device:
+    """Where a backend is checked: CUDA when there is a GPU and the dispatch accepts CUDA inputs for it, else
+    the CPU."""
+    probe = torch.empty(1, 1, 1, 2)  # (batch, seq, heads, head_dim)
+    if torch.cuda.is_available():
+        try:
+            select_backend(name, probe.cuda(), probe.new_empty(1, 1).cuda())
+            return torch.device("cuda")
+        except ValueError:
+            pass
+    return torch.device("cpu")
+
+
+def available_backends() -> list[str]:
+    """The registered backends the dispatch accepts float32 inputs for on this machine (each on
+    :func:`backend_device`): the CPU fast path when a compiler is present, Triton on a GPU (or under
+    ``TRITON_INTERPRET=1``), and the plain torch backend always."""
+    names = []
+    for name in BACKENDS:
+        device = backend_device(name)
+        try:
+            select_backend(name, torch.empty(1, 1, 1, 2, device=device), torch.empty(1, 1, device=device))
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def backend_error_bound(want: np.ndarray, dtype: torch.dtype, scale: float) -> np.ndarray:
+    """The largest error a correct backend may make on each element, for exact results ``want`` stored in
+    dtype from inputs of magnitude <= scale.
+
+    Rounding to nearest costs at most half an ulp of dtype at the element's own magnitude; the float32
+    arithmetic on float32-rounded table rows adds a few float32 ulps of scale. A store that truncates instead
+    (up to a whole ulp) exceeds the bound.
+    """
+    info = torch.finfo(dtype)
+    magnitude = np.maximum(np.abs(want), info.tiny)
+    ulp = info.eps * 2.0 ** np.floor(np.log2(magnitude))
+    return 0.5 * ulp + 8 * torch.finfo(torch.float32).eps * scale
+
+
+def _backend_checks(
+    config: RopeConfig, backends: Sequence[str], rng: np.random.Generator, n_positions: int, max_position: int
+) -> list[Check]:
+    """Each backend, in each of BACKEND_DTYPES and both pair layouts, against the float64 reference applied to
+    the same (already rounded) inputs."""
+    theta = ref.inv_freq(config.rotary_dim, config.base)
+    positions = rng.integers(0, max_position, size=n_positions)
+    x = torch.from_numpy(rng.standard_normal((1, n_positions, 3, config.head_dim)))  # (batch, seq, heads, D)
+    cos, sin = config.cos_sin(int(positions.max()) + 1)  # float32: what production tables are
+    checks = []
+    for name in backends:
+        device = backend_device(name)
+        pos = torch.from_numpy(positions).reshape(1, n_positions).to(device)  # (batch, seq)
+        for dtype in BACKEND_DTYPES:
+            stored = x.to(dtype)
+            scale = float(stored.double().abs().max())
+            for interleaved, layout in ((False, "half"), (True, "interleaved")):
+                rotate = ref.rotate_interleaved if interleaved else ref.rotate_half
+                want = rotate(stored.double().numpy(), positions[None, :, None], theta)
+                got = apply_rotary(
+                    stored.to(device), cos.to(device), sin.to(device), positions=pos,
+                    interleaved=interleaved, backend=name,
+                )  # fmt: skip
+                error = np.abs(got.double().cpu().numpy() - want) / backend_error_bound(want, dtype, scale)
+                dtype_name = str(dtype).removeprefix("torch.")
+                checks.append(
+                    Check(
+                        f"backend {name} {dtype_name} ({layout}) = float64 reference (error / bound)",
+                        float(error.max()),
+                        1.0,
+                    )
+                )
+    return checks
+
+
 def run_checks(
-    config: RopeConfig, *, seed: int = 0, n_positions: int = 8, max_position: int = 4096
+    config: RopeConfig,
+    *,
+    seed: int = 0,
+    n_positions: int = 8,
+    max_position: int = 4096,
+    backends: Sequence[str] | None = None,
 ) -> list[Check]:
     """Run every check for ``config``; the textbook's worked examples are included whatever the config.
 
@@ -66,10 +158,26 @@ def run_checks(
         seed: seed for the random vectors and positions.
         n_positions: how many random positions each check samples.
         max_position: positions are drawn from [0, max_position).
+        backends: backends whose float32 and bfloat16 outputs are checked against the float64 reference
+            (one row per backend, dtype and pair layout); None means :func:`available_backends`.
 
     Returns:
-        One :class:`Check` per claim, in a fixed order.
+        One :class:`Check` per claim, in a fixed order, then the backend rows.
+
+    Raises:
+        ValueError: for a head_dim above MAX_HEAD_DIM, or a backend that is not registered or cannot serve
+            inputs on this machine (the dispatch's reason).
     """
+    if config.head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim: expected at most {MAX_HEAD_DIM} for verify (its checks build head_dim x head_dim "
+            f"rotation matrices), got {config.head_dim}"
+        )
+    if backends is None:
+        backends = available_backends()
+    for name in backends:
+        device = backend_device(name)
+        select_backend(name, torch.empty(1, 1, 1, 2, device=device), torch.empty(1, 1, device=device))
     rng = np.random.default_rng(seed)
     d, D = config.rotary_dim, config.head_dim
     theta = ref.inv_freq(d, config.base)
@@ -171,4 +279,4 @@ def run_checks(
             ref.sinusoidal(positions, d, config.base),
         ),
     )
-    return checks
+    return checks + _backend_checks(config, backends, rng, n_positions, max_position)
