@@ -1,15 +1,22 @@
-"""The one prepared GPU run: correctness of the Triton kernel on the device first, then the bf16 benchmark.
+"""The one prepared GPU run: correctness of the Triton kernel on the device, no host syncs and CUDA-graph
+capture of a decode step, then the bf16 benchmark.
 
 Usage (on a machine with a CUDA GPU and Triton):
 
-    python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--shapes ...]
+    python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--shapes ...] [--no-bench]
 
 Step 1 compares backend="triton" with backend="torch" (float64 math on upcast inputs) for every dtype, pair
 layout, in-place mode, partial rotary and position mode, checks the gradients, and runs the kernel inside
-torch.compile(fullgraph=True) with inductor. Any failure stops the run before timing. Step 2 runs the
-benchmark in bfloat16 and writes gpu_bench.csv and gpu_bench.png to --out, then checks the targets of issue 4:
-forward at >= 85% of the measured copy bandwidth (x_copy <= 1/0.85) and fwd+bwd faster than flash-attn and
-Liger where they are installed.
+torch.compile(fullgraph=True) with inductor. Any failure stops the run before timing.
+Step 2 (issue 10, item 2) runs one steady-state decode step (one Llama-3-8B token) through apply_rotary,
+apply_rotary_qk and RotaryEmbedding.forward, with an int offset, an offsets tensor and a positions tensor,
+under ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host copy or synchronization in the call
+is an error. Each step runs once first (warm-up: kernel compilation, table growth). Then it captures a decode
+step of apply_rotary_qk and of RotaryEmbedding in a ``torch.cuda.CUDAGraph``, replays it with new q, k and
+offsets written into the captured buffers, and compares each replay with the eager result.
+Step 3 runs the benchmark in bfloat16 and writes gpu_bench.csv and gpu_bench.png to --out, then checks the
+targets of issue 4: forward at >= 85% of the measured copy bandwidth (x_copy <= 1/0.85) and fwd+bwd faster
+than flash-attn and Liger where they are installed.
 """
 
 from __future__ import annotations
@@ -92,6 +99,104 @@ def check_correctness(device: str = "cuda") -> int:
     return failures
 
 
+# A decode step of one Llama-3-8B token: q (1, 1, 32, 128), k (1, 1, 8, 128); tables for an 8k context.
+DECODE_HEADS, DECODE_HEAD_DIM, DECODE_CONTEXT = (32, 8), 128, 8192
+
+
+def decode_steps(device: str) -> dict[str, object]:
+    """name -> a zero-argument decode step on `device`, each a call a serving loop makes every token.
+
+    Built on any device, so the CPU tests can check that every step is a valid call.
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 1, DECODE_HEADS[0], DECODE_HEAD_DIM, generator=g, device=device).bfloat16()
+    k = torch.randn(1, 1, DECODE_HEADS[1], DECODE_HEAD_DIM, generator=g, device=device).bfloat16()
+    config = ropekit.RopeConfig(DECODE_HEAD_DIM, 500000.0, max_position_embeddings=DECODE_CONTEXT)
+    cos, sin = config.cos_sin(DECODE_CONTEXT, device=device)
+    rope = ropekit.RotaryEmbedding(config)
+    offsets = torch.tensor([4000], device=device)  # (batch,)
+    positions = torch.tensor([[4000]], device=device)  # (batch, seq)
+    return {
+        "apply_rotary, int offset": lambda: ropekit.apply_rotary(q, cos, sin, offsets=4000),
+        "apply_rotary_qk, int offset": lambda: ropekit.apply_rotary_qk(q, k, cos, sin, offsets=4000),
+        "apply_rotary_qk, offsets tensor": lambda: ropekit.apply_rotary_qk(q, k, cos, sin, offsets=offsets),
+        "apply_rotary_qk, positions tensor": lambda: ropekit.apply_rotary_qk(
+            q, k, cos, sin, positions=positions
+        ),
+        "apply_rotary_qk, in place": lambda: ropekit.apply_rotary_qk(
+            q, k, cos, sin, offsets=4000, inplace=True
+        ),
+        "RotaryEmbedding, int offset": lambda: rope(q, k, offsets=4000),
+        "RotaryEmbedding, offsets tensor": lambda: rope(q, k, offsets=offsets),
+        "RotaryEmbedding, positions tensor": lambda: rope(q, k, positions=positions),
+    }
+
+
+def check_no_sync(device: str = "cuda") -> int:
+    """Each decode step, after one warm-up call, under set_sync_debug_mode("error"); returns the failures."""
+    failures = 0
+    for name, step in decode_steps(device).items():
+        step()  # warm-up: Triton compilation, table growth, first-call caches
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        except RuntimeError as err:
+            failures += 1
+            print(f"FAIL no-sync {name}: {str(err).splitlines()[0][:200]}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"no-sync: {failures} of {len(decode_steps(device))} decode steps synchronized")
+    return failures
+
+
+def check_cuda_graph(device: str = "cuda") -> int:
+    """Capture a decode step (functional and module) in a CUDA graph, replay it on new inputs written into the
+    captured buffers, and compare with eager calls; returns the failures."""
+    config = ropekit.RopeConfig(DECODE_HEAD_DIM, 500000.0, max_position_embeddings=DECODE_CONTEXT)
+    cos, sin = config.cos_sin(DECODE_CONTEXT, device=device)
+    rope = ropekit.RotaryEmbedding(config)
+    q = torch.zeros(1, 1, DECODE_HEADS[0], DECODE_HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, DECODE_HEADS[1], DECODE_HEAD_DIM, device=device, dtype=torch.bfloat16)
+    offsets = torch.zeros(1, dtype=torch.int64, device=device)  # (batch,): rewritten before each replay
+    steps = {
+        "apply_rotary_qk, offsets tensor": lambda: ropekit.apply_rotary_qk(q, k, cos, sin, offsets=offsets),
+        "RotaryEmbedding, offsets tensor": lambda: rope(q, k, offsets=offsets),
+    }
+    failures = 0
+    for name, step in steps.items():
+        side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graphs asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out_q, out_k = step()
+        except RuntimeError as err:
+            failures += 1
+            print(f"FAIL cuda-graph capture {name}: {str(err).splitlines()[0][:200]}")
+            continue
+        g = torch.Generator(device=device).manual_seed(1)
+        for offset in (0, 17, 4000, DECODE_CONTEXT - 1):
+            q.copy_(torch.randn(q.shape, generator=g, device=device))
+            k.copy_(torch.randn(k.shape, generator=g, device=device))
+            offsets.fill_(offset)
+            graph.replay()
+            want_q, want_k = ropekit.apply_rotary_qk(q, k, cos, sin, offsets=offset)
+            torch.cuda.synchronize()
+            if not (torch.equal(out_q, want_q) and torch.equal(out_k, want_k)):
+                failures += 1
+                err = max(
+                    float((a.float() - b.float()).abs().max()) for a, b in ((out_q, want_q), (out_k, want_k))
+                )
+                print(f"FAIL cuda-graph replay {name} at offset {offset}: differs from eager by {err:.2e}")
+    print(f"cuda-graph: {failures} failures")
+    return failures
+
+
 def check_targets(records: list[dict]) -> list[str]:
     """Issue 4's GPU targets, one line each."""
     lines = []
@@ -117,7 +222,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the CSV and the plot")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--shapes", nargs="+", default=["prefill-4k", "prefill-16k", "decode", "varlen"])
+    parser.add_argument(
+        "--shapes", nargs="+", default=["prefill-4k", "prefill-16k", "decode", "decode-1", "varlen"]
+    )
+    parser.add_argument("--no-bench", action="store_true", help="run the checks only (steps 1 and 2)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to do")
@@ -128,6 +236,10 @@ def main() -> int:
     print(f"correctness: {failures} failures ({time.time() - start:.0f} s)")
     if failures:
         return 1
+    serving_failures = check_no_sync() + check_cuda_graph()
+    if args.no_bench:
+        print(f"total {time.time() - start:.0f} s")
+        return 1 if serving_failures else 0
     records, notes = bench.run_benchmark(
         args.shapes, device="cuda", dtype="bfloat16", repeats=args.repeats, log=lambda m: print(m, flush=True)
     )
@@ -140,7 +252,7 @@ def main() -> int:
     bench.plot(records, str(out / "gpu_bench.png"))
     print("\n".join(check_targets(records)))
     print(f"total {time.time() - start:.0f} s")
-    return 0
+    return 1 if serving_failures else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""benchmarks/gpu_check.py runs only on a GPU; here: it imports, refuses politely without one, and every
+decode step it checks for host syncs is a valid call (run on the CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_without_a_gpu_it_exits_2_before_doing_anything(gpu_check, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--no-bench"])
+    assert gpu_check.main() == 2
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_every_decode_step_is_a_valid_call_with_the_decode_shapes(gpu_check):
+    steps = gpu_check.decode_steps("cpu")
+    assert {"RotaryEmbedding, positions tensor", "apply_rotary_qk, offsets tensor"} <= set(steps)
+    for name, step in steps.items():
+        out = step()
+        outs = (out,) if isinstance(out, torch.Tensor) else out
+        assert outs[0].shape == (1, 1, 32, 128), name
+        assert all(torch.isfinite(o.float()).all() for o in outs), name
+
+
+def test_decode_steps_at_the_same_position_agree(gpu_check):
+    steps = gpu_check.decode_steps("cpu")
+    want = steps["apply_rotary_qk, int offset"]()
+    for name in [
+        "apply_rotary_qk, offsets tensor",
+        "RotaryEmbedding, int offset",
+        "RotaryEmbedding, positions tensor",
+    ]:
+        got = steps[name]()
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
