@@ -328,6 +328,18 @@ def test_compiled_call_past_the_table_grows_it_and_matches_eager(shape, offsets)
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="tensor positions past the table under torch.compile need apply_rotary_qk's compiled bounds check "
+    "(issue 9 item 1, positions.py / functional.py); the module cannot read them while tracing",
+)
+def test_compiled_call_with_tensor_positions_past_the_table_is_an_error():
+    rope = RotaryEmbedding(head_dim=64)  # 2048 rows; tensor positions are not read while tracing
+    q, k = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 1, 64)
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.compile(rope, backend="aot_eager")(q, k, positions=torch.tensor([[5000]]))
+
+
 def test_compiled_decode_loop_matches_eager_as_the_offset_walks_past_the_table():
     rope = RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=16)
     eager = RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=16)
