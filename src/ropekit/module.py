@@ -51,7 +51,8 @@ class RotaryEmbedding(nn.Module):
     - **Lazy.** Construction builds min(max_position_embeddings, 2048) rows, not max_position_embeddings
       rows; the table grows when a call reaches past its end, to the next power of two (capped at
       max_position_embeddings when the call fits under it). Growing computes only the new rows, a chunk at a
-      time, into the larger table: building N rows peaks near 1.5x the finished table's bytes.
+      time, into the larger table, so the peak is the old and the new table side by side: 1.5x the finished
+      table when it doubles, under 2x for a last step that stops at max_position_embeddings.
     - **Where the largest position comes from.** It is read on the host when that costs no device sync:
       from an int ``offsets`` and the shapes (any device), or from CPU tensors. For tensor positions or
       offsets on a GPU, reading it would stall the stream, so the table instead covers
