@@ -370,7 +370,7 @@ META_CALLS = {
 def _meta_inputs(layout):
     shape = {"bshd": (2, 1, 8, 64), "bhsd": (2, 8, 1, 64), "thd": (2, 8, 64)}[layout]
     kv = list(shape)
-    kv[-3 if layout != "bhsd" else 1] = 2
+    kv[1 if layout == "bhsd" else -2] = 2  # 2 key heads
     return torch.empty(shape, device="meta"), torch.empty(kv, device="meta")
 
 

@@ -121,9 +121,9 @@ class _TruncatingBackend:
         return None
 
     def rotate_qk(self, q, k, cos, sin, positions, **kw):
-        from ropekit.backends.eager import rotate
+        from ropekit.backends.eager import EagerBackend
 
-        exact = rotate(q.float(), cos, sin, positions, **kw)
+        exact, _ = EagerBackend().rotate_qk(q.float(), None, cos, sin, positions, **kw)
         if q.dtype == torch.bfloat16:
             exact = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32)  # drop the low 16 bits
         return exact.to(q.dtype), None
