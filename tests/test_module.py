@@ -328,11 +328,6 @@ def test_compiled_call_past_the_table_grows_it_and_matches_eager(shape, offsets)
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensor positions past the table under torch.compile need apply_rotary_qk's compiled bounds check "
-    "(issue 9 item 1, positions.py / functional.py); the module cannot read them while tracing",
-)
 def test_compiled_call_with_tensor_positions_past_the_table_is_an_error():
     rope = RotaryEmbedding(head_dim=64)  # 2048 rows; tensor positions are not read while tracing
     q, k = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 1, 64)
@@ -383,11 +378,11 @@ def test_module_reads_no_tensor_data_on_the_host_for_device_inputs(monkeypatch, 
     layout, kwargs = META_CALLS[call]
     received = []
 
-    def record(q, k, cos, sin, **kw):
+    def record(q, k, cos, sin, pos, **kw):
         received.append(cos)
         return q, k
 
-    monkeypatch.setattr(ropekit.module, "apply_rotary_qk", record)
+    monkeypatch.setattr(ropekit.module, "_apply_resolved", record)
     rope = RotaryEmbedding(head_dim=64, max_position_embeddings=8192, layout=layout)
     q, k = _meta_inputs(layout)
     q_out, k_out = rope(q, k, **kwargs(q))
@@ -400,11 +395,6 @@ def test_module_reads_no_tensor_data_on_the_host_for_device_inputs(monkeypatch, 
     assert cos.shape[0] == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply_rotary_qk still reads positions on the host (positions.py); the no-sync functional path "
-    "of issue 10 item 2 is being built in positions.py / functional.py",
-)
 @pytest.mark.parametrize("call", list(META_CALLS))
 def test_module_runs_end_to_end_on_meta_tensors(call):
     layout, kwargs = META_CALLS[call]

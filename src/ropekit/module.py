@@ -13,8 +13,8 @@ from torch import nn
 
 from ropekit.backends import BACKENDS
 from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
-from ropekit.functional import apply_rotary_qk
-from ropekit.positions import _is_integer_tensor, resolve_positions
+from ropekit.functional import _apply_resolved, apply_rotary_qk
+from ropekit.positions import _is_integer_tensor, resolve
 from ropekit.validation import describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
@@ -277,29 +277,29 @@ class RotaryEmbedding(nn.Module):
         if isinstance(positions, torch.Tensor) and self.config.mrope_section is not None:
             if positions.dim() == q.dim() - 1 and positions.shape[0] == len(self.config.mrope_section):
                 return self._rotate_mrope(q, k, positions, cu_seqlens)
-        needed = self._rows_needed(q, positions, offsets, cu_seqlens)
+        # Resolved once: the largest position sizes the table, the rows go to the kernels.
+        pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
+        needed = pos.largest + 1 if pos.largest is not None else None
+        if needed is None or self._needs_exact_length():
+            needed = self._rows_needed(q, positions, offsets, cu_seqlens)
         far = needed is not None and needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS)
         if far:
             # Far past any table worth keeping: rotate with rows computed for this call's tokens.
-            pos = resolve_positions(
-                q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, table_len=needed
-            )
-            return self._rotate_rows(q, k, pos, self._frequency_seq_len(needed), cu_seqlens)
+            return self._rotate_rows(q, k, pos.as_tensor(q), self._frequency_seq_len(needed), cu_seqlens)
         if is_compiling():
             if not self._table_ready(needed, q):
                 # Resizing a buffer is not graph code: run it eagerly (a graph break), then recompile.
                 torch.compiler.disable(self._ensure_table)(needed, q)
         else:
             self._ensure_table(needed, q)
-        return apply_rotary_qk(
+        return _apply_resolved(
             q,
             k,
             self.cos,
             self.sin,
-            positions=positions,
-            offsets=offsets,
-            cu_seqlens=cu_seqlens,
+            pos,
             interleaved=self.config.interleaved,
+            inplace=False,
             backend=self.backend,
         )
 
@@ -349,6 +349,10 @@ class RotaryEmbedding(nn.Module):
             backend=self.backend,
         )
 
+    def _needs_exact_length(self) -> bool:
+        """A length-dependent schedule follows each call's largest position (read even from a GPU)."""
+        return self.config.length_dependent and self._frozen_seq_len is None and not is_compiling()
+
     def _rows_needed(self, q, positions, offsets, cu_seqlens) -> int | None:
         """1 + the largest position this call touches, when the host can know it without a device sync;
         None when it cannot. Bad values give 1: apply_rotary_qk rejects them with the argument's name.
@@ -357,8 +361,7 @@ class RotaryEmbedding(nn.Module):
         sequence); from tensors only on the CPU, where reading them is free, or where a length-dependent
         schedule needs the exact value (then a GPU syncs, as Hugging Face's dynamic update does).
         """
-        exact = self.config.length_dependent and self._frozen_seq_len is None and not is_compiling()
-        readable = exact or (q.device.type == "cpu" and not is_compiling())
+        readable = self._needs_exact_length() or (q.device.type == "cpu" and not is_compiling())
         if positions is not None:
             if not _is_integer_tensor(positions) or not positions.numel():
                 return 1
