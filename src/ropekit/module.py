@@ -279,8 +279,8 @@ class RotaryEmbedding(nn.Module):
                 return self._rotate_mrope(q, k, positions, cu_seqlens)
         # Resolved once: the largest position sizes the table, the rows go to the kernels.
         pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
-        needed = pos.largest + 1 if pos.largest is not None else None
-        if needed is None or self._needs_exact_length():
+        needed = max(pos.largest + 1, 1) if pos.largest is not None else None
+        if needed is None:  # not read by resolve (device tensors, compile): the host-side bound, if any
             needed = self._rows_needed(q, positions, offsets, cu_seqlens)
         far = needed is not None and needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS)
         if far:
