@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from ropekit import RopeConfig
-from ropekit.integrations import hf
+from ropekit.integrations import hf, hf_coverage, hf_probe
 
 VOCAB, MAX_POS, SEQ = 128, 32, 40
 HEAD_DIM = 16  # 64 hidden / 4 heads
@@ -95,12 +95,13 @@ def make_model(model_type, rope_parameters):
 
 
 def forbid_hf_rotary(monkeypatch, model):
-    """Make HF's apply_rotary_pos_emb raise in the model's modeling module."""
+    """Make the model's own rotation function raise: a patched model must never need it."""
 
     def fail(*args, **kwargs):
         raise AssertionError("HF's apply_rotary_pos_emb was called on a patched model")
 
-    monkeypatch.setattr(sys.modules[type(hf._rotary_layers(model)[0]).__module__], hf.HF_FUNCTION, fail)
+    module = sys.modules[type(model).__module__]
+    monkeypatch.setattr(module.apply_rotary_pos_emb, "__code__", fail.__code__)
 
 
 def inputs():
@@ -143,26 +144,115 @@ def test_unpatch_restores_hf_code(monkeypatch):
     hf.patch(model)
     assert hf.patch(model) == 2  # idempotent
     assert hf.unpatch(model) == 2
-    assert not any(hf.ROTARY_ATTR in m._modules for m in model.modules())
+    assert not hf.patched_layers(model)
     forbid_hf_rotary(monkeypatch, model)
     with pytest.raises(AssertionError, match="was called"):
         run(model)
 
 
-def test_patched_layers_use_the_requested_backend():
+def spy_backends(monkeypatch):
+    """Record the backend= of every ropekit rotation a patched layer runs."""
+    seen = []
+    real = hf_probe.apply_rotary_qk
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["backend"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_probe, "apply_rotary_qk", spy)
+    return seen
+
+
+def test_patched_layers_rotate_with_the_requested_backend(monkeypatch):
     model = make_model("qwen3", {"rope_type": "default"})
     hf.patch(model, backend="torch")
-    ropes = {id(m._modules[hf.ROTARY_ATTR]): m._modules[hf.ROTARY_ATTR] for m in hf._rotary_layers(model)}
-    assert [r.backend for r in ropes.values()] == ["torch"]
+    seen = spy_backends(monkeypatch)
+    run(model)
+    assert seen and set(seen) == {"torch"}
     with pytest.raises(ValueError, match="backend"):
         hf.patch(model, backend="no-such-backend")
 
 
-def test_unsupported_architecture_is_named():
+def test_model_without_rope_is_refused_saying_nothing_to_patch():
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)
     model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="nothing to patch in GPT2LMHeadModel"):
         hf.patch(model)
+
+
+def test_layers_are_found_from_the_code_not_the_model_type():
+    model = make_model("llama", {"rope_type": "default"})
+    model.config.model_type = "brand_new_architecture"
+    assert hf.patch(model) == 2
+
+
+def mirror_pairing(q, k, cos, sin, unsqueeze_dim=1):
+    """A rotation that pairs feature i with D-1-i: no RoPE layout ropekit knows."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(x * cos + x.flip(-1) * sin for x in (q, k))
+
+
+def conjugate_rotation(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's half pairing with the sine negated: the inverse rotation."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half = q.shape[-1] // 2
+
+    def rotate(x):
+        return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+    return tuple(x * cos + rotate(x) * sin for x in (q, k))
+
+
+@pytest.mark.parametrize("wrong", [mirror_pairing, conjugate_rotation], ids=["mirror", "conjugate"])
+def test_a_rotation_ropekit_does_not_reproduce_is_refused_before_anything_changes(wrong, monkeypatch):
+    model = make_model("llama", {"rope_type": "default"})
+    monkeypatch.setattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", wrong)
+    with pytest.raises(ValueError, match=r"llama layer 'model.layers.0.self_attn'.*smallest difference \d"):
+        hf.patch(model)
+    assert not hf.patched_layers(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.warns(UserWarning, match="not patched"):
+        assert hf.patch(model, strict=False) == 0
+    assert not hf.patched_layers(model)
+
+
+def test_a_layer_that_applies_no_rope_is_left_alone():
+    """Llama 4 skips RoPE in chosen layers (NoPE); those layers keep HF's code."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=2,
+        no_rope_layers=[1, 1, 1, 0], pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    ids, _ = inputs()
+    with torch.no_grad():
+        want = model(ids).logits
+        assert hf.patch(model) == 3
+        assert "model.layers.3.self_attn" not in hf.patched_layers(model)
+        torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=0)
+
+
+def test_patched_layer_reads_the_models_table_in_place(monkeypatch):
+    """No copy of cos/sin per layer: ropekit receives a view of the rotary module's own table."""
+    model = make_model("llama", {"rope_type": "default"})
+    hf.patch(model)
+    forward = hf._unwrap(model.model.layers[0].self_attn.forward.__func__)
+    rotate = forward.__globals__["apply_rotary_pos_emb"]
+    seen = []
+    real = hf_probe.apply_rotary_qk
+
+    def spy(q, k, cos, sin, **kwargs):
+        seen.append(cos)
+        return real(q, k, cos, sin, **kwargs)
+
+    monkeypatch.setattr(hf_probe, "apply_rotary_qk", spy)
+    q, k = torch.randn(2, 4, 10, HEAD_DIM), torch.randn(2, 2, 10, HEAD_DIM)
+    cos, sin = model.model.rotary_emb(q, torch.arange(10).expand(2, 10))
+    got_q, _ = rotate(q, k, cos, sin)
+    assert seen and seen[0].untyped_storage().data_ptr() == cos.untyped_storage().data_ptr()
+    mod = sys.modules[type(model).__module__]
+    torch.testing.assert_close(got_q, mod.apply_rotary_pos_emb(q, k, cos, sin)[0], atol=1e-6, rtol=0)
 
 
 EXTENSIONS = [
@@ -255,7 +345,7 @@ def test_patched_model_compiles_without_graph_breaks(monkeypatch):
 
 def test_layer_called_without_position_ids_rotates_with_hfs_tables_through_ropekit(monkeypatch):
     model = make_model("gpt_neox", CASES["gpt_neox"][0])  # partial rotary: the table is narrower than a head
-    layer = hf._rotary_layers(model)[0]
+    layer = model.gpt_neox.layers[0].attention
     torch.manual_seed(2)
     x = torch.randn(2, 10, 64)
     cos_sin = model.gpt_neox.rotary_emb(x, torch.arange(3, 13)[None])  # positions 3..12; no position_ids
@@ -265,3 +355,75 @@ def test_layer_called_without_position_ids_rotates_with_hfs_tables_through_ropek
         forbid_hf_rotary(monkeypatch, model)
         got = layer(x, attention_mask=None, position_embeddings=cos_sin)[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def logits(model):
+    ids, mask = inputs()
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+def test_extend_context_twice_equals_once():
+    model = make_model("llama", {"rope_type": "default"})
+    once = hf.extend_context(model, "yarn", 4.0)
+    after_once = logits(model)
+    twice = hf.extend_context(model, "yarn", 4.0)
+    assert twice == once and once["original_max_position_embeddings"] == MAX_POS
+    assert model.config.max_position_embeddings == 4 * MAX_POS
+    torch.testing.assert_close(logits(model), after_once, atol=0, rtol=0)
+    hf.extend_context(model, "linear", 2.0)  # another setting, still from the training length
+    assert model.config.max_position_embeddings == 2 * MAX_POS
+
+
+def test_reapplying_the_published_scaling_changes_nothing():
+    """A Llama-3.1-style config: llama3 factor 8 from 16 tokens, published with a 16x max length."""
+    published = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }  # fmt: skip
+    model = make_model("llama", published)
+    model.config.max_position_embeddings = 256
+    before_params, before = dict(model.config.rope_parameters), logits(model)
+    hf.extend_context(model, "llama3", 8.0)
+    assert model.config.rope_parameters == before_params
+    assert model.config.max_position_embeddings == 256
+    torch.testing.assert_close(logits(model), before, atol=0, rtol=0)
+    new = hf.extend_context(model, "llama3", 16.0)  # a real change starts from the published 16 tokens
+    assert new["original_max_position_embeddings"] == 16 and model.config.max_position_embeddings == 256
+
+
+def test_extend_context_keeps_the_backend_chosen_at_patch_time(monkeypatch):
+    model = make_model("llama", {"rope_type": "default"})
+    hf.patch(model, backend="torch")
+    hf.extend_context(model, "yarn", 2.0)
+    seen = spy_backends(monkeypatch)
+    logits(model)
+    assert seen and set(seen) == {"torch"}
+    assert len(hf.patched_layers(model)) == 2
+
+
+def test_extend_context_rejects_a_shrink_without_changing_the_model():
+    model = make_model("llama", {"rope_type": "default"})
+    old = dict(model.config.rope_parameters)
+    with pytest.raises(ValueError, match="factor"):
+        hf.extend_context(model, "yarn", 0.5)
+    assert model.config.rope_parameters == old and model.config.max_position_embeddings == MAX_POS
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_vl", "gpt_neox", "cohere", "modernbert"])
+def test_extend_context_serves_other_families_patched_and_unpatched_alike(model_type):
+    model, _ = hf_coverage._build(model_type)
+    ids = hf._token_ids(model, torch.device("cpu"))
+
+    def out():
+        with torch.no_grad():
+            return hf_coverage._main_output(model(input_ids=ids))
+
+    before = out()
+    hf.patch(model)
+    new = hf.extend_context(model, "yarn", 4.0)
+    assert new["rope_type"] == "yarn"
+    patched = out()
+    hf.unpatch(model)
+    torch.testing.assert_close(patched, out(), atol=1e-4, rtol=0)
+    assert (patched - before).abs().max() > 1e-4  # the extension really changed the model

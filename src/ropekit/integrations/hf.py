@@ -1,22 +1,34 @@
 """Run a Hugging Face model's rotary embedding through ropekit, and change a loaded model's context scaling.
 
-:func:`patch` rebinds, per attention layer, the name ``apply_rotary_pos_emb`` that the layer's ``forward``
-looks up: the layer gets its own copy of ``forward`` whose globals point that name at ropekit. Nothing global
-changes, so other models (and unpatched layers) keep HF's code, and :func:`unpatch` simply drops the copy.
-The copy sees the modeling module's globals as they were when it was patched.
+:func:`patch` works from the model itself, not from a list of architectures:
 
-The patched layer rotates with position_ids (which every supported decoder layer passes to its attention) and
-a ropekit table built by :meth:`ropekit.RopeConfig.from_hf` from the model's config, so every scaling schedule
-runs through ropekit too: float64 angles, ropekit's schedule code, and the backend chosen by ``backend=``.
+1. **Find.** Every module whose ``forward`` calls a module-level RoPE function (``apply_rotary_pos_emb``,
+   ``apply_rotary_emb``, ``apply_rotary_pos_emb_interleave``, ...) is a candidate layer.
+2. **Record.** One forward pass on a few token ids records, per layer, the arguments its RoPE function
+   received: the layer's q/k shapes and the cos/sin that the model's own rotary module produced. Layers whose
+   function is never called (Llama 4's NoPE layers, vision towers that a text forward does not reach) are
+   left alone.
+3. **Prove.** For each recorded call, random q and k go through the model's own function and through
+   ropekit (:mod:`ropekit.integrations.hf_probe` tries each pairing/table reading in turn). A layer is
+   patched only if one agrees within a few units in the last place of the dtype; otherwise :func:`patch`
+   raises a ValueError naming the model type, the layer and the difference, before anything is replaced
+   (``strict=False`` skips the layer with a warning instead).
+4. **Replace.** Each proved layer gets its own copy of ``forward`` whose globals point the function's name at
+   a stand-in that rotates with ropekit, reading the model's cos/sin in place as ropekit tables. Nothing
+   global changes: other models and unpatched layers keep HF's code, and :func:`unpatch` drops the copy.
 
-Supported families (``config.model_type``): see :data:`SUPPORTED_MODEL_TYPES`.
+The patched layers still take their tables from the model's rotary module, so every schedule and variant HF
+implements (YaRN's mscale, LongRoPE, M-RoPE's merged sections, per-layer-type bases) is served unchanged, and
+:func:`extend_context` only has to change the config and rebuild those modules.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -24,29 +36,36 @@ from torch import nn
 
 from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
-from ropekit.functional import apply_rotary_qk
+from ropekit.functional import apply_rotary
 from ropekit.hf_config import rope_layer_types
-from ropekit.module import RotaryEmbedding
-from ropekit.validation import check_positive
+from ropekit.integrations.hf_probe import (
+    Call,
+    NotUnderstood,
+    Signature,
+    find_plan,
+    rotation_function,
+    stand_in,
+)
+from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
 
-__all__ = ["EXTEND_METHODS", "SUPPORTED_MODEL_TYPES", "extend_context", "patch", "unpatch"]
+__all__ = ["EXTEND_METHODS", "extend_context", "patch", "unpatch"]
 
-# model_type -> family, as HF names them. Gemma 3 appears as "gemma3_text" (Gemma3ForCausalLM) and as
-# "gemma3" (the multimodal wrapper whose text_config holds the language model).
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "phi3": "Phi-3",
-    "gpt_neox": "GPT-NeoX",
-    "gemma2": "Gemma 2",
-    "gemma3": "Gemma 3",
-    "gemma3_text": "Gemma 3",
-}
-EXTEND_METHODS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
-HF_FUNCTION = "apply_rotary_pos_emb"
-ROTARY_ATTR = "ropekit_rotary"  # the RotaryEmbedding a patched layer owns (non-persistent buffers only)
+log = logging.getLogger(__name__)
+
+PLANS_ATTR = "_ropekit_plans"  # on a patched layer: {function name: (Plan, backend)}
+ORIGINAL_ATTR = (
+    "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
+)
+PROBE_TOKENS = 12  # positions 0..11: enough distinct angles that a wrong pairing cannot agree by chance
+# RoPE-parameter keys that describe a context extension; everything else (rope_theta, partial_rotary_factor,
+# mrope_section, ...) is the model's own and survives extend_context.
+SCALING_KEYS = frozenset(
+    {
+        "rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
+        "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+        "truncate", "short_factor", "long_factor",
+    }
+)  # fmt: skip
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -56,24 +75,8 @@ def _text_config(model: nn.Module) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def _check_supported(model: nn.Module) -> None:
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        families = sorted(set(SUPPORTED_MODEL_TYPES.values()))
-        raise ValueError(
-            f"model: architecture {type(model).__name__} (model_type {model_type!r}) is not supported; "
-            f"supported families: {', '.join(families)} (model_type {sorted(SUPPORTED_MODEL_TYPES)})"
-        )
-
-
-def _rotary_layers(model: nn.Module) -> list[nn.Module]:
-    """Attention layers whose forward calls HF's apply_rotary_pos_emb."""
-    layers = []
-    for module in model.modules():
-        forward = _unwrap(type(module).forward)
-        if HF_FUNCTION in getattr(getattr(forward, "__code__", None), "co_names", ()):
-            layers.append(module)
-    return layers
+def _model_type(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def _unwrap(fn):
@@ -81,6 +84,34 @@ def _unwrap(fn):
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return fn
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global names a code object and the functions defined inside it look up."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _rotation_globals(layer: nn.Module) -> dict[str, Any]:
+    """The RoPE functions (by global name) that the layer's forward calls."""
+    forward = _unwrap(type(layer).forward)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return {}
+    scope = forward.__globals__
+    return {n: scope[n] for n in sorted(_code_names(code)) if rotation_function(n, scope.get(n))}
+
+
+def _candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    found = []
+    for name, module in model.named_modules():
+        functions = _rotation_globals(module)
+        if functions:
+            found.append((name or type(module).__name__, module, functions))
+    return found
 
 
 def _with_globals(fn, replacements: dict[str, Any]):
@@ -107,6 +138,8 @@ def _with_globals(fn, replacements: dict[str, Any]):
     functools.update_wrapper(new, fn, updated=())
     if inner is not None:
         new.__wrapped__ = new_inner
+    else:
+        del new.__wrapped__  # update_wrapper points it at fn; the copy wraps nothing
     return new
 
 
@@ -117,205 +150,283 @@ def _cell_holds(cell, obj) -> bool:
         return False
 
 
-def _rotate_with_ropekit(rope: RotaryEmbedding):
-    """The stand-in for HF's apply_rotary_pos_emb in one layer.
-
-    The patched forward passes ``(position_ids, hf_cos_sin)`` where HF's ``(cos, sin)`` went, so this function
-    receives the positions as ``cos`` and HF's pair as ``sin``.
-    """
-
-    def apply_rotary_pos_emb(q, k, position_ids, hf_cos_sin, unsqueeze_dim=1):
-        if unsqueeze_dim != 1:
-            raise ValueError(
-                f"unsqueeze_dim: ropekit's patch serves HF's (B, H, S, D) layout (1), got {unsqueeze_dim}"
-            )
-        if position_ids is not None:
-            positions = position_ids.expand(q.shape[0], -1)  # (B, S): HF may pass (1, S) for the whole batch
-            return rope(q, k, positions=positions)
-        # No position ids reached the layer: rotate with HF's own cos/sin, one table row per token.
-        cos, sin = hf_cos_sin
-        batch, seq = q.shape[0], q.shape[2]
-        half = cos.shape[-1] // 2
-        cos = cos[..., :half].expand(batch, seq, half).reshape(batch * seq, half)  # (B*S, R/2)
-        sin = sin[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
-        rows = torch.arange(batch * seq, device=q.device).view(batch, seq)  # (B, S): token t reads row t
-        q, k = apply_rotary_qk(
-            q.transpose(1, 2), k.transpose(1, 2), cos, sin, positions=rows, backend=rope.backend
-        )  # (B, S, heads, D)
-        return q.transpose(1, 2), k.transpose(1, 2)
-
-    return apply_rotary_pos_emb
+def _replace_functions(layer: nn.Module, replacements: dict[str, Any]) -> None:
+    layer.forward = types.MethodType(_with_globals(type(layer).forward, replacements), layer)
 
 
-def _patched_forward(rebuilt):
-    """Wrap the rebuilt forward so that position_ids travel to ropekit in place of HF's (cos, sin)."""
+def _recorder(calls: dict, key: tuple, fn):
+    def record(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        calls.setdefault(key, Call(args, kwargs, out))
+        return out
 
-    @functools.wraps(rebuilt)
-    def forward(self, *args, **kwargs):
-        if "position_embeddings" in kwargs:
-            kwargs["position_embeddings"] = (kwargs.get("position_ids"), kwargs["position_embeddings"])
-        else:
-            raise ValueError(
-                f"{type(self).__name__}: the patched layer expects position_embeddings as a keyword, "
-                "as HF's decoder layers pass it"
-            )
-        return rebuilt(self, *args, **kwargs)
-
-    return forward
+    return record
 
 
-def _layer_type(layer: nn.Module, config: Any, per_layer: list[str]) -> str | None:
-    if not per_layer:
-        return None
-    layer_type = getattr(layer, "layer_type", None)
-    if layer_type is None:
-        layer_type = config.layer_types[layer.layer_idx]
-    return layer_type
+def _token_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """(2, PROBE_TOKENS) ordinary token ids: none of the ids the config reserves (image, pad, bos, ...)."""
+    config = _text_config(model)
+    vocab = int(getattr(config, "vocab_size", None) or getattr(model.config, "vocab_size", None) or 32)
+    reserved = set()
+    for cfg in {id(model.config): model.config, id(config): config}.values():
+        for key, value in vars(cfg).items():
+            if "token" in key and isinstance(value, int):
+                reserved.add(value)
+    ordinary = [t for t in range(3, vocab) if t not in reserved][: 4 * PROBE_TOKENS] or [0]
+    picks = torch.tensor(ordinary, device=device)
+    order = torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(0)).to(device)
+    return picks[order.repeat(2 * PROBE_TOKENS)[: 2 * PROBE_TOKENS]].view(2, PROBE_TOKENS)
 
 
-def patch(model: nn.Module, backend: str = "auto") -> int:
-    """Make every attention layer of an HF model rotate q and k with ropekit.
+def _probe_forward(model: nn.Module) -> None:
+    """Run the model once on a few token ids (encoder-decoder models get them as decoder ids too)."""
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    ids = _token_ids(model, device)
+    attempts = [{"input_ids": ids}]
+    if getattr(model.config, "is_encoder_decoder", False):
+        attempts.insert(0, {"input_ids": ids, "decoder_input_ids": ids})
+    errors = []
+    with torch.no_grad():
+        for inputs in attempts:
+            try:
+                model(**inputs)
+                return
+            except Exception as err:
+                errors.append(f"{type(err).__name__}: {err}")
+    raise ValueError(
+        f"model: could not run {type(model).__name__} (model_type {_model_type(model)!r}) on token ids "
+        f"{tuple(ids.shape)} to record its layers' RoPE calls: {errors[-1]}"
+    )
 
-    Idempotent: patching a patched model re-patches it (for instance with another backend).
 
-    Args:
-        model: a transformers model of a supported family (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-NeoX,
-            Gemma 2, Gemma 3), any head (``...ForCausalLM``, the bare ``...Model``).
-        backend: ropekit backend, "auto", "torch", "cpu" or "triton".
+def _record_calls(model: nn.Module, candidates: list) -> dict[tuple[int, str], Call]:
+    calls: dict[tuple[int, str], Call] = {}
+    try:
+        for _, layer, functions in candidates:
+            _replace_functions(layer, {n: _recorder(calls, (id(layer), n), f) for n, f in functions.items()})
+        _probe_forward(model)
+    finally:
+        for _, layer, _ in candidates:
+            del layer.__dict__["forward"]
+    return calls
 
-    Returns:
-        The number of attention layers patched.
 
-    Raises:
-        ValueError: for an unsupported architecture (named in the message), an unknown backend, or a config
-            ropekit cannot read.
-    """
-    _check_supported(model)
+def _check_backend(backend: str, call: Call, signature: Signature) -> None:
+    """Raise the backend's own ValueError now, not as a failed proof, when it cannot serve the model."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    x = Signature.get(call.args, call.kwargs, signature.rotated[0])
+    if isinstance(x, torch.Tensor):
+        table = torch.zeros(1, 1, device=x.device)
+        apply_rotary(torch.zeros(1, 1, 1, 2, dtype=x.dtype, device=x.device), table, table, backend=backend)
+
+
+def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> int:
+    """Make every attention layer of an HF model rotate q and k with ropekit, after proving it agrees.
+
+    Idempotent: patching a patched model re-patches it (for instance with another backend). See the module
+    docstring for how layers are found and proved.
+
+    Args:
+        model: any transformers model (any head, ``...ForCausalLM``, the bare ``...Model``, multimodal
+            wrappers, encoders) whose attention layers call a module-level RoPE function.
+        backend: ropekit backend, "auto", "torch", "cpu" or "triton".
+        strict: if True (default), a layer whose RoPE ropekit cannot reproduce is a ValueError and nothing is
+            patched; if False, such layers keep HF's code and a warning names each of them.
+
+    Returns:
+        The number of layers patched.
+
+    Raises:
+        ValueError: when no layer of the model applies RoPE on a text forward pass, when a layer's rotation
+            disagrees with ropekit (strict; the message names the model type, the layer and the measured
+            difference), for an unknown backend or one that cannot serve the model, or when the model cannot
+            run on a few token ids.
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict: expected a bool, got {strict!r}")
+    _text_config(model)
     unpatch(model)
-    config = _text_config(model)
-    per_layer = rope_layer_types(config)
-    ropes: dict[str | None, RotaryEmbedding] = {}
-    layers = _rotary_layers(model)
-    for layer in layers:
-        layer_type = _layer_type(layer, config, per_layer)
-        if layer_type not in ropes:
-            rope_config = RopeConfig.from_hf(config, layer_type=layer_type)
-            rope = RotaryEmbedding(rope_config, layout="bhsd", backend=backend)
-            device = next((p.device for p in layer.parameters()), None)
-            ropes[layer_type] = rope.to(device) if device is not None else rope
-        rope = ropes[layer_type]
-        rebuilt = _with_globals(type(layer).forward, {HF_FUNCTION: _rotate_with_ropekit(rope)})
-        setattr(layer, ROTARY_ATTR, rope)
-        layer.forward = types.MethodType(_patched_forward(rebuilt), layer)
-    return len(layers)
+    model_type = _model_type(model)
+    candidates = _candidate_layers(model)
+    wrapped = [name for name, layer, _ in candidates if "forward" in layer.__dict__]
+    if wrapped:
+        raise ValueError(
+            f"model: layer {wrapped[0]!r} already has its forward replaced by another library (an accelerate "
+            "hook, another patch); patch the model before wrapping it"
+        )
+    if not candidates:
+        raise ValueError(
+            f"model: nothing to patch in {type(model).__name__} (model_type {model_type!r}): no module's "
+            "forward calls a RoPE function (apply_rotary*/apply_rope*)"
+        )
+    calls = _record_calls(model, candidates)
+    if not calls:
+        functions = sorted({n for _, _, fs in candidates for n in fs})
+        raise ValueError(
+            f"model: nothing to patch in {type(model).__name__} (model_type {model_type!r}): its layers "
+            f"reference {functions} but none was called on a text forward pass (a vision or audio tower's "
+            "RoPE is not patched)"
+        )
+    replacements, refused = _prove(model_type, candidates, calls, backend)
+    if refused and strict:
+        raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
+    for message in refused:
+        warnings.warn(message, stacklevel=2)
+    for layer, (plans, functions) in replacements.items():
+        _replace_functions(layer, functions)
+        setattr(layer, PLANS_ATTR, plans)
+    log.debug("patched %d layers of %s", len(replacements), model_type)
+    return len(replacements)
+
+
+def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str]]:
+    """Per layer: the stand-ins proved against its recorded calls, or the reason it is refused."""
+    replacements: dict[nn.Module, tuple[dict, dict]] = {}
+    refused: list[str] = []
+    checked_backend = False
+    for layer_name, layer, functions in candidates:
+        plans, stand_ins, reasons = {}, {}, []
+        for name, fn in functions.items():
+            call = calls.get((id(layer), name))
+            if call is None:
+                continue  # not called: a NoPE layer or a branch the text forward does not take
+            try:
+                signature = Signature.of(fn)
+            except NotUnderstood as err:
+                reasons.append(f"its {name} cannot be read: {err}")
+                continue
+            if not checked_backend:
+                _check_backend(backend, call, signature)
+                checked_backend = True
+            try:
+                plan, diff, tol = find_plan(fn, signature, call, backend)
+            except NotUnderstood as err:
+                reasons.append(f"its {name} cannot be read: {err}")
+                continue
+            if plan is None:
+                reasons.append(
+                    f"ropekit does not reproduce its {name}: smallest difference {diff:.3g} over every "
+                    "pairing "
+                    f"and table layout, tolerance {tol:.3g}"
+                )
+                continue
+            recorded = {slot[1]: Signature.get(call.args, call.kwargs, slot) for slot in signature.others}
+            recorded["__tuple__"] = isinstance(call.output, tuple)
+            plans[name] = (plan, backend)
+            stand_ins[name] = stand_in(fn, signature, plan, recorded, backend)
+        if reasons:
+            refused.append(
+                f"model: {model_type} layer {layer_name!r} ({type(layer).__name__}) not patched: "
+                + "; ".join(reasons)
+            )
+        elif plans:
+            replacements[layer] = (plans, stand_ins)
+    return replacements, refused
 
 
 def unpatch(model: nn.Module) -> int:
     """Restore HF's own rotary code in every layer :func:`patch` changed; returns how many were restored."""
     restored = 0
     for module in model.modules():
-        if ROTARY_ATTR in module._modules:
-            del module._modules[ROTARY_ATTR]
+        if PLANS_ATTR in module.__dict__:
+            del module.__dict__[PLANS_ATTR]
             module.__dict__.pop("forward", None)
             restored += 1
     return restored
 
 
-def _is_patched(model: nn.Module) -> str | None:
-    """The backend of a patched model, or None."""
-    for module in model.modules():
-        rope = module._modules.get(ROTARY_ATTR)
-        if rope is not None:
-            return rope.backend
-    return None
+def patched_layers(model: nn.Module) -> dict[str, dict[str, str]]:
+    """{layer name: {RoPE function: how ropekit runs it}} for every layer :func:`patch` replaced."""
+    return {
+        name: {
+            fn: f"{plan.describe()}, backend {backend}"
+            for fn, (plan, backend) in module.__dict__[PLANS_ATTR].items()
+        }
+        for name, module in model.named_modules()
+        if PLANS_ATTR in module.__dict__
+    }
+
+
+def _training_rope(model: nn.Module, config: Any, target: str | None) -> tuple[dict, int, int]:
+    """(RoPE parameters, max_position_embeddings, original training length) before any extend_context.
+
+    Remembered on the model at the first call, so later calls extend from the same starting point. The
+    training length is the published original_max_position_embeddings when the config has one (Llama 3.1's
+    8192, Phi-3's 4096), else max_position_embeddings.
+    """
+    remembered = model.__dict__.get(ORIGINAL_ATTR)
+    if remembered is not None and remembered[0] == target:
+        return remembered[1:]
+    params = dict(config.rope_parameters[target] if target else config.rope_parameters)
+    original = (
+        params.get("original_max_position_embeddings")
+        or getattr(config, "original_max_position_embeddings", None)
+        or config.max_position_embeddings
+    )
+    state = (params, int(config.max_position_embeddings), int(original))
+    model.__dict__[ORIGINAL_ATTR] = (target, *state)
+    return state
 
 
 def extend_context(model: nn.Module, method: str, factor: float, **params: Any) -> dict[str, Any]:
-    """Switch a loaded HF model to a context-extension method, in its config and its rotary modules alike.
+    """Set a loaded HF model's context extension, in its config and its rotary modules alike.
 
-    What each method writes into the config's RoPE parameters (``rope_parameters``; per layer type only into
-    ``full_attention``, since sliding-window layers never see long distances, as Gemma 3 ships):
+    A setting, not an accumulation: the extension always starts from the model's training length (the
+    published original_max_position_embeddings, else max_position_embeddings, remembered at the first call),
+    so calling it twice with the same arguments equals calling it once, and re-applying the scaling a model
+    was published with (Llama 3.1's llama3 block) changes nothing. The scaling dict comes from
+    :func:`ropekit.schedules.extension_scaling`; the model's own keys (rope_theta, partial_rotary_factor,
+    mrope_section, ...) are kept. ``ntk`` has no HF rope_type, so it is written as rope_type "default" with
+    the base :func:`ropekit.schedules.ntk_base` gives. Per-layer-type configs (Gemma 2/3, ModernBERT, ...)
+    change only their ``full_attention`` entry, since sliding-window layers never see long distances.
 
-    * ``linear``: rope_type "linear", factor (positions divided by factor: position interpolation).
-    * ``ntk``: static NTK-aware scaling as a new base, rope_theta * factor^(d / (d - 2)), rope_type "default"
-      (HF has no "ntk" rope_type; this is the same frequencies in a form HF reads).
-    * ``dynamic``: rope_type "dynamic", factor; the base grows with the sequence past max_position_embeddings.
-    * ``yarn``: rope_type "yarn", factor, original_max_position_embeddings (default: the model's current
-      max_position_embeddings), plus any of beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor,
-      truncate; max_position_embeddings becomes original * factor.
-    * ``llama3``: rope_type "llama3", factor, low_freq_factor (default 1), high_freq_factor (default 4),
-      original_max_position_embeddings (default: the current max_position_embeddings); max_position_embeddings
-      becomes original * factor.
-    * ``longrope``: rope_type "longrope", short_factor and long_factor (lists of rotary_dim / 2, required),
-      original_max_position_embeddings (default: the current max_position_embeddings);
-      max_position_embeddings becomes original * factor, which sets the attention factor
-      sqrt(1 + ln(factor) / ln(original)) unless attention_factor is given.
-
-    The model's RotaryEmbedding modules are rebuilt from the new config, and a patched model is re-patched
-    with the same backend, so HF's path and ropekit's agree.
+    HF's rotary modules are rebuilt from the new config; patched layers read their tables, so they follow
+    with the backend and every other choice made at :func:`patch` time.
 
     Args:
-        model: a model of a supported family (patched or not).
+        model: a transformers model with a RoPE config (patched or not).
         method: one of :data:`EXTEND_METHODS`.
-        factor: the extension factor, > 1 for a longer context (> 0 in general).
-        params: the method's extra keys, as listed above.
+        factor: the extension factor, >= 1.
+        params: the method's extra keys (yarn: beta_fast, beta_slow, mscale, ...; llama3: low_freq_factor,
+            high_freq_factor; longrope: short_factor and long_factor, required).
 
     Returns:
-        The new RoPE parameters dict written into the config (the full_attention one for per-layer configs).
+        The RoPE parameters written into the config (the full_attention ones for per-layer configs).
 
     Raises:
-        ValueError: for an unknown method, a factor that is not a positive number, missing or unknown keys
-            (ropekit validates the result before anything is changed), or an unsupported model.
+        ValueError: for an unknown method, a factor below 1, missing or unknown keys (validated by ropekit and
+            by the model's own rotary modules before anything is changed), or a model without a RoPE config.
     """
-    _check_supported(model)
-    if method not in EXTEND_METHODS:
-        raise ValueError(f"method: expected one of {EXTEND_METHODS}, got {method!r}")
-    check_positive("factor", factor)
     config = _text_config(model)
-    per_layer = rope_layer_types(config)
-    target = "full_attention" if per_layer else None
-    old = dict(config.rope_parameters[target] if target else config.rope_parameters)
-    new, max_positions = _extended_parameters(config, target, old, method, float(factor), params)
-
-    trial = copy.deepcopy(config)  # validate with ropekit before touching the model
-    _write_parameters(trial, target, new, max_positions)
-    RopeConfig.from_hf(trial, layer_type=target)
-
-    _write_parameters(config, target, new, max_positions)
-    _rebuild_hf_rotary_modules(model)
-    backend = _is_patched(model)
-    if backend is not None:
-        patch(model, backend)
-    return new
-
-
-def _extended_parameters(
-    config, target: str | None, old: dict, method: str, factor: float, params: dict
-) -> tuple[dict, int]:
-    """The new RoPE parameters and max_position_embeddings for `method` (see extend_context)."""
-    keep = {k: old[k] for k in ("rope_theta", "partial_rotary_factor") if k in old}
-    max_positions = config.max_position_embeddings
+    if not isinstance(getattr(config, "rope_parameters", None), dict):
+        raise ValueError(f"model: {_model_type(model)!r} has no rope_parameters in its config to extend")
+    target = "full_attention" if rope_layer_types(config) else None
+    old, old_max, original = _training_rope(model, config, target)
+    kept = {k: v for k, v in old.items() if k not in SCALING_KEYS}
     if method == "ntk":
         if params:
             raise ValueError(f"params: method 'ntk' takes no extra keys, got {sorted(params)}")
-        d = RopeConfig.from_hf(config, layer_type=target).rotary_dim
-        return {
-            **keep,
-            "rope_type": "default",
-            "rope_theta": old["rope_theta"] * factor ** (d / (d - 2)),
-        }, max_positions
-    new = {**keep, "rope_type": method, "factor": factor, **params}
-    if method in ("yarn", "llama3", "longrope"):
-        original = new.setdefault("original_max_position_embeddings", max_positions)
-        max_positions = int(original * factor)
-    if method == "llama3":
-        new.setdefault("low_freq_factor", 1.0)
-        new.setdefault("high_freq_factor", 4.0)
-    if method == "longrope":
-        new.pop("factor")  # HF derives it from max_position_embeddings / original
-    return new, max_positions
+        _, max_positions = extension_scaling(method, factor, original)
+        rotary_dim = RopeConfig.from_hf(config, layer_type=target).rotary_dim
+        new = {**kept, "rope_type": "default", "rope_theta": ntk_base(old["rope_theta"], factor, rotary_dim)}
+    else:
+        scaling, max_positions = extension_scaling(method, factor, original, **params)
+        new = {**kept, **scaling}
+    if new == old:
+        max_positions = old_max  # the model's own published scaling: nothing changes
+
+    trial = copy.deepcopy(config)  # validate with ropekit and with HF before touching the model
+    _write_parameters(trial, target, new, max_positions)
+    RopeConfig.from_hf(trial, layer_type=target)
+    _rebuild_rotary_modules(model, config, trial, dry_run=True)
+
+    _write_parameters(config, target, new, max_positions)
+    _rebuild_rotary_modules(model, config, config, dry_run=False)
+    return new
 
 
 def _write_parameters(config, target: str | None, new: dict, max_positions: int) -> None:
@@ -326,13 +437,34 @@ def _write_parameters(config, target: str | None, new: dict, max_positions: int)
     config.max_position_embeddings = max_positions
 
 
-def _rebuild_hf_rotary_modules(model: nn.Module) -> None:
-    """Re-create HF's rotary modules from the (changed) config, on the device they were on."""
+def _rebuild_rotary_modules(model: nn.Module, config: Any, new_config: Any, dry_run: bool) -> None:
+    """Re-create the model's text rotary modules from `new_config`, on the device they were on.
+
+    With dry_run, only build them (HF validates the RoPE parameters as it computes the frequencies) and
+    report a failure as a ValueError.
+    """
+    rebuilt = 0
     for parent in model.modules():
         for name, child in list(parent.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding") and hasattr(child, "config"):
-                buffers = list(child.buffers())
-                fresh = type(child)(child.config)
-                if buffers:
-                    fresh = fresh.to(buffers[0].device)
-                setattr(parent, name, fresh)
+            if (
+                not type(child).__name__.endswith("RotaryEmbedding")
+                or getattr(child, "config", None) is not config
+            ):
+                continue
+            rebuilt += 1
+            try:
+                fresh = type(child)(new_config)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(
+                    f"model: {type(child).__name__} cannot be rebuilt with the extended RoPE parameters: "
+                    f"{err}"
+                ) from None
+            if dry_run:
+                continue
+            buffers = list(child.buffers())
+            setattr(parent, name, fresh.to(buffers[0].device) if buffers else fresh)
+    if not rebuilt:
+        raise ValueError(
+            f"model: {_model_type(model)!r} has no rotary module built from its text config, so its RoPE "
+            "cannot be changed from the config"
+        )

@@ -1,0 +1,415 @@
+"""Measure :func:`ropekit.integrations.hf.patch` on every RoPE model type of the installed transformers.
+
+For each model type whose modeling code defines a RoPE rotation function, a tiny random model is built from
+its config class (:func:`tiny_config`: few layers, small widths and vocabulary, M-RoPE sections and layer-type
+lists fitted to the new sizes), run on the same token ids before and after patching (fp32), and, for models
+that generate, asked for a few greedy tokens with the KV cache. While the patched model runs, the model's own
+rotation functions raise if called, so "equal" means ropekit did the rotating.
+
+Regenerate the table in docs/integrations.md (minutes; nothing is downloaded)::
+
+    python -m ropekit.integrations.hf_coverage --write docs/integrations.md
+
+Statuses: ``patched`` (outputs within 1e-4 of the output scale, generation identical), ``refused`` (the
+proof at patch time found a layer ropekit does not reproduce; the reason is the ValueError's), ``not a token
+model`` (its forward takes no input_ids: the RoPE lives in a vision or audio stack, which ``patch`` does not
+probe), ``not instantiable`` (the tiny model could not be built or run unpatched; the error is given), and
+``unequal`` (patched, but the outputs differ: the target is that this never happens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ropekit.integrations import hf
+
+__all__ = ["Row", "check_model_type", "render", "rope_model_types", "tiny_config"]
+
+# A representative subset, one per variant the issue lists; `make test` checks these.
+REPRESENTATIVE = (
+    "llama", "cohere", "glm", "gptj", "gpt_neox", "phi", "deepseek_v2", "deepseek_v3", "minicpm3",
+    "qwen2_vl", "qwen3_vl", "llama4_text", "gemma3_text", "gpt_oss", "modernbert", "esm",
+)  # fmt: skip
+TOLERANCE = 1e-4  # max |patched - unpatched| / max |unpatched|, fp32
+SEQ = 12
+ROTATION_DEF = re.compile(r"^def (_?apply_\w*(?:rotary|rope)\w*)\(", re.M)
+# Integer config fields and the size a tiny model gets, when the default is larger.
+SIZES = {
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "depth": 1,
+    "encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2,
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "embed_dim": 64, "out_hidden_size": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "n_inner": 128,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "topk_group": 1, "n_group": 1, "first_k_dense_replace": 1,
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8,
+}  # fmt: skip
+# Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
+FIXES: dict[str, dict[str, Any]] = {
+    "esm": {
+        "position_embedding_type": "rotary"
+    },  # ESM-2 ships rotary; the class default is ESM-1b's absolute
+}
+DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL's, the fallback HF's M-RoPE modules use
+VOCAB = SIZES["vocab_size"]
+
+
+@dataclass
+class Row:
+    """One model type's result."""
+
+    model_type: str
+    status: str  # "patched", "refused", "not a token model", "not instantiable", "unequal"
+    detail: str
+    layers: int = 0
+
+
+def rope_model_types() -> dict[str, list[str]]:
+    """{model type: rotation functions its modeling code defines} for types with a base model class."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    root = Path(transformers.__file__).parent / "models"
+    found = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        folder = root / model_type_to_module_name(model_type)
+        if model_type not in MODEL_MAPPING_NAMES or not folder.is_dir():
+            continue
+        names = set()
+        for path in folder.glob("modeling_*.py"):
+            names |= set(ROTATION_DEF.findall(path.read_text()))
+        if names:
+            found[model_type] = sorted(names)
+    return found
+
+
+def _fit_sections(sections: list[int], half: int) -> list[int]:
+    """M-RoPE sections scaled to sum to `half` (the rotary half-width of the tiny model)."""
+    total = sum(sections)
+    fitted = [max(1, round(s * half / total)) for s in sections]
+    fitted[-1] += half - sum(fitted)
+    return fitted
+
+
+def _fit_layer_list(values: list, old_layers: int, new_layers: int) -> list:
+    """A per-layer list cut to new_layers while keeping every kind it had (sliding and full, ...)."""
+    kinds = list(dict.fromkeys(values))
+    if len(kinds) >= new_layers:
+        return kinds[:new_layers]
+    return [kinds[i % len(kinds)] for i in range(new_layers)] if len(kinds) > 1 else values[:new_layers]
+
+
+def _shrink(d: dict[str, Any]) -> dict[str, Any]:
+    old_layers = next(
+        (d[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if isinstance(d.get(k), int)), 0
+    )
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and (key.endswith("_config") or "model_type" in value):
+            out[key] = _shrink(value)
+        elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value > SIZES[key]:
+            out[key] = SIZES[key]
+        elif key in ("num_experts_per_tok", "n_group", "topk_group") and value is None:
+            out[key] = SIZES[key]  # DeepSeek-V2's defaults leave its router without a top-k
+        else:
+            out[key] = value
+    new_layers = next(
+        (out[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in out), old_layers
+    )
+    for key, value in out.items():
+        if isinstance(value, list) and old_layers and len(value) == old_layers and new_layers < old_layers:
+            out[key] = _fit_layer_list(value, old_layers, new_layers)
+    if "hidden_size" in out and "head_dim" in d and isinstance(d["head_dim"], int):
+        out["head_dim"] = min(d["head_dim"], SIZES["head_dim"])
+    if isinstance(out.get("qk_rope_head_dim"), int):  # MLA: the rope head is the rotary width
+        out["head_dim"] = out["qk_rope_head_dim"]
+        if "qk_head_dim" in out:
+            out["qk_head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)
+    if isinstance(out.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
+        out["num_key_value_heads"] = out.get("num_attention_heads")  # MLA: one latent k/v per head
+    if "vocab_size" in out and out["vocab_size"] is None:
+        out["vocab_size"] = VOCAB
+    if "pad_token_id" in out and out["pad_token_id"] is None and "vocab_size" in out:
+        out["pad_token_id"] = 0  # ESM's mask is input_ids != pad_token_id
+    head_dim = out.get("head_dim") or out.get("hidden_size", 64) // max(1, out.get("num_attention_heads", 4))
+    for params in _rope_dicts(out.get("rope_parameters")):
+        sections = params.get("mrope_section")
+        if isinstance(sections, list) and sections:
+            rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            params["mrope_section"] = _fit_sections(sections, rotary // 2)
+    for key, value in list(out.items()):  # token ids past the tiny vocabulary land at its end
+        if "token" in key and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+            out[key] = VOCAB - 1 - sum(1 for k in out if "token" in k and k < key)
+    return out
+
+
+def _rope_dicts(params: Any) -> Iterator[dict]:
+    if isinstance(params, dict):
+        if any(isinstance(v, dict) for v in params.values()):
+            for v in params.values():
+                if isinstance(v, dict):
+                    yield v
+        else:
+            yield params
+
+
+def tiny_config(model_type: str) -> Any:
+    """The model type's default config, shrunk to a model that builds and runs in about a second."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    shrunk = {**_shrink(config_class().to_dict()), **FIXES.get(model_type, {})}
+    if "mrope_section" in _modeling_source(model_type):
+        _add_mrope_sections(shrunk)
+    return config_class.from_dict(shrunk)
+
+
+def _modeling_source(model_type: str) -> str:
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    folder = Path(transformers.__file__).parent / "models" / model_type_to_module_name(model_type)
+    return "".join(p.read_text() for p in folder.glob("modeling_*.py"))
+
+
+def _add_mrope_sections(d: dict) -> None:
+    """Give M-RoPE models that rely on the modeling default sections ones that fit the tiny head."""
+    for key, value in d.items():
+        if isinstance(value, dict) and key.endswith("_config") and not key.startswith(("vision", "audio")):
+            _add_mrope_sections(value)
+    head_dim = d.get("head_dim") or d.get("hidden_size", 64) // max(1, d.get("num_attention_heads", 4))
+    for params in _rope_dicts(d.get("rope_parameters")):
+        if "mrope_section" not in params and "hidden_size" in d:
+            rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            params["mrope_section"] = _fit_sections(DEFAULT_MROPE_SECTION, rotary // 2)
+
+
+def _model_class(model_type: str, config: Any) -> tuple[Any, bool]:
+    """(class to build, whether it generates): a causal LM or image-text-to-text head first, else the base."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping, generates in (
+        (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, True),
+        (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, True),
+        (auto.MODEL_MAPPING_NAMES, False),
+    ):
+        name = mapping.get(model_type)
+        if isinstance(name, (list, tuple)):
+            name = name[0]
+        if name and hasattr(transformers, name):
+            return getattr(transformers, name), generates
+    raise ValueError(f"no model class for {model_type!r}")
+
+
+def _main_output(out: Any) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    values = out.to_tuple() if hasattr(out, "to_tuple") else out if isinstance(out, tuple) else (out,)
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _model_functions_raise(model: torch.nn.Module) -> Iterator[None]:
+    """While inside, the model's own rotation functions behind every stand-in raise when called."""
+
+    def called(*args, **kwargs):
+        raise AssertionError("the model's own rotation function ran on a patched layer")
+
+    swapped = []
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if hf.PLANS_ATTR not in module.__dict__ or forward is None:
+            continue
+        scope = hf._unwrap(forward.__func__).__globals__
+        for name in module.__dict__[hf.PLANS_ATTR]:
+            fn = scope[name].__wrapped_model_function__
+            if fn.__code__.co_freevars or any(fn is f for f, _ in swapped):
+                continue
+            swapped.append((fn, fn.__code__))
+            fn.__code__ = called.__code__
+    try:
+        yield
+    finally:
+        for fn, code in swapped:
+            fn.__code__ = code
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:240]}"
+
+
+def _build(model_type: str) -> tuple[torch.nn.Module, bool]:
+    config = tiny_config(model_type)
+    cls, generates = _model_class(model_type, config)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # zero-initialised norms (Gemma) would hide whole layers
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model, generates and hasattr(model, "generate")
+
+
+def check_model_type(model_type: str, time_limit: int = 300) -> Row:
+    """Build, run, patch, run again and compare one model type (see the module docstring)."""
+    try:
+        with _time_limit(time_limit):
+            return _check(model_type)
+    except TimeoutError as err:
+        return Row(model_type, "not instantiable", _short(err))
+
+
+def _check(model_type: str) -> Row:
+    try:
+        model, generates = _build(model_type)
+    except Exception as err:
+        return Row(model_type, "not instantiable", f"building the tiny model: {_short(err)}")
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        return Row(model_type, "not a token model", f"{type(model).__name__}.forward takes no input_ids")
+    ids = hf._token_ids(model, torch.device("cpu"))
+    inputs = {"input_ids": ids}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    gen_kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=int(ids[0, 0]))
+    try:
+        with torch.no_grad():
+            want = _main_output(model(**inputs))
+    except Exception as err:
+        return Row(model_type, "not instantiable", f"running the tiny model unpatched: {_short(err)}")
+    want_tokens = None
+    if generates:
+        try:
+            with torch.no_grad():
+                want_tokens = model.generate(ids[:, : SEQ // 2], **gen_kw)
+        except Exception:
+            want_tokens = None
+    try:
+        layers = hf.patch(model)
+    except ValueError as err:
+        return Row(model_type, "refused", " ".join(str(err).split())[:300])
+    plans = sorted({p for fns in hf.patched_layers(model).values() for p in fns.values()})
+    with torch.no_grad(), _model_functions_raise(model):
+        got = _main_output(model(**inputs))
+        got_tokens = model.generate(ids[:, : SEQ // 2], **gen_kw) if want_tokens is not None else None
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item() / max(scale, 1e-12)
+    equal_tokens = want_tokens is None or torch.equal(got_tokens, want_tokens)
+    generation = "generation not checked" if want_tokens is None else "greedy generation identical"
+    detail = f"{layers} layers; {'; '.join(plans)}; max diff {diff:.1e} of output scale; {generation}"
+    if not math.isfinite(diff) or diff > TOLERANCE or not equal_tokens:
+        if not equal_tokens:
+            detail += " (generation differs)"
+        return Row(model_type, "unequal", detail, layers)
+    return Row(model_type, "patched", detail, layers)
+
+
+def render(rows: list[Row], seconds: float) -> str:
+    """The markdown section for docs/integrations.md."""
+    import transformers
+
+    counts = {
+        s: sum(r.status == s for r in rows) for s in ("patched", "refused", "unequal", "not instantiable")
+    }
+    tokens = [r for r in rows if r.status != "not a token model"]
+    lines = [
+        "<!-- generated by `python -m ropekit.integrations.hf_coverage --write docs/integrations.md`; "
+        "do not edit by hand -->",
+        "",
+        f"Measured on transformers {transformers.__version__}, torch {torch.__version__}, fp32, in "
+        f"{seconds / 60:.0f} min: **{counts['patched']} patched / {len(tokens)} enumerated** model types "
+        "whose "
+        f"token stack uses RoPE ({100 * counts['patched'] / max(1, len(tokens)):.0f}%); "
+        f"{counts['unequal']} patched with a difference above tolerance; {counts['refused']} refused by the "
+        f"proof; {counts['not instantiable']} not instantiable as a tiny model. A further "
+        f"{len(rows) - len(tokens)} model types keep RoPE only in a vision or audio stack (their forward "
+        "takes "
+        "no token ids), which `patch` does not probe.",
+        "",
+        "| model type | status | detail |",
+        "| --- | --- | --- |",
+    ]
+    for row in sorted(rows, key=lambda r: r.model_type):
+        detail = row.detail.replace("|", "\\|")
+        lines.append(f"| `{row.model_type}` | {row.status} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- coverage begin -->", "<!-- coverage end -->"
+
+
+def write(path: Path, table: str) -> None:
+    """Replace the text between the coverage markers in `path` (append the markers if missing)."""
+    text = path.read_text()
+    if BEGIN not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ropekit.integrations.hf_coverage", description=__doc__)
+    parser.add_argument("--write", type=Path, help="markdown file whose coverage section is replaced")
+    parser.add_argument("--only", nargs="*", help="model types to check (default: all enumerated)")
+    args = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    types = args.only or list(rope_model_types())
+    start = time.perf_counter()
+    rows = []
+    for model_type in types:
+        row = check_model_type(model_type)
+        rows.append(row)
+        print(f"{row.model_type}: {row.status}: {row.detail}", file=sys.stderr, flush=True)
+    table = render(rows, time.perf_counter() - start)
+    if args.write:
+        write(args.write, table)
+    else:
+        print(table)
+    return 1 if any(r.status == "unequal" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
