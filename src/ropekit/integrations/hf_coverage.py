@@ -47,6 +47,9 @@ REPRESENTATIVE = (
 TOLERANCE = 1e-4  # max |patched - unpatched| / max |unpatched|, fp32
 SEQ = 12
 ROTATION_DEF = re.compile(r"^def (_?apply_\w*(?:rotary|rope)\w*)\(", re.M)
+# Rotation functions for image patches or audio frames; a model type with only these keeps RoPE out of its
+# token stack and is not enumerated.
+VISION_ONLY = re.compile(r"vision|2d|time|multidimensional")
 # Integer config fields and the size a tiny model gets, when the default is larger.
 SIZES = {
     "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "depth": 1,
@@ -63,9 +66,17 @@ SIZES = {
 }  # fmt: skip
 # Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
 FIXES: dict[str, dict[str, Any]] = {
-    "esm": {
-        "position_embedding_type": "rotary"
-    },  # ESM-2 ships rotary; the class default is ESM-1b's absolute
+    "esm": {"position_embedding_type": "rotary"},  # ESM-2 is rotary; the class default is ESM-1b's absolute
+    "esmc": {"num_key_value_heads": 4},  # no grouped-query attention
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among the two
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "step3p7": {"sliding_window": 8},
+    # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "position_embedding_type": "rope",
+    },
 }
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL's, the fallback HF's M-RoPE modules use
 VOCAB = SIZES["vocab_size"]
@@ -82,7 +93,11 @@ class Row:
 
 
 def rope_model_types() -> dict[str, list[str]]:
-    """{model type: rotation functions its modeling code defines} for types with a base model class."""
+    """{model type: rotation functions its modeling code defines} for types with a base model class.
+
+    Model types whose only rotation functions are for vision or audio positions (2-D patches, time) are left
+    out: their token stack, if any, has no RoPE.
+    """
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
@@ -96,7 +111,7 @@ def rope_model_types() -> dict[str, list[str]]:
         names = set()
         for path in folder.glob("modeling_*.py"):
             names |= set(ROTATION_DEF.findall(path.read_text()))
-        if names:
+        if any(not VISION_ONLY.search(n) for n in names):
             found[model_type] = sorted(names)
     return found
 
@@ -139,10 +154,31 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             out[key] = _fit_layer_list(value, old_layers, new_layers)
     if "hidden_size" in out and "head_dim" in d and isinstance(d["head_dim"], int):
         out["head_dim"] = min(d["head_dim"], SIZES["head_dim"])
-    if isinstance(out.get("qk_rope_head_dim"), int):  # MLA: the rope head is the rotary width
-        out["head_dim"] = out["qk_rope_head_dim"]
+    if isinstance(
+        out.get("qk_rope_head_dim"), int
+    ):  # MLA: head_dim names the rope head or the whole q/k head
+        whole = d.get("head_dim") is not None and d.get("head_dim") == d.get("qk_head_dim")
+        if whole:  # Mistral 4: rope is half of a q/k head (partial_rotary_factor 0.5)
+            out["qk_nope_head_dim"] = out["qk_rope_head_dim"]
         if "qk_head_dim" in out:
             out["qk_head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)
+        out["head_dim"] = out["qk_head_dim"] if whole else out["qk_rope_head_dim"]
+    heads = out.get("num_attention_heads")
+    if "head_dim" in out and out["head_dim"] is None and isinstance(out.get("hidden_size"), int) and heads:
+        out["head_dim"] = out["hidden_size"] // heads
+    if "num_key_value_heads" in out and out["num_key_value_heads"] is None and heads:
+        out["num_key_value_heads"] = heads
+    if isinstance(out.get("mamba_d_head"), int) and isinstance(out.get("mamba_n_heads"), int):
+        # Mamba-2 mixers need n_heads * d_head = expand * hidden_size
+        out["mamba_d_head"] = min(out["mamba_d_head"], 16)
+        out["mamba_n_heads"] = out.get("mamba_expand", 2) * out.get("hidden_size", 64) // out["mamba_d_head"]
+        if isinstance(out.get("mamba_n_groups"), int):
+            out["mamba_n_groups"] = 1
+    per_layer = out.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer and new_layers:
+        # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer.
+        first = sorted(per_layer)[0]
+        out["per_layer_config"] = {str(new_layers - 1).zfill(len(str(first))): per_layer[first]}
     if isinstance(out.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
         out["num_key_value_heads"] = out.get("num_attention_heads")  # MLA: one latent k/v per head
     if "vocab_size" in out and out["vocab_size"] is None:
@@ -197,7 +233,7 @@ def _add_mrope_sections(d: dict) -> None:
             _add_mrope_sections(value)
     head_dim = d.get("head_dim") or d.get("hidden_size", 64) // max(1, d.get("num_attention_heads", 4))
     for params in _rope_dicts(d.get("rope_parameters")):
-        if "mrope_section" not in params and "hidden_size" in d:
+        if "mrope_section" not in params and "hidden_size" in d and "rope_type" in params:
             rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
             params["mrope_section"] = _fit_sections(DEFAULT_MROPE_SECTION, rotary // 2)
 
@@ -207,11 +243,13 @@ def _model_class(model_type: str, config: Any) -> tuple[Any, bool]:
     import transformers
     from transformers.models.auto import modeling_auto as auto
 
-    for mapping, generates in (
+    heads = [
         (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, True),
         (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, True),
-        (auto.MODEL_MAPPING_NAMES, False),
-    ):
+    ]
+    if getattr(config, "text_config", None) is not None:  # a causal-LM class here expects the text config
+        heads.reverse()
+    for mapping, generates in (*heads, (auto.MODEL_MAPPING_NAMES, False)):
         name = mapping.get(model_type)
         if isinstance(name, (list, tuple)):
             name = name[0]
@@ -304,8 +342,15 @@ def _check(model_type: str) -> Row:
         model, generates = _build(model_type)
     except Exception as err:
         return Row(model_type, "not instantiable", f"building the tiny model: {_short(err)}")
-    if "input_ids" not in inspect.signature(model.forward).parameters:
+    parameters = inspect.signature(model.forward).parameters
+    if "input_ids" not in parameters:
         return Row(model_type, "not a token model", f"{type(model).__name__}.forward takes no input_ids")
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = [
+        n for n, p in parameters.items() if p.default is p.empty and n != "input_ids" and p.kind in kinds
+    ]
+    if required:
+        return Row(model_type, "not a token model", f"{type(model).__name__}.forward requires {required}")
     ids = hf._token_ids(model, torch.device("cpu"))
     inputs = {"input_ids": ids}
     if getattr(model.config, "is_encoder_decoder", False):
