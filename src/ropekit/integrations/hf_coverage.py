@@ -62,6 +62,7 @@ SIZES = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "n_shared_experts": 1, "topk_group": 1, "n_group": 1, "first_k_dense_replace": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "audio_hidden_size": 64, "text_hidden_size": 64, "condition_dim": 64, "codebook_dim": 64,
     "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8,
 }  # fmt: skip
 # Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
@@ -71,6 +72,7 @@ FIXES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among the two
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "step3p7": {"sliding_window": 8},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": {

@@ -264,7 +264,7 @@ def tolerance(dtype: torch.dtype, scale: float) -> float:
     Both compute q cos + rotate(q) sin; HF rounds each product to the model dtype, ropekit rounds once, so
     they differ by at most ~2 ulp of the output's size. A wrong pairing or table differs by O(|q|).
     """
-    return 8 * torch.finfo(dtype).eps * max(1.0, scale)
+    return 4 * torch.finfo(dtype).eps * max(1.0, scale)
 
 
 def _probe_inputs(signature: Signature, call: Call, generator: torch.Generator) -> tuple[tuple, dict]:

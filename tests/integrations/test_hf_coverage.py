@@ -1,0 +1,78 @@
+"""ropekit.integrations.hf_coverage: patched tiny models of every RoPE variant equal the unpatched ones.
+
+`make test` checks REPRESENTATIVE (one model type per variant: half, interleaved, partial, MLA, M-RoPE,
+Llama 4's complex form, per-layer-type, encoders). ROPEKIT_HF_COVERAGE=all checks every enumerated type
+(minutes), as the table in docs/integrations.md was produced.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ropekit.integrations import hf_coverage
+from ropekit.integrations.hf_coverage import Row
+
+ALL = os.environ.get("ROPEKIT_HF_COVERAGE") == "all"
+TYPES = list(hf_coverage.rope_model_types()) if ALL else list(hf_coverage.REPRESENTATIVE)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_patched_model_equals_unpatched(model_type):
+    row = hf_coverage.check_model_type(model_type)
+    assert row.status != "unequal", row.detail
+    if model_type in hf_coverage.REPRESENTATIVE:
+        assert row.status == "patched", row.detail
+        assert row.layers >= 1
+
+
+def test_representative_types_are_enumerated_and_cover_every_variant():
+    enumerated = hf_coverage.rope_model_types()
+    assert set(hf_coverage.REPRESENTATIVE) <= set(enumerated)
+    assert "apply_rotary_emb" in enumerated["llama4_text"]
+    assert "apply_rotary_pos_emb_interleave" in enumerated["deepseek_v3"]
+
+
+def test_tiny_m_rope_config_has_sections_that_fill_its_rotary_half():
+    config = hf_coverage.tiny_config("qwen2_vl").text_config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert sum(config.rope_parameters["mrope_section"]) == head_dim // 2
+    assert config.num_hidden_layers == 2 and config.vocab_size == hf_coverage.VOCAB
+
+
+def test_tiny_per_layer_type_config_keeps_both_kinds_of_layer():
+    config = hf_coverage.tiny_config("gemma3_text")
+    assert config.num_hidden_layers == 2
+    assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_render_states_patched_over_enumerated_and_write_replaces_only_the_section(tmp_path):
+    rows = [
+        Row("a", "patched", "2 layers", 2),
+        Row("b", "refused", "x | y"),
+        Row("c", "not a token model", "vision"),
+        Row("d", "not instantiable", "error"),
+    ]
+    table = hf_coverage.render(rows, 60.0)
+    assert "**1 patched / 3 enumerated**" in table
+    assert "x \\| y" in table  # a pipe in a reason does not split the row
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{hf_coverage.BEGIN}\nold\n{hf_coverage.END}\nafter\n")
+    hf_coverage.write(doc, table)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and table in text
+
+
+def test_patched_rotation_functions_raise_while_checked():
+    model, _ = hf_coverage._build("llama")
+    hf_coverage.hf.patch(model)
+    ids = hf_coverage.hf._token_ids(model, torch.device("cpu"))
+    layer = model.model.layers[0].self_attn
+    scope = hf_coverage.hf._unwrap(layer.forward.__func__).__globals__
+    original = scope["apply_rotary_pos_emb"].__wrapped_model_function__
+    with hf_coverage._model_functions_raise(model):
+        model(input_ids=ids)  # ropekit alone: no error
+        with pytest.raises(AssertionError, match="own rotation function ran"):
+            original(
+                torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.ones(1, 2, 4), torch.zeros(1, 2, 4)
+            )
