@@ -427,3 +427,11 @@ def test_extend_context_serves_other_families_patched_and_unpatched_alike(model_
     hf.unpatch(model)
     torch.testing.assert_close(patched, out(), atol=1e-4, rtol=0)
     assert (patched - before).abs().max() > 1e-4  # the extension really changed the model
+
+
+def test_patch_probes_in_eval_mode_and_restores_training_mode():
+    model = make_model("llama", {"rope_type": "default"}).train()
+    modes = []
+    model.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    hf.patch(model)
+    assert modes == [False] and model.training

@@ -187,13 +187,18 @@ def _probe_forward(model: nn.Module) -> None:
     if getattr(model.config, "is_encoder_decoder", False):
         attempts.insert(0, {"input_ids": ids, "decoder_input_ids": ids})
     errors = []
-    with torch.no_grad():
-        for inputs in attempts:
-            try:
-                model(**inputs)
-                return
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {err}")
+    training = model.training
+    model.eval()  # no dropout, no running statistics updated by the probe
+    try:
+        with torch.no_grad():
+            for inputs in attempts:
+                try:
+                    model(**inputs)
+                    return
+                except Exception as err:
+                    errors.append(f"{type(err).__name__}: {err}")
+    finally:
+        model.train(training)
     raise ValueError(
         f"model: could not run {type(model).__name__} (model_type {_model_type(model)!r}) on token ids "
         f"{tuple(ids.shape)} to record its layers' RoPE calls: {errors[-1]}"
