@@ -10,7 +10,8 @@ Regenerate the table in docs/integrations.md (minutes; nothing is downloaded)::
 
     python -m ropekit.integrations.hf_coverage --write docs/integrations.md
 
-Statuses: ``patched`` (outputs within 1e-4 of the output scale, generation identical), ``refused`` (the
+Statuses: ``no RoPE applied`` (the modeling file defines a rotation function that no layer calls, as
+Jamba's does), ``patched`` (outputs within 1e-4 of the output scale, generation identical), ``refused`` (the
 proof at patch time found a layer ropekit does not reproduce; the reason is the ValueError's), ``not a token
 model`` (its forward takes no input_ids: the RoPE lives in a vision or audio stack, which ``patch`` does not
 probe), ``not instantiable`` (the tiny model could not be built or run unpatched; the error is given), and
@@ -63,7 +64,7 @@ SIZES = {
     "n_shared_experts": 1, "topk_group": 1, "n_group": 1, "first_k_dense_replace": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "audio_hidden_size": 64, "text_hidden_size": 64, "condition_dim": 64, "codebook_dim": 64,
-    "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8,
+    "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8, "num_kv_shared_layers": 0,
 }  # fmt: skip
 # Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
 FIXES: dict[str, dict[str, Any]] = {
@@ -72,6 +73,12 @@ FIXES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among the two
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "step3p7": {"sliding_window": 8},
+    "cohere_compass": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
@@ -176,6 +183,8 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
         out["mamba_n_heads"] = out.get("mamba_expand", 2) * out.get("hidden_size", 64) // out["mamba_d_head"]
         if isinstance(out.get("mamba_n_groups"), int):
             out["mamba_n_groups"] = 1
+        if isinstance(out.get("mamba_d_ssm"), int):
+            out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]
     per_layer = out.get("per_layer_config")
     if isinstance(per_layer, dict) and per_layer and new_layers:
         # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer.
@@ -214,7 +223,9 @@ def tiny_config(model_type: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    shrunk = {**_shrink(config_class().to_dict()), **FIXES.get(model_type, {})}
+    shrunk = _shrink(config_class().to_dict())
+    text = shrunk.get("text_config")
+    (text if isinstance(text, dict) else shrunk).update(FIXES.get(model_type, {}))
     if "mrope_section" in _modeling_source(model_type):
         _add_mrope_sections(shrunk)
     return config_class.from_dict(shrunk)
@@ -240,24 +251,26 @@ def _add_mrope_sections(d: dict) -> None:
             params["mrope_section"] = _fit_sections(DEFAULT_MROPE_SECTION, rotary // 2)
 
 
-def _model_class(model_type: str, config: Any) -> tuple[Any, bool]:
-    """(class to build, whether it generates): a causal LM or image-text-to-text head first, else the base."""
+def _model_classes(model_type: str, config: Any) -> list[tuple[Any, Any, bool]]:
+    """(class, config, whether it generates) to try in turn: a causal-LM or image-text-to-text head, a causal
+    LM over the text config of a multimodal config, then the bare model."""
     import transformers
     from transformers.models.auto import modeling_auto as auto
 
-    heads = [
-        (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, True),
-        (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, True),
-    ]
-    if getattr(config, "text_config", None) is not None:  # a causal-LM class here expects the text config
-        heads.reverse()
-    for mapping, generates in (*heads, (auto.MODEL_MAPPING_NAMES, False)):
+    def lookup(mapping):
         name = mapping.get(model_type)
-        if isinstance(name, (list, tuple)):
-            name = name[0]
-        if name and hasattr(transformers, name):
-            return getattr(transformers, name), generates
-    raise ValueError(f"no model class for {model_type!r}")
+        name = name[0] if isinstance(name, (list, tuple)) else name
+        return getattr(transformers, name) if name and hasattr(transformers, name) else None
+
+    causal, multimodal = (
+        lookup(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        lookup(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+    )
+    text = getattr(config, "text_config", None)
+    tries = [(multimodal, config, True)]
+    tries += [(causal, text, True)] if text is not None else [(causal, config, True)]
+    tries.append((lookup(auto.MODEL_MAPPING_NAMES), config, False))
+    return [t for t in tries if t[0] is not None]
 
 
 def _main_output(out: Any) -> torch.Tensor:
@@ -318,16 +331,64 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:240]}"
 
 
+def _token_model(cls: Any) -> str | None:
+    """Why cls cannot run on token ids alone, or None when it can."""
+    parameters = inspect.signature(cls.forward).parameters
+    if "input_ids" not in parameters:
+        return f"{cls.__name__}.forward takes no input_ids"
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = [
+        n
+        for n, p in parameters.items()
+        if p.default is p.empty and n not in ("self", "input_ids") and p.kind in kinds
+    ]
+    return f"{cls.__name__}.forward requires {required}" if required else None
+
+
+def _inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    ids = hf._token_ids(model, torch.device("cpu"))
+    inputs = {"input_ids": ids}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    return inputs
+
+
 def _build(model_type: str) -> tuple[torch.nn.Module, bool]:
-    config = tiny_config(model_type)
-    cls, generates = _model_class(model_type, config)
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # zero-initialised norms (Gemma) would hide whole layers
-        for name, p in model.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    return model, generates and hasattr(model, "generate")
+    """The first of :func:`_model_classes` that builds and runs unpatched, with random norm scales.
+
+    Raises:
+        NotATokenModel: when no class takes token ids alone.
+        Exception: the last error when none builds and runs.
+    """
+    from transformers import CONFIG_MAPPING
+
+    classes = _model_classes(model_type, CONFIG_MAPPING[model_type]())
+    if not classes:
+        raise ValueError(f"no model class for {model_type!r}")
+    reasons = [_token_model(cls) for cls, _, _ in classes]
+    if all(reasons):
+        raise NotATokenModel(reasons[-1])
+    tries = _model_classes(model_type, tiny_config(model_type))
+    error: Exception | None = None
+    for (cls, cfg, generates), reason in zip(tries, reasons, strict=True):
+        if reason:
+            continue
+        try:
+            torch.manual_seed(0)
+            model = cls(cfg).eval()
+            with torch.no_grad():  # zero-initialised norms (Gemma) would hide whole layers
+                for name, p in model.named_parameters():
+                    if "norm" in name and p.dim() == 1:
+                        p.uniform_(0.5, 1.5)
+                model(**_inputs(model))
+            return model, generates and hasattr(model, "generate")
+        except Exception as err:
+            error = err
+    raise error
+
+
+class NotATokenModel(Exception):
+    """The model type's classes all need inputs other than token ids (pixels, audio)."""
 
 
 def check_model_type(model_type: str, time_limit: int = 300) -> Row:
@@ -342,21 +403,12 @@ def check_model_type(model_type: str, time_limit: int = 300) -> Row:
 def _check(model_type: str) -> Row:
     try:
         model, generates = _build(model_type)
+    except NotATokenModel as err:
+        return Row(model_type, "not a token model", str(err))
     except Exception as err:
-        return Row(model_type, "not instantiable", f"building the tiny model: {_short(err)}")
-    parameters = inspect.signature(model.forward).parameters
-    if "input_ids" not in parameters:
-        return Row(model_type, "not a token model", f"{type(model).__name__}.forward takes no input_ids")
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    required = [
-        n for n, p in parameters.items() if p.default is p.empty and n != "input_ids" and p.kind in kinds
-    ]
-    if required:
-        return Row(model_type, "not a token model", f"{type(model).__name__}.forward requires {required}")
-    ids = hf._token_ids(model, torch.device("cpu"))
-    inputs = {"input_ids": ids}
-    if getattr(model.config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
+        return Row(model_type, "not instantiable", f"building or running the tiny model: {_short(err)}")
+    inputs = _inputs(model)
+    ids = inputs["input_ids"]
     gen_kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=int(ids[0, 0]))
     try:
         with torch.no_grad():
@@ -373,8 +425,13 @@ def _check(model_type: str) -> Row:
     try:
         layers = hf.patch(model)
     except ValueError as err:
-        return Row(model_type, "refused", " ".join(str(err).split())[:300])
-    plans = sorted({p for fns in hf.patched_layers(model).values() for p in fns.values()})
+        reason = " ".join(str(err).split())[:300]
+        if "nothing to patch" in reason:  # the modeling file defines a rotation its layers never call
+            return Row(model_type, "no RoPE applied", reason)
+        return Row(model_type, "refused", reason)
+    plans = sorted(
+        {p.replace(", backend auto", "") for fns in hf.patched_layers(model).values() for p in fns.values()}
+    )
     with torch.no_grad(), _model_functions_raise(model):
         got = _main_output(model(**inputs))
         got_tokens = model.generate(ids[:, : SEQ // 2], **gen_kw) if want_tokens is not None else None
@@ -397,7 +454,8 @@ def render(rows: list[Row], seconds: float) -> str:
     counts = {
         s: sum(r.status == s for r in rows) for s in ("patched", "refused", "unequal", "not instantiable")
     }
-    tokens = [r for r in rows if r.status != "not a token model"]
+    tokens = [r for r in rows if r.status not in ("not a token model", "no RoPE applied")]
+    unused = sum(r.status == "no RoPE applied" for r in rows)
     lines = [
         "<!-- generated by `python -m ropekit.integrations.hf_coverage --write docs/integrations.md`; "
         "do not edit by hand -->",
@@ -410,7 +468,8 @@ def render(rows: list[Row], seconds: float) -> str:
         f"proof; {counts['not instantiable']} not instantiable as a tiny model. A further "
         f"{len(rows) - len(tokens)} model types keep RoPE only in a vision or audio stack (their forward "
         "takes "
-        "no token ids), which `patch` does not probe.",
+        "no token ids), which `patch` does not probe, and "
+        f"{unused} define a rotation function that no layer calls (no RoPE applied).",
         "",
         "| model type | status | detail |",
         "| --- | --- | --- |",

@@ -45,23 +45,27 @@ class Plan:
     table: str  # "first_half", "every_other", "full" or "complex"
     pairing: str  # "half", "interleaved" or "deinterleave"
     layout: str  # "bhsd" or "bshd"; overridden per call by unsqueeze_dim when the function has it
+    conjugate: bool = False  # rotates by -angle (NanoChat's rotate_half flips the other sign)
 
     def describe(self) -> str:
-        return f"{self.pairing} pairing, {self.table.replace('_', '-')} table, {self.layout}"
+        sign = ", conjugate" if self.conjugate else ""
+        return f"{self.pairing} pairing, {self.table.replace('_', '-')} table, {self.layout}{sign}"
 
 
 # Tried in this order; the first one that agrees with the model's function is used.
 CANDIDATES = tuple(
-    Plan(table, pairing, layout)
+    Plan(table, pairing, layout, conjugate)
     for layout in ("bhsd", "bshd")
-    for table, pairing in (
-        ("first_half", "half"),
-        ("full", "half"),
-        ("every_other", "interleaved"),
-        ("first_half", "interleaved"),
-        ("full", "interleaved"),
-        ("first_half", "deinterleave"),
-        ("complex", "interleaved"),
+    for table, pairing, conjugate in (
+        ("first_half", "half", False),
+        ("full", "half", False),
+        ("every_other", "interleaved", False),
+        ("first_half", "interleaved", False),
+        ("full", "interleaved", False),
+        ("first_half", "deinterleave", False),
+        ("complex", "interleaved", False),
+        ("first_half", "half", True),
+        ("first_half", "interleaved", True),
     )
 )
 
@@ -168,6 +172,8 @@ def _rotate(
     if cos.is_complex() != (plan.table == "complex"):
         return None
     cos, sin = _tables(plan, cos, sin)
+    if plan.conjugate:
+        sin = -sin  # (..., S, R/2): the one table copy a conjugate convention costs
     seq_axis = 2 if layout == "bhsd" else 1
     batch, seq = present[0].shape[0], present[0].shape[seq_axis]
     if any(x.shape[0] != batch or x.shape[seq_axis] != seq for x in present):
