@@ -192,18 +192,18 @@ def mirror_pairing(q, k, cos, sin, unsqueeze_dim=1):
     return tuple(x * cos + x.flip(-1) * sin for x in (q, k))
 
 
-def conjugate_rotation(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's half pairing with the sine negated: the inverse rotation."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+def off_by_one_position(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's half pairing, but every token rotated by its predecessor's angle."""
+    cos, sin = cos.roll(1, dims=-2).unsqueeze(unsqueeze_dim), sin.roll(1, dims=-2).unsqueeze(unsqueeze_dim)
     half = q.shape[-1] // 2
 
     def rotate(x):
-        return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     return tuple(x * cos + rotate(x) * sin for x in (q, k))
 
 
-@pytest.mark.parametrize("wrong", [mirror_pairing, conjugate_rotation], ids=["mirror", "conjugate"])
+@pytest.mark.parametrize("wrong", [mirror_pairing, off_by_one_position], ids=["mirror", "off-by-one"])
 def test_a_rotation_ropekit_does_not_reproduce_is_refused_before_anything_changes(wrong, monkeypatch):
     model = make_model("llama", {"rope_type": "default"})
     monkeypatch.setattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", wrong)

@@ -58,6 +58,11 @@ def deepseek_interleave(
     )
 
 
+def nanochat(q, k, cos, sin, unsqueeze_dim=1):  # rotate_half with the other sign: rotation by -angle
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(x * cos - rotate_half(x) * sin for x in (q, k))
+
+
 def llama4(xq, xk, freqs_cis):  # complex, (B, S, H, D)
     out = []
     for x in (xq, xk):
@@ -93,6 +98,7 @@ CASES = [
     (gptj, lambda: (qk("bshd")[0], *reversed(tables("full"))), Plan("full", "interleaved", "bshd")),
     (deepseek_interleave, lambda: (*qk(), *tables("first_half")), Plan("first_half", "deinterleave", "bhsd")),
     (llama4, lambda: (*qk("bshd"), *tables("complex")), Plan("complex", "interleaved", "bshd")),
+    (nanochat, lambda: (*qk(), *tables("first_half")), Plan("first_half", "half", "bhsd", conjugate=True)),
 ]
 
 
