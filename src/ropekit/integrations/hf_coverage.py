@@ -63,6 +63,8 @@ SIZES = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "n_shared_experts": 1, "topk_group": 1, "n_group": 1, "first_k_dense_replace": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "num_expert_group": 1, "num_experts_per_token": 2, "index_head_dim": 16, "index_n_heads": 4,
+    "attention_hidden_size": 128, "attention_head_dim": 32, "mamba_headdim": 16,
     "audio_hidden_size": 64, "text_hidden_size": 64, "condition_dim": 64, "codebook_dim": 64,
     "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8, "num_kv_shared_layers": 0,
 }  # fmt: skip
@@ -73,6 +75,12 @@ FIXES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # an attention layer among the two
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "step3p7": {"sliding_window": 8},
+    "deepseek_ocr2": {"mlp_layer_types": ["dense", "sparse"]},
+    "diffusion_gemma": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "dots3_note": {"head_dim": 24},  # its sliding-window layers: qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note_text": {"head_dim": 24},
+    "qwen4_exp": {"token_budget": 8, "compress_ratio": 4},
+    "qwen4_exp_text": {"token_budget": 8, "compress_ratio": 4},
     "cohere_compass": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
@@ -151,7 +159,10 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             out[key] = _shrink(value)
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value > SIZES[key]:
             out[key] = SIZES[key]
-        elif key in ("num_experts_per_tok", "n_group", "topk_group") and value is None:
+        elif (
+            key in ("num_experts_per_tok", "n_group", "topk_group", "n_routed_experts", "n_shared_experts")
+            and value is None
+        ):
             out[key] = SIZES[key]  # DeepSeek-V2's defaults leave its router without a top-k
         else:
             out[key] = value
