@@ -47,6 +47,7 @@ from ropekit.integrations.hf_probe import (
     stand_in,
 )
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
+from ropekit.validation import check_bool
 
 __all__ = ["EXTEND_METHODS", "extend_context", "patch", "unpatch"]
 
@@ -251,8 +252,7 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict: expected a bool, got {strict!r}")
+    check_bool("strict", strict)
     _text_config(model)
     unpatch(model)
     model_type = _model_type(model)

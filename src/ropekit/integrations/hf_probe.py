@@ -148,17 +148,19 @@ def rotation_function(name: str, fn: Any) -> bool:
 
 
 def _tables(plan: Plan, cos: torch.Tensor, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the model's tables holding one angle per pair: (..., S, R/2). No copy."""
+    """The model's tables with one angle per pair: (..., S, R/2); views for first-half and full tables."""
+    # The fused backends read tables whose last axis has stride 1; every-other and complex tables are
+    # compacted (one (B, S, R/2) copy per call, far smaller than q and k).
     if plan.table == "complex":
         pairs = torch.view_as_real(cos)  # (..., S, R/2, 2): real and imaginary parts side by side
-        return pairs[..., 0], pairs[..., 1]
+        return pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
     if sin is None:
         raise ValueError("the plan reads real cos/sin tables")
     if plan.table == "first_half":
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
     if plan.table == "every_other":
-        return cos[..., ::2], sin[..., ::2]
+        return cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
     return cos, sin
 
 
