@@ -84,6 +84,7 @@ def test_passkey_is_stated_once_at_the_requested_depth_and_asked_for_at_the_end(
         stated = row[opens[0] + 1 : opens[0] + 1 + KEY_DIGITS]
         assert row[opens[0] + 1 + KEY_DIGITS] == KEY_CLOSE
         assert bool(((stated >= ord("0")) & (stated <= ord("9"))).all())
+        assert stated.unique().numel() == KEY_DIGITS  # distinct digits: "the digit after d" is unambiguous
         assert torch.equal(row[-KEY_DIGITS:], stated)
         assert answer.nonzero().flatten().tolist() == list(range(length + 1 - KEY_DIGITS, length + 1))
 

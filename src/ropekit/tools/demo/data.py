@@ -38,7 +38,7 @@ VALIDATION_EVERY = 10
 # Separates files in the byte stream; NUL never occurs in Python source, so it marks a file boundary
 # unambiguously.
 FILE_SEPARATOR = b"\x00"
-# The passkey: KEY_DIGITS random digits between STX and ETX, stated once in the filler; the query is STX again
+# The passkey: KEY_DIGITS distinct random digits between STX and ETX, stated once in the filler; the query is STX again
 # and the answer the digits. Neither control byte occurs in Python source (and filler is scrubbed of them), so
 # the key is stated exactly once and the query can only be matched against it.
 KEY_OPEN, KEY_CLOSE = 0x02, 0x03
@@ -189,7 +189,7 @@ def passkey_windows(
     :func:`sample_batch`'s).
 
     Each is ``filler[:p] + STX + key + ETX + filler[p:] + STX + key``: the filler is a random run of real
-    source text from ``stream``, the key :data:`KEY_DIGITS` random ASCII digits, stated once; the final STX is
+    source text from ``stream``, the key :data:`KEY_DIGITS` distinct random ASCII digits, stated once; the final STX is
     the query and the last KEY_DIGITS bytes the answer. ``p`` is the depth times the filler's length: depth 0
     puts the key at the start of the window, 1 right before the query.
 
@@ -219,7 +219,9 @@ def passkey_windows(
     filler = stream[starts[:, None] + torch.arange(filler_len)].long()  # (n, filler_len)
     # Scrub the key's delimiters from the filler (the stdlib has none; another corpus might).
     filler = filler.masked_fill((filler == KEY_OPEN) | (filler == KEY_CLOSE), ord(" "))
-    keys = torch.randint(ord("0"), ord("9") + 1, (n, KEY_DIGITS), generator=generator)  # (n, KEY_DIGITS)
+    # Distinct digits: "the digit after d" is then unambiguous within the key (docs/demo.md: with repeats
+    # allowed, the keys with a repeated digit, about half of them, were the ones the models missed).
+    keys = torch.rand(n, 10, generator=generator).argsort(1)[:, :KEY_DIGITS] + ord("0")  # (n, KEY_DIGITS)
     if depth is None:
         depths = min_depth + (1.0 - min_depth) * torch.rand(n, generator=generator, dtype=torch.float64)
     else:
