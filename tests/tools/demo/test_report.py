@@ -151,8 +151,10 @@ def test_report_numbers_come_from_the_settings():
     assert "96 (3L)" in text and "seeds 4, 5, 6" in text
 
 
-@pytest.mark.parametrize(("world_size", "threads", "expected"), [(1, 1, "1 process, 1 thread per"),
-                                                                 (2, 4, "2 processes, 4 threads per")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("world_size", "threads", "expected"),
+    [(1, 1, "1 process, 1 thread per"), (2, 4, "2 processes, 4 threads per")],
+)
 def test_report_names_processes_and_threads_in_words(world_size, threads, expected):
     results = [{"method": "rope", "length": 128, "perplexity": 4.0}]
     sections = report_sections(DemoSettings(), results, [], _extra(world_size, threads), [_Check("c")])

@@ -38,9 +38,9 @@ VALIDATION_EVERY = 10
 # Separates files in the byte stream; NUL never occurs in Python source, so it marks a file boundary
 # unambiguously.
 FILE_SEPARATOR = b"\x00"
-# The passkey: KEY_DIGITS distinct random digits between STX and ETX, stated once in the filler; the query is STX again
-# and the answer the digits. Neither control byte occurs in Python source (and filler is scrubbed of them), so
-# the key is stated exactly once and the query can only be matched against it.
+# The passkey: KEY_DIGITS distinct random digits between STX and ETX, stated once in the filler; the query
+# is STX again and the answer the digits. Neither control byte occurs in Python source (and filler is
+# scrubbed of them), so the key is stated exactly once and the query can only be matched against it.
 KEY_OPEN, KEY_CLOSE = 0x02, 0x03
 KEY_DIGITS = 5
 # Bytes of a passkey window that are not filler: statement (STX, digits, ETX), query (STX) and answer.
@@ -189,9 +189,9 @@ def passkey_windows(
     :func:`sample_batch`'s).
 
     Each is ``filler[:p] + STX + key + ETX + filler[p:] + STX + key``: the filler is a random run of real
-    source text from ``stream``, the key :data:`KEY_DIGITS` distinct random ASCII digits, stated once; the final STX is
-    the query and the last KEY_DIGITS bytes the answer. ``p`` is the depth times the filler's length: depth 0
-    puts the key at the start of the window, 1 right before the query.
+    source text from ``stream``, the key :data:`KEY_DIGITS` distinct random ASCII digits, stated once; the
+    final STX is the query and the last KEY_DIGITS bytes the answer. ``p`` is the depth times the filler's
+    length: depth 0 puts the key at the start of the window, 1 right before the query.
 
     Args:
         stream: (m,) uint8 filler bytes.
