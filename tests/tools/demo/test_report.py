@@ -116,6 +116,12 @@ def test_answer_names_who_retrieves_past_L_and_how_far():
     assert text.count(". ") == 2 and text.endswith(".")  # three sentences
 
 
+def test_answer_makes_no_literature_claim_when_rope_cannot_retrieve_at_L():
+    failing = [dict(r, accuracy=0.0) if r["method"] == "rope" else r for r in RETRIEVAL]
+    text = answer(RESULTS, failing, 64)
+    assert "reproduced" not in text and "needs a rope model that retrieves at L" in text
+
+
 def test_log_ticks_are_round_values_spanning_the_range():
     ticks = nice_log_ticks(6.5, 21.0)
     assert ticks[0] >= 6.5 and ticks[-1] <= 21.0 and len(ticks) >= 3

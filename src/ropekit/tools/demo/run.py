@@ -180,6 +180,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
              "final_train_loss": {k: v[-1] for k, v in train_loss.items()},
              "final_train_loss_by_seed": {k: [p["train_loss"][k][-1] for p in per_seed] for k in train_loss},
              "retrieval": retrieval, "machine": machine_description(ctx, load),
+             "skipped": {},  # kept for readers of older results: every scaling schedule is registered
              "corpus": {"root": corpus.root, "train_files": len(corpus.train_files),
                         "validation_files": list(corpus.validation_files)}}  # fmt: skip
     if s.evaluate:
