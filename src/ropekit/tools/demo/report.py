@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from ropekit.config import RopeConfig
+from ropekit.schedules import extension_scaling
+from ropekit.schedules.yarn import BETA_FAST, BETA_SLOW
 from ropekit.tools.demo.data import KEY_DIGITS
 from ropekit.tools.inspect import decay_bound
 
@@ -633,12 +635,15 @@ def report_sections(
             f"{settings.finetune_factor:g}L with factor {settings.finetune_factor:g} (same data mix), then "
             f"evaluated with factor {settings.finetune_factor:g} at every length."
         )
+    llama3 = extension_scaling("llama3", max(settings.eval_multiples), L)[0]  # as rope_config_for gives it
     sections["Scaling choices"] = f"""\
 - linear (PI), ntk, yarn, llama3: factor = evaluation length / L ({multiples}), original context L = {L}.
 - dynamic: HF's dynamic NTK with a fixed factor {settings.dynamic_factor:g}; it rescales by itself once the \
 sequence exceeds L.
-- yarn: beta_fast 32, beta_slow 1, attention factor 0.1 ln(factor) + 1 (the schedule's defaults).
-- llama3: low_freq_factor 1, high_freq_factor 4.{tuned}"""
+- yarn: beta_fast {BETA_FAST:g}, beta_slow {BETA_SLOW:g}, attention factor 0.1 ln(factor) + 1 (the \
+schedule's defaults).
+- llama3: low_freq_factor {llama3["low_freq_factor"]:g}, \
+high_freq_factor {llama3["high_freq_factor"]:g}.{tuned}"""
     sections["Loss by position"] = (
         "![loss vs position](loss_vs_position.png)\n\n"
         f"For each byte of the {longest * L}-byte windows: its loss minus the loss of the same byte "
