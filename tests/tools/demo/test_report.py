@@ -166,3 +166,10 @@ def test_report_names_processes_and_threads_in_words(world_size, threads, expect
     sections = report_sections(DemoSettings(), results, [], _extra(world_size, threads), [_Check("c")])
     text = sections["Machine and settings"]
     assert expected in text and "Test CPU" in text and "(es)" not in text and "(s)" not in text
+
+
+def test_report_says_when_seeds_ran_in_parallel_processes():
+    results = [{"method": "rope", "length": 128, "perplexity": 4.0}]
+    extra = {**_extra(), "seed_processes": 3}
+    text = report_sections(DemoSettings(), results, [], extra, [_Check("c")])["Machine and settings"]
+    assert "1 process (its 3 seeds in 3 parallel worker processes)" in text

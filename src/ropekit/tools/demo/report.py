@@ -594,6 +594,10 @@ def report_sections(
     machine = extra["machine"]
     processes = f"{extra['world_size']} process" + ("es" if extra["world_size"] != 1 else "")
     threads = f"{machine['threads']} thread" + ("s" if machine["threads"] != 1 else "")
+    if extra.get("seed_processes", 1) > 1:
+        processes += (
+            f" (its {len(extra['seeds'])} seeds in {extra['seed_processes']} parallel worker processes)"
+        )
     finals = ", ".join(f"{k} {v:.3f}" for k, v in extra["final_train_loss"].items())
     seeds = ", ".join(str(x) for x in extra["seeds"])
     lengths = sorted({r["length"] for r in results})

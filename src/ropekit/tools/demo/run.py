@@ -159,7 +159,8 @@ def run_demo(s: DemoSettings, out: Path) -> int:
 
     tick = time.perf_counter()
     jobs = s.jobs or min(len(seeds), max(1, (os.cpu_count() or 1) // torch.get_num_threads()))
-    if ctx.world_size == 1 and jobs > 1:
+    parallel = ctx.world_size == 1 and jobs > 1
+    if parallel:
         per_seed = _seeds_in_parallel(s, seeds, jobs)
     else:
         per_seed = [_one_seed(s, seed, corpus, ctx) for seed in seeds]
@@ -180,6 +181,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
              "final_train_loss": {k: v[-1] for k, v in train_loss.items()},
              "final_train_loss_by_seed": {k: [p["train_loss"][k][-1] for p in per_seed] for k in train_loss},
              "retrieval": retrieval, "machine": machine_description(ctx, load),
+             "seed_processes": jobs if parallel else 1,
              "skipped": {},  # kept for readers of older results: every scaling schedule is registered
              "corpus": {"root": corpus.root, "train_files": len(corpus.train_files),
                         "validation_files": list(corpus.validation_files)}}  # fmt: skip
