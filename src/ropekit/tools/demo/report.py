@@ -486,8 +486,9 @@ def answer(results: list[dict], retrieval: list[dict], train_length: int) -> str
     )
     second += _join([m for m, _ in kept]) if kept else "no method"
     if lost:
-        worst = max(lost, key=lambda item: item[1])
-        second += f"; it grows for the others, most for {worst[0]} (x{worst[1]:.2f})"
+        best, worst = min(lost, key=lambda item: item[1]), max(lost, key=lambda item: item[1])
+        second += f"; among the others it grows least for {best[0]} (x{best[1]:.2f})"
+        second += f" and most for {worst[0]} (x{worst[1]:.2f})" if worst != best else ""
     second += "."
     checks = []
     if reach.get("rope", 0) >= L:  # the comparison means something only if rope retrieves at L at all
