@@ -19,10 +19,16 @@ def test_defaults_are_the_full_demo_into_ropekit_report():
 
 def test_quick_and_flags_override_the_preset():
     s = settings_from_args(
-        parse("--quick", "--steps", "7", "--variants", "rope, nope", "--finetune", "--train-only")
-    )
+        parse("--quick", "--steps", "7", "--variants", "rope, nope", "--no-finetune", "--train-only",
+              "--seeds", "3")
+    )  # fmt: skip
     assert s.dim == QUICK.dim and s.train_length == QUICK.train_length
-    assert s.steps == 7 and s.variants == ("rope", "nope") and s.finetune and not s.evaluate
+    assert s.steps == 7 and s.variants == ("rope", "nope") and not s.finetune and not s.evaluate
+    assert s.seeds == 3
+
+
+def test_finetune_is_part_of_the_default_run():
+    assert settings_from_args(parse()).finetune and settings_from_args(parse("--finetune")).finetune
 
 
 @pytest.mark.parametrize(
@@ -30,7 +36,8 @@ def test_quick_and_flags_override_the_preset():
     [
         (["--variants", "alibi"], "variants"),
         (["--steps", "0"], "steps"),
-        (["--finetune", "--variants", "nope"], "finetune"),
+        (["--variants", "nope"], "finetune"),
+        (["--seeds", "0"], "seeds"),
         (["--threads", "0"], "threads"),
     ],
 )

@@ -20,9 +20,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, default=Path("ropekit-report"), help="output folder (default ./ropekit-report)"
     )
     p.add_argument(
-        "--quick", action="store_true", help="a smaller, faster run (about 15 s of CPU; for tests and CI)"
+        "--quick",
+        action="store_true",
+        help="a smaller, faster run (well under a minute of CPU; for tests and CI)",
     )
-    p.add_argument("--finetune", action="store_true", help="also fine-tune PI and YaRN briefly at 2L")
+    p.add_argument(
+        "--finetune",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fine-tune PI and YaRN briefly at 2L (default on; --no-finetune skips it)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="train and evaluate this many seeds (seed, seed + 1, ...) and report the spread (default 1)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)")
     p.add_argument("--train-length", type=positive_int, default=None, help="training length L in bytes")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps per variant")
@@ -35,6 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default=None, help="comma-separated subset of nope,sinusoidal,rope")
     p.add_argument(
         "--seed", type=int, default=None, help="seed for initialisation and batch order (default 0)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="seeds trained at once, each in its own process (default: one per core)",
     )
     p.add_argument(
         "--threads",
@@ -53,11 +72,10 @@ def settings_from_args(args: argparse.Namespace):
     from ropekit.tools.demo import QUICK, DemoSettings
 
     settings = QUICK if args.quick else DemoSettings()
-    overrides = {"finetune": args.finetune, "device": args.device, "evaluate": not args.train_only}
-    for flag, name in (("train_length", "train_length"), ("steps", "steps"), ("batch_size", "batch_size"),
-                       ("seed", "seed"), ("threads", "threads")):  # fmt: skip
-        if getattr(args, flag) is not None:
-            overrides[name] = getattr(args, flag)
+    overrides = {"device": args.device, "evaluate": not args.train_only}
+    for name in ("train_length", "steps", "batch_size", "seed", "seeds", "jobs", "threads", "finetune"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     if args.variants is not None:
         overrides["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     return replace(settings, **overrides)

@@ -1,7 +1,17 @@
 import pytest
 import torch
 
-from ropekit.tools.demo.data import EXCLUDED_DIRS, load_corpus, sample_batch, stdlib_files, validation_windows
+from ropekit.tools.demo.data import (
+    EXCLUDED_DIRS,
+    KEY_CLOSE,
+    KEY_DIGITS,
+    KEY_OPEN,
+    load_corpus,
+    passkey_windows,
+    sample_batch,
+    stdlib_files,
+    validation_windows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +64,62 @@ def test_validation_windows_reject_lengths_that_do_not_divide(corpus):
         validation_windows(corpus.validation, 48, 128, 2)
     with pytest.raises(ValueError, match="n_chunks"):
         validation_windows(corpus.validation[:100], 16, 64, 4)
+
+
+def _key_positions(row: torch.Tensor) -> list[int]:
+    return (row == KEY_OPEN).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_passkey_is_stated_once_at_the_requested_depth_and_asked_for_at_the_end(corpus, depth):
+    length = 128
+    tokens, answers = passkey_windows(corpus.train, 6, length, torch.Generator().manual_seed(0), depth)
+    assert tokens.shape == answers.shape == (6, length + 1) and tokens.dtype == torch.int64
+    filler_len = length + 1 - (KEY_DIGITS + 2) - 1 - KEY_DIGITS
+    for row, answer in zip(tokens, answers, strict=True):
+        opens = _key_positions(row)
+        # STX twice: once stating the key, once as the query right before the answer.
+        assert opens == [round(depth * filler_len), length - KEY_DIGITS]
+        assert (row == KEY_CLOSE).sum() == 1
+        stated = row[opens[0] + 1 : opens[0] + 1 + KEY_DIGITS]
+        assert row[opens[0] + 1 + KEY_DIGITS] == KEY_CLOSE
+        assert bool(((stated >= ord("0")) & (stated <= ord("9"))).all())
+        assert stated.unique().numel() == KEY_DIGITS  # distinct digits: "the digit after d" is unambiguous
+        assert torch.equal(row[-KEY_DIGITS:], stated)
+        assert answer.nonzero().flatten().tolist() == list(range(length + 1 - KEY_DIGITS, length + 1))
+
+
+def test_passkey_filler_is_the_corpus_text_around_the_key(corpus):
+    tokens, _ = passkey_windows(corpus.train, 3, 64, torch.Generator().manual_seed(1), 0.5)
+    text = bytes(corpus.train.tolist())
+    for row in tokens:
+        opens = _key_positions(row)
+        filler = torch.cat([row[: opens[0]], row[opens[0] + KEY_DIGITS + 2 : opens[1]]])
+        assert bytes(filler.tolist()) in text  # one contiguous run of real source
+
+
+def test_passkey_curriculum_keeps_drawn_depths_at_or_above_min_depth(corpus):
+    length = 128
+    filler_len = length + 1 - (KEY_DIGITS + 2) - 1 - KEY_DIGITS
+    tokens, _ = passkey_windows(corpus.train, 200, length, torch.Generator().manual_seed(2), min_depth=0.8)
+    starts = torch.tensor([_key_positions(row)[0] for row in tokens])
+    assert int(starts.min()) >= round(0.8 * filler_len) and int(starts.max()) <= filler_len
+    assert starts.unique().numel() > 10  # drawn, not fixed
+
+
+def test_passkey_windows_are_reproducible_and_reject_bad_arguments(corpus):
+    a = passkey_windows(corpus.train, 2, 64, torch.Generator().manual_seed(3))
+    b = passkey_windows(corpus.train, 2, 64, torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="depth"):
+        passkey_windows(corpus.train, 1, 64, torch.Generator(), 1.5)
+    with pytest.raises(ValueError, match="length"):
+        passkey_windows(corpus.train, 1, 8, torch.Generator())
+    with pytest.raises(ValueError, match="min_depth"):
+        passkey_windows(corpus.train, 1, 64, torch.Generator(), None, min_depth=-0.1)
+
+
+def test_passkey_filler_never_contains_the_key_delimiters():
+    stream = torch.tensor([KEY_OPEN, KEY_CLOSE, ord("a")] * 100, dtype=torch.uint8)
+    tokens, _ = passkey_windows(stream, 3, 40, torch.Generator().manual_seed(0), 0.5)
+    assert all((row == KEY_OPEN).sum() == 2 and (row == KEY_CLOSE).sum() == 1 for row in tokens)

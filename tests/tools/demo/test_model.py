@@ -27,14 +27,37 @@ def test_later_bytes_never_change_earlier_logits(variant):
 
 
 def test_one_nope_layer_is_blind_to_the_order_of_the_prefix():
-    # Without position information, one causal attention layer sees the prefix as a set (the seeds' claim).
-    # Deeper NoPE stacks are not: layer 1 leaves each token a trace of how many tokens precede it.
+    # Without position information, one causal attention layer sees the prefix as a set (attention is a
+    # weighted sum over keys). Deeper NoPE stacks are not: layer 1 leaves each token a trace of how many
+    # tokens precede it.
     x = tokens()
     y = x.clone()
     y[:, :-1] = x[:, :-1].flip(1)
-    m = model("nope", n_layers=1)
+    m = model("nope", n_layers=1, prev_token_keys=False)
     with torch.no_grad():
         torch.testing.assert_close(m(x)[:, -1], m(y)[:, -1], rtol=0, atol=1e-6)
+
+
+def test_with_previous_token_keys_one_nope_layer_sees_the_prefix_as_a_set_of_byte_pairs():
+    # Each key carries (byte, previous byte): shuffling whole (previous, current) pairs, with the last two
+    # bytes fixed, keeps the output; flipping the prefix reverses every pair and changes it.
+    x = torch.tensor([[9, 1, 2, 9, 3, 4, 9, 7, 8, 9, 6]])
+    pairs_moved = torch.tensor([[9, 7, 8, 9, 1, 2, 9, 3, 4, 9, 6]])  # blocks "9 a b" reordered
+    m = model("nope", n_layers=1)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[:, -1], m(pairs_moved)[:, -1], rtol=0, atol=1e-6)
+        flipped = torch.cat([x[:, :-1].flip(1), x[:, -1:]], 1)
+        assert (m(x)[:, -1] - m(flipped)[:, -1]).abs().max() > 1e-5
+
+
+def test_previous_token_keys_add_the_projection_of_the_byte_before():
+    m = model("rope")
+    wk = m.blocks[0].attn.wk
+    x = torch.randn(2, 6, SMALL["dim"])
+    with torch.no_grad():
+        expected = wk.current(x)
+        expected[:, 1:] += wk.previous(x[:, :-1])
+        torch.testing.assert_close(wk(x), expected)
 
 
 @pytest.mark.parametrize("variant", ["sinusoidal", "rope"])

@@ -1,10 +1,25 @@
 import json
+import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from ropekit.tools.demo.report import attention_by_distance, format_table, write_results
+from ropekit.tools.demo import DemoSettings
+from ropekit.tools.demo.report import (
+    answer,
+    attention_by_distance,
+    format_retrieval_table,
+    format_table,
+    nice_log_ticks,
+    pool_depths,
+    report_sections,
+    retrieval_reach,
+    retrieval_row,
+    wilson_interval,
+    write_results,
+)
 
 RESULTS = [
     {"method": "rope", "length": 64, "perplexity": 5.0},
@@ -30,6 +45,11 @@ def test_table_has_one_row_per_method_and_a_dash_where_missing():
     assert format_table(RESULTS, 64, markdown=True).startswith("| method | 64 (1L) | 128 (2L) |")
 
 
+def test_table_shows_the_spread_over_seeds():
+    rows = [{"method": "rope", "length": 64, "perplexity": 5.0, "perplexity_std": 0.25}]
+    assert "5.000 ± 0.250" in format_table(rows, 64)
+
+
 def test_results_json_has_exactly_the_required_shape(tmp_path):
     path = tmp_path / "results.json"
     write_results(path, 64, RESULTS, {"note": "x"})
@@ -38,3 +58,118 @@ def test_results_json_has_exactly_the_required_shape(tmp_path):
     assert data["results"] == RESULTS
     with pytest.raises(ValueError, match="extra"):
         write_results(path, 64, RESULTS, {"results": []})
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 10), (3, 10), (10, 10), (47, 96), (1, 1)])
+def test_wilson_interval_matches_the_closed_form(k, n):
+    # Wilson (1927): the p with |p_hat - p| = z sqrt(p (1 - p) / n), i.e. the roots of a quadratic in p.
+    z = 1.959963984540054
+    p_hat = k / n
+    a = 1 + z * z / n
+    b = -(2 * p_hat + z * z / n)
+    c = p_hat * p_hat
+    roots = sorted(np.roots([a, b, c]).real)
+    low, high = wilson_interval(k, n)
+    # np.roots finds a double root (k = 0 or n) only to ~sqrt(machine epsilon).
+    assert low == pytest.approx(max(0.0, roots[0]), abs=1e-7)
+    assert high == pytest.approx(min(1.0, roots[1]), abs=1e-7)
+    assert 0.0 <= low <= p_hat <= high <= 1.0
+
+
+def test_wilson_interval_of_a_known_case_and_bad_input():
+    # 95% Wilson interval of 8/10, as tabulated by Newcombe (1998): 0.490 to 0.943.
+    low, high = wilson_interval(8, 10)
+    assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
+    assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0
+    for k, n, name in ((1, 0, "n"), (5, 4, "successes"), (-1, 4, "successes"), (True, 4, "successes")):
+        with pytest.raises(ValueError, match=name):
+            wilson_interval(k, n)
+
+
+RETRIEVAL = [
+    retrieval_row(method, n, d, k, 10)
+    for method, ks in {
+        "rope": [10, 1, 1, 0],
+        "rope+linear+finetune": [10, 9, 8, 2],
+        "nope": [2, 1, 0, 0],
+    }.items()
+    for n, kk in zip((64, 128, 256, 512), ks, strict=True)
+    for d, k in ((0.1, kk), (0.9, kk))
+]
+
+
+def test_retrieval_rows_pool_over_depths_with_their_interval():
+    pooled = {(r["method"], r["length"]): r for r in pool_depths(RETRIEVAL)}
+    row = pooled["rope+linear+finetune", 256]
+    assert row["n"] == 20 and row["accuracy"] == pytest.approx(0.8)
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson_interval(16, 20))
+    assert set(RETRIEVAL[0]) == {"method", "length", "depth", "accuracy", "n", "ci_low", "ci_high"}
+    assert "80% [58%, 92%]" in format_retrieval_table(RETRIEVAL, 64)
+
+
+def test_answer_names_who_retrieves_past_L_and_how_far():
+    assert retrieval_reach(RETRIEVAL, 64) == {"rope": 64, "rope+linear+finetune": 256, "nope": 0}
+    text = answer(RESULTS, RETRIEVAL, 64)
+    assert "rope+linear+finetune (to 4L; 80% there)" in text
+    assert "rope retrieve at L only" in text and "nope do not retrieve even at L" in text
+    assert "reproduced: plain RoPE fails past L; PI retrieves past L after a short fine-tune" in text
+    assert text.count(". ") == 2 and text.endswith(".")  # three sentences
+
+
+def test_answer_makes_no_literature_claim_when_rope_cannot_retrieve_at_L():
+    failing = [dict(r, accuracy=0.0) if r["method"] == "rope" else r for r in RETRIEVAL]
+    text = answer(RESULTS, failing, 64)
+    assert "reproduced" not in text and "needs a rope model that retrieves at L" in text
+
+
+def test_log_ticks_are_round_values_spanning_the_range():
+    ticks = nice_log_ticks(6.5, 21.0)
+    assert ticks[0] >= 6.5 and ticks[-1] <= 21.0 and len(ticks) >= 3
+    assert all(round(t / 10 ** math.floor(math.log10(t)), 6) in {1, 1.5, 2, 3, 5, 7} for t in ticks)
+
+
+class _Check:
+    def __init__(self, name):
+        self.name, self.max_error, self.tolerance, self.passed = name, 0.0, 1e-6, True
+
+
+def _extra(world_size=1, threads=1):
+    return {
+        "machine": {"device_name": "Test CPU", "device": "cpu", "threads": threads, "cpu_count": 2,
+                    "platform": "Linux", "python": "3.12", "torch": "2", "load": "0.00 0.00 0.00"},
+        "world_size": world_size, "seeds": [4, 5, 6], "final_train_loss": {"rope": 1.5},
+        "corpus": {"train_files": 3, "validation_files": ["a"], "root": "/x"},
+        "timings_s": {"train": 1.0, "total": 2.0}, "attention_by_distance": [0.5, 0.5],
+    }  # fmt: skip
+
+
+def test_report_numbers_come_from_the_settings():
+    s = replace(DemoSettings(), train_length=32, eval_multiples=(1, 3), rope_base=500.0, finetune_factor=3,
+                dynamic_factor=1.5, finetune_steps=7, dim=48, n_heads=2, seeds=3)  # fmt: skip
+    results = [{"method": "rope", "length": n, "perplexity": p} for n, p in ((32, 4.0), (96, 5.0))]
+    retrieval = [retrieval_row("rope", n, 0.5, 5, 10) for n in (32, 96)]
+    text = "\n".join(report_sections(s, results, retrieval, _extra(), [_Check("c")]).values())
+    assert "factor = evaluation length / L (1, 3)" in text
+    assert "fixed factor 1.5" in text and "7 steps at 3L with factor 3" in text
+    assert "base 500" in text and "base 10000" not in text
+    assert "up to 3L" in text and "8L" not in text and "2.0" not in text
+    assert "- none" not in text
+    assert "96 (3L)" in text and "seeds 4, 5, 6" in text
+
+
+@pytest.mark.parametrize(
+    ("world_size", "threads", "expected"),
+    [(1, 1, "1 process, 1 thread per"), (2, 4, "2 processes, 4 threads per")],
+)
+def test_report_names_processes_and_threads_in_words(world_size, threads, expected):
+    results = [{"method": "rope", "length": 128, "perplexity": 4.0}]
+    sections = report_sections(DemoSettings(), results, [], _extra(world_size, threads), [_Check("c")])
+    text = sections["Machine and settings"]
+    assert expected in text and "Test CPU" in text and "(es)" not in text and "(s)" not in text
+
+
+def test_report_says_when_seeds_ran_in_parallel_processes():
+    results = [{"method": "rope", "length": 128, "perplexity": 4.0}]
+    extra = {**_extra(), "seed_processes": 3}
+    text = report_sections(DemoSettings(), results, [], extra, [_Check("c")])["Machine and settings"]
+    assert "1 process (its 3 seeds in 3 parallel worker processes)" in text

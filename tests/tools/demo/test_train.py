@@ -12,6 +12,8 @@ from ropekit.tools.demo.train import (
     TrainSettings,
     fresh_model,
     learning_rate,
+    min_depth,
+    retrieval_correct,
     token_losses,
     train,
 )
@@ -31,6 +33,34 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert learning_rate(100, s) == pytest.approx(0.1)
     values = [learning_rate(k, s) for k in range(10, 101)]
     assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_curriculum_widens_the_key_query_gap_to_the_whole_window():
+    s = TrainSettings(steps=100, batch_size=4, length=8, curriculum=0.5, curriculum_gap=0.1)
+    assert min_depth(0, s) == pytest.approx(0.9)
+    depths = [min_depth(k, s) for k in range(0, 60)]
+    assert all(a >= b for a, b in itertools.pairwise(depths))
+    assert min_depth(50, s) == 0.0 and min_depth(99, s) == 0.0
+    assert min_depth(0, TrainSettings(steps=10, batch_size=4, length=8, curriculum=0.0)) == 0.0
+
+
+def test_retrieval_is_exact_match_of_every_answer_byte():
+    class Echo(torch.nn.Module):
+        """Predicts, at each position, the byte that follows it in ``truth`` (one digit wrong in row 1)."""
+
+        def __init__(self, truth):
+            super().__init__()
+            self.truth = truth
+
+        def forward(self, tokens):
+            logits = torch.full((*tokens.shape, 256), -1.0)
+            return logits.scatter(2, self.truth[:, 1:, None], 1.0)
+
+    windows = torch.randint(48, 58, (3, 20))
+    truth = windows.clone()
+    truth[1, -2] = (truth[1, -2] - 48 + 1) % 10 + 48
+    correct = retrieval_correct(Echo(truth), windows, 3, torch.device("cpu"))
+    assert correct.tolist() == [True, False, True]
 
 
 def test_a_model_with_uniform_predictions_loses_log_256_per_byte():

@@ -14,7 +14,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Corpus", "load_corpus", "sample_batch", "stdlib_files", "validation_windows"]
+__all__ = [
+    "KEY_CLOSE",
+    "KEY_DIGITS",
+    "KEY_OPEN",
+    "Corpus",
+    "load_corpus",
+    "passkey_windows",
+    "sample_batch",
+    "stdlib_files",
+    "validation_windows",
+]
 
 # Folders that are not the library's code: third-party packages, the (huge, repetitive) test suites, and
 # generated
@@ -28,6 +38,13 @@ VALIDATION_EVERY = 10
 # Separates files in the byte stream; NUL never occurs in Python source, so it marks a file boundary
 # unambiguously.
 FILE_SEPARATOR = b"\x00"
+# The passkey: KEY_DIGITS distinct random digits between STX and ETX, stated once in the filler; the query
+# is STX again and the answer the digits. Neither control byte occurs in Python source (and filler is
+# scrubbed of them), so the key is stated exactly once and the query can only be matched against it.
+KEY_OPEN, KEY_CLOSE = 0x02, 0x03
+KEY_DIGITS = 5
+# Bytes of a passkey window that are not filler: statement (STX, digits, ETX), query (STX) and answer.
+_PASSKEY_OVERHEAD = (KEY_DIGITS + 2) + 1 + KEY_DIGITS
 
 
 @dataclass(frozen=True)
@@ -157,3 +174,63 @@ def validation_windows(stream: torch.Tensor, length: int, chunk_length: int, n_c
     starts = (chunk_starts[:, None] + torch.arange(0, chunk_length, length)).flatten()  # (windows,)
     index = starts[:, None] + torch.arange(length + 1)  # (windows, length + 1)
     return stream[index].long()
+
+
+def passkey_windows(
+    stream: torch.Tensor,
+    n: int,
+    length: int,
+    generator: torch.Generator,
+    depth: float | None = None,
+    *,
+    min_depth: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` passkey-retrieval windows of ``length + 1`` bytes (inputs plus next-byte targets, as
+    :func:`sample_batch`'s).
+
+    Each is ``filler[:p] + STX + key + ETX + filler[p:] + STX + key``: the filler is a random run of real
+    source text from ``stream``, the key :data:`KEY_DIGITS` distinct random ASCII digits, stated once; the
+    final STX is the query and the last KEY_DIGITS bytes the answer. ``p`` is the depth times the filler's
+    length: depth 0 puts the key at the start of the window, 1 right before the query.
+
+    Args:
+        stream: (m,) uint8 filler bytes.
+        n: number of windows.
+        length: input length.
+        generator: draws the filler, keys and (when depth is None) depths.
+        depth: where the key goes, in [0, 1]; None draws one per window, uniformly in [min_depth, 1].
+        min_depth: the lower end of the drawn depths (the training curriculum starts keys near the query).
+
+    Returns:
+        tokens (n, length + 1) int64, and answers (n, length + 1) bool marking the answer bytes.
+
+    Raises:
+        ValueError: for a depth outside [0, 1], a length too short for filler, or a stream too short.
+    """
+    filler_len = length + 1 - _PASSKEY_OVERHEAD
+    if filler_len < 1:
+        raise ValueError(f"length: expected at least {_PASSKEY_OVERHEAD} for a passkey window, got {length}")
+    for name, value in (("depth", 0.0 if depth is None else depth), ("min_depth", min_depth)):
+        if isinstance(value, bool) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
+    if stream.numel() <= filler_len:
+        raise ValueError(f"stream: expected more than {filler_len} bytes of filler, got {stream.numel()}")
+    starts = torch.randint(0, stream.numel() - filler_len, (n,), generator=generator)
+    filler = stream[starts[:, None] + torch.arange(filler_len)].long()  # (n, filler_len)
+    # Scrub the key's delimiters from the filler (the stdlib has none; another corpus might).
+    filler = filler.masked_fill((filler == KEY_OPEN) | (filler == KEY_CLOSE), ord(" "))
+    # Distinct digits: "the digit after d" is then unambiguous within the key (docs/demo.md: with repeats
+    # allowed, the keys with a repeated digit, about half of them, were the ones the models missed).
+    keys = torch.rand(n, 10, generator=generator).argsort(1)[:, :KEY_DIGITS] + ord("0")  # (n, KEY_DIGITS)
+    if depth is None:
+        depths = min_depth + (1.0 - min_depth) * torch.rand(n, generator=generator, dtype=torch.float64)
+    else:
+        depths = torch.full((n,), float(depth), dtype=torch.float64)
+    tokens = torch.empty(n, length + 1, dtype=torch.long)
+    open_, close = torch.tensor([KEY_OPEN]), torch.tensor([KEY_CLOSE])
+    for i in range(n):
+        p = round(float(depths[i]) * filler_len)
+        tokens[i] = torch.cat([filler[i, :p], open_, keys[i], close, filler[i, p:], open_, keys[i]])
+    answers = torch.zeros(n, length + 1, dtype=torch.bool)
+    answers[:, -KEY_DIGITS:] = True
+    return tokens, answers

@@ -35,6 +35,11 @@ class ModelConfig:
     n_heads: int = 4  # head_dim 32: 16 rotary pairs, enough for a visible spread of wavelengths
     mlp_ratio: int = 4
     rope_base: float = 10000.0  # the base of RoFormer (Su et al. 2021) and of Vaswani et al.'s sinusoids
+    # Keys also see the previous byte (PrevTokenKeys), so one attention layer can find "the byte after the
+    # earlier STX" and retrieval is learnt within the demo's budget; without them the two-layer induction
+    # circuit had not formed after 400 steps (docs/demo.md). Every variant gets them: they tell a key its
+    # predecessor, not its position.
+    prev_token_keys: bool = True
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -49,6 +54,26 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+
+class PrevTokenKeys(nn.Module):
+    """Key projection that also sees the previous position: k_i = W_k x_i + W_p x_{i-1}.
+
+    Replaces an :class:`~ropekit.nn.attention.Attention` block's ``wk`` (called on the whole (B, S, C)
+    sequence), so the rotary embedding is applied to these keys as usual. One attention layer can then match
+    "the byte after an earlier STX" (an induction head in one layer, as smeared keys do in Olsson et al.
+    2022). Not for cached decoding, which calls wk one token at a time.
+    """
+
+    def __init__(self, wk: nn.Linear) -> None:
+        super().__init__()
+        self.current = wk
+        self.previous = nn.Linear(wk.in_features, wk.out_features, bias=False)
+        nn.init.normal_(self.previous.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = F.pad(x, (0, 0, 1, 0))[:, :-1]  # (B, S, C): x_{i-1}, zeros at i = 0
+        return self.current(x) + self.previous(before)
 
 
 class Block(nn.Module):
@@ -97,6 +122,9 @@ class ByteTransformer(nn.Module):
         self.head = nn.Linear(config.dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: fewer parameters to learn in a short run
         self.apply(_init_weights)
+        if config.prev_token_keys:
+            for block in self.blocks:
+                block.attn.wk = PrevTokenKeys(block.attn.wk)
 
     @property
     def rope(self) -> RotaryEmbedding | None:

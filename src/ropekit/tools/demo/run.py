@@ -13,73 +13,89 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ropekit.config import RopeConfig
-from ropekit.schedules import SCHEDULES, extension_scaling
+from ropekit.schedules import extension_scaling
 from ropekit.tools.demo import report
-from ropekit.tools.demo.data import load_corpus, validation_windows
+from ropekit.tools.demo.data import load_corpus, passkey_windows, validation_windows
 from ropekit.tools.demo.model import VARIANTS, ModelConfig
 from ropekit.tools.demo.train import (
     DistContext,
     TrainSettings,
     clone,
     fresh_model,
+    retrieval_correct,
     setup_distributed,
     token_losses,
     train,
 )
+from ropekit.validation import check_int
 
-__all__ = ["SCALING_METHODS", "DemoSettings", "rope_config_for", "run_demo"]
+__all__ = ["EVAL_MULTIPLES", "SCALING_METHODS", "DemoSettings", "rope_config_for", "run_demo"]
 
 # Inference-time scaling applied to the trained rope model, in the order the report lists them.
 SCALING_METHODS = ("linear", "ntk", "dynamic", "yarn", "llama3")
+# Fine-tuned at finetune_factor * L: PI (linear) and YaRN, the two the passkey papers fine-tune.
 FINETUNED_METHODS = ("linear", "yarn")
 EVAL_MULTIPLES = (1, 2, 4, 8)
-# Dynamic NTK adapts to the length by itself; it gets HF's usual fixed factor rather than one per length.
-DYNAMIC_FACTOR = 2.0
-# The fine-tuned models are tuned at 2L with factor 2 and keep that factor at every evaluation length.
-FINETUNE_FACTOR = 2
+RETRIEVAL_DEPTHS = (0.1, 0.5, 0.9)  # near the start, the middle, near the query
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    train_length: int = (
-        128  # L: short enough to train in a minute on a CPU, long enough for 16 rotary pairs to matter
-    )
+    train_length: int = 128  # L: short enough to train in a minute on a CPU, long enough for 16 rotary pairs
     dim: int = 128
-    n_layers: int = 4
+    n_layers: int = 2  # one layer copies the key (previous-token keys), one more for the byte statistics
     n_heads: int = 4
-    steps: int = 250  # per variant; ~1 minute each on one CPU core
+    steps: int = 600  # per variant; retrieval is learnt after ~300 (docs/demo.md); ~50 s each on one core
     batch_size: int = 16  # global windows per step
+    passkey_fraction: float = 0.5  # of each batch's windows; docs/demo.md says why this much
     lr: float = 3e-3
-    eval_chunks: int = 16  # validation chunks of 8L bytes; every evaluation length predicts these bytes
-    finetune: bool = False
+    eval_chunks: int = 16  # validation chunks of (longest multiple) * L bytes; every length predicts these
+    eval_multiples: tuple[int, ...] = EVAL_MULTIPLES  # evaluation lengths, in units of L
+    retrieval_depths: tuple[float, ...] = RETRIEVAL_DEPTHS
+    retrieval_examples: int = 32  # per (method, length, depth) and seed
+    finetune: bool = True
     finetune_steps: int = 60
+    finetune_factor: int = 2  # tuned at this many L with this scaling factor, and evaluated with it
+    dynamic_factor: float = 2.0  # dynamic NTK adapts to the length itself: HF's usual fixed factor
+    rope_base: float = 10000.0  # RoFormer's (Su et al. 2021)
     variants: tuple[str, ...] = VARIANTS
     evaluate: bool = True
     seed: int = 0
+    seeds: int = 1  # seeds seed, seed + 1, ...: each trains and evaluates every model afresh
+    jobs: int | None = None  # seeds run at once in separate processes; None: one per core (threads each)
     device: str = "cpu"
     threads: int | None = None  # None: see default_threads
     train_bytes: int = 2_000_000
     validation_bytes: int = 300_000
 
     def model_config(self, variant: str) -> ModelConfig:
-        return ModelConfig(variant=variant, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads)
+        return ModelConfig(variant=variant, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                           rope_base=self.rope_base)  # fmt: skip
 
 
-# --quick: half the length, a quarter of the width-depth; about 15 s of CPU time in all. One thread: matmuls
-# this small gain nothing from a second, and spinning threads waste a shared machine's cores.
-QUICK = DemoSettings(train_length=64, dim=64, n_layers=2, n_heads=2, steps=200, eval_chunks=16,
-                     finetune_steps=30, threads=1, train_bytes=600_000, validation_bytes=100_000)  # fmt: skip
+# --quick: half the length, a quarter of the width-depth, fewer trials. One thread: matmuls this small gain
+# nothing from a second, and spinning threads waste a shared machine's cores.
+QUICK = DemoSettings(train_length=64, dim=64, n_layers=2, n_heads=2, steps=200, eval_chunks=8,
+                     retrieval_examples=8, finetune_steps=30, threads=1, train_bytes=600_000,
+                     validation_bytes=100_000)  # fmt: skip
 
 
 def _check_settings(s: DemoSettings) -> None:
-    for name in ("train_length", "steps", "batch_size", "eval_chunks", "finetune_steps"):
-        value = getattr(s, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    for name in ("train_length", "steps", "batch_size", "eval_chunks", "finetune_steps", "seeds",
+                 "retrieval_examples", "finetune_factor"):  # fmt: skip
+        check_int(name, getattr(s, name), minimum=1, expected="a positive integer")
+    if isinstance(s.passkey_fraction, bool) or not 0.0 <= s.passkey_fraction <= 1.0:
+        raise ValueError(f"passkey_fraction: expected a number in [0, 1], got {s.passkey_fraction!r}")
+    if not s.eval_multiples or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
+                                   for m in s.eval_multiples):  # fmt: skip
+        raise ValueError(f"eval_multiples: expected positive integers, got {s.eval_multiples!r}")
+    if not s.retrieval_depths or any(not 0.0 <= d <= 1.0 for d in s.retrieval_depths):
+        raise ValueError(f"retrieval_depths: expected numbers in [0, 1], got {s.retrieval_depths!r}")
     if not s.variants or any(v not in VARIANTS for v in s.variants):
         raise ValueError(f"variants: expected a non-empty subset of {VARIANTS}, got {s.variants!r}")
     if s.finetune and "rope" not in s.variants:
@@ -87,10 +103,9 @@ def _check_settings(s: DemoSettings) -> None:
             f"finetune: fine-tuning starts from the rope model, so variants must include 'rope', "
             f"got {s.variants}"
         )
-    if s.threads is not None and (
-        isinstance(s.threads, bool) or not isinstance(s.threads, int) or s.threads <= 0
-    ):
-        raise ValueError(f"threads: expected a positive integer or None, got {s.threads!r}")
+    for name in ("threads", "jobs"):
+        if getattr(s, name) is not None:
+            check_int(name, getattr(s, name), minimum=1, expected="a positive integer or None")
 
 
 def default_threads(world_size: int) -> int:
@@ -108,25 +123,20 @@ def rope_config_for(
 ) -> RopeConfig:
     """The RopeConfig the trained rope model is evaluated with for ``method`` at ``eval_length``.
 
-    ``factor`` defaults to eval_length / L (PI's choice: stretch the training range over the window).
+    ``factor`` defaults to eval_length / L (PI's choice: stretch the training range over the window);
+    dynamic NTK always gets ``s.dynamic_factor``.
 
     Raises:
-        ValueError: for an unknown method, or one whose schedule is not registered.
+        ValueError: for an unknown method.
     """
     head_dim, L = s.dim // s.n_heads, s.train_length
     factor = float(eval_length / L if factor is None else factor)
     if method == "rope":
-        return RopeConfig(head_dim, 10000.0, max_position_embeddings=L)
+        return RopeConfig(head_dim, s.rope_base, max_position_embeddings=L)
     if method not in SCALING_METHODS:
         raise ValueError(f"method: expected one of {['rope', *SCALING_METHODS]}, got {method!r}")
-    scaling, max_positions = extension_scaling(method, DYNAMIC_FACTOR if method == "dynamic" else factor, L)
-    return RopeConfig(head_dim, 10000.0, scaling=scaling, max_position_embeddings=max_positions)
-
-
-def _missing_schedules(methods) -> dict[str, str]:
-    return {
-        m: f"schedule {m!r} is not registered in ropekit.schedules" for m in methods if m not in SCHEDULES
-    }
+    scaling, max_positions = extension_scaling(method, s.dynamic_factor if method == "dynamic" else factor, L)
+    return RopeConfig(head_dim, s.rope_base, scaling=scaling, max_position_embeddings=max_positions)
 
 
 def run_demo(s: DemoSettings, out: Path) -> int:
@@ -136,43 +146,27 @@ def run_demo(s: DemoSettings, out: Path) -> int:
     ctx = setup_distributed(s.device)
     torch.set_num_threads(s.threads or default_threads(ctx.world_size))
     timings: dict[str, float] = {}
+    load = _load_average()
 
     tick = time.perf_counter()
     corpus = load_corpus(s.train_bytes, s.validation_bytes)
     timings["data"] = time.perf_counter() - tick
+    seeds = [s.seed + k for k in range(s.seeds)]
     if ctx.is_main:
         print(f"ropekit demo: {len(corpus.train_files)} train files ({corpus.train.numel():,} bytes), "
               f"{len(corpus.validation_files)} validation files from {corpus.root}; "
-              f"{ctx.world_size} process(es) on {ctx.device}", flush=True)  # fmt: skip
+              f"{_processes(ctx.world_size)} on {ctx.device}; seeds {seeds}", flush=True)  # fmt: skip
 
-    models, train_loss = {}, {}
-    train_settings = TrainSettings(
-        steps=s.steps, batch_size=s.batch_size, length=s.train_length, lr=s.lr, seed=s.seed
-    )
     tick = time.perf_counter()
-    for variant in s.variants:
-        models[variant] = fresh_model(s.model_config(variant), s.seed, ctx.device)
-        train_loss[variant] = train(
-            models[variant], corpus.train, train_settings, ctx, desc=f"train {variant} @{s.train_length}"
-        )
-        if ctx.is_main:
-            print(f"  trained {variant:<10} final loss {train_loss[variant][-1]:.3f}", flush=True)
-    skipped = _missing_schedules(SCALING_METHODS) if "rope" in s.variants else {}
-    if s.finetune:
-        # Half the windows at twice the length: the same bytes per step as pre-training.
-        tuned = replace(train_settings, steps=s.finetune_steps, length=2 * s.train_length, lr=s.lr / 3,
-                        warmup=5, batch_size=max(ctx.world_size, s.batch_size // 2))  # fmt: skip
-        for method in FINETUNED_METHODS:
-            if method in skipped:
-                continue
-            model = clone(models["rope"])
-            model.set_rope(rope_config_for(method, 2 * s.train_length, s, factor=FINETUNE_FACTOR))
-            name = f"rope+{method}+finetune"
-            train_loss[name] = train(
-                model, corpus.train, tuned, ctx, desc=f"finetune {method} @{2 * s.train_length}"
-            )
-            models[name] = model
-    timings["train"] = time.perf_counter() - tick
+    jobs = s.jobs or min(len(seeds), max(1, (os.cpu_count() or 1) // torch.get_num_threads()))
+    parallel = ctx.world_size == 1 and jobs > 1
+    if parallel:
+        per_seed = _seeds_in_parallel(s, seeds, jobs)
+    else:
+        per_seed = [_one_seed(s, seed, corpus, ctx) for seed in seeds]
+    timings["train and evaluate"] = time.perf_counter() - tick
+    for key in ("train", "evaluate"):
+        timings[key] = sum(p["timings"][key] for p in per_seed)
     if ctx.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -180,52 +174,154 @@ def run_demo(s: DemoSettings, out: Path) -> int:
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
-    results: list[dict] = []
-    extra = {"settings": asdict(s), "world_size": ctx.world_size,
-             "train_loss": train_loss, "skipped": skipped, "machine": machine_description(ctx),
+    results = _pool_perplexity([p["results"] for p in per_seed])
+    retrieval = _pool_retrieval([p["counts"] for p in per_seed])
+    train_loss = per_seed[0]["train_loss"]
+    extra = {"settings": asdict(s), "seeds": seeds, "world_size": ctx.world_size, "train_loss": train_loss,
+             "final_train_loss": {k: v[-1] for k, v in train_loss.items()},
+             "final_train_loss_by_seed": {k: [p["train_loss"][k][-1] for p in per_seed] for k in train_loss},
+             "retrieval": retrieval, "machine": machine_description(ctx, load),
+             "seed_processes": jobs if parallel else 1,
+             "skipped": {},  # kept for readers of older results: every scaling schedule is registered
              "corpus": {"root": corpus.root, "train_files": len(corpus.train_files),
                         "validation_files": list(corpus.validation_files)}}  # fmt: skip
     if s.evaluate:
-        tick = time.perf_counter()
-        results, extra["extra_loss_by_position"] = _evaluate_all(models, corpus.validation, s, skipped, ctx)
-        timings["evaluate"] = time.perf_counter() - tick
+        names = per_seed[0]["extra_loss"].keys()
+        extra["extra_loss_by_position"] = {
+            name: [round(float(x), 4) for x in np.mean([p["extra_loss"][name] for p in per_seed], axis=0)]
+            for name in names
+        }
+    if per_seed[0]["attention"] is not None:
+        extra["attention_by_distance"] = per_seed[0]["attention"]
     timings["total"] = time.perf_counter() - started
     extra["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
-    if s.evaluate and "rope" in models:
-        extra["attention_by_distance"] = _attention_profile(
-            models["rope"], corpus.validation, s, ctx
-        ).tolist()
     report.write_results(out / "results.json", s.train_length, results, extra)
     if s.evaluate:
-        _write_report(out, s, results, extra, ctx)
-    print(_summary(out, s, results, extra), flush=True)
+        _write_report(out, s, results, retrieval, extra)
+    print(_summary(out, s, results, retrieval, extra), flush=True)
     return 0
 
 
-def _evaluate_all(models, stream, s, skipped, ctx: DistContext) -> tuple[list[dict], dict[str, list[float]]]:
-    """Perplexity of every (method, length) job; and, per method, how much the loss of each byte of the 8L
-    windows differs from that of the same byte predicted within a window of L (the extrapolation cost)."""
-    from tqdm.auto import tqdm
+def _one_seed(s: DemoSettings, seed: int, corpus, ctx: DistContext) -> dict:
+    """Train every model for one seed and (rank 0) evaluate them."""
+    tick = time.perf_counter()
+    models, train_loss = _train_all(s, seed, corpus, ctx)
+    out = {"train_loss": train_loss, "results": [], "counts": {}, "extra_loss": {}, "attention": None,
+           "timings": {"train": time.perf_counter() - tick, "evaluate": 0.0}}  # fmt: skip
+    if ctx.is_main and s.evaluate:
+        tick = time.perf_counter()
+        out["results"], out["counts"], out["extra_loss"] = _evaluate_all(
+            models, corpus.validation, s, seed, ctx
+        )
+        if "rope" in models:
+            out["attention"] = _attention_profile(models["rope"], corpus.validation, s, ctx).tolist()
+        out["timings"]["evaluate"] = time.perf_counter() - tick
+    return out
 
+
+def _seed_worker(s: DemoSettings, seed: int, threads: int) -> dict:
+    # A worker process of _seeds_in_parallel: its own thread budget, and no progress bars (several processes
+    # would overwrite each other's line); the parent prints a line per finished model.
+    import sys
+
+    torch.set_num_threads(threads)
+    sys.stderr = open(os.devnull, "w")
+    corpus = load_corpus(s.train_bytes, s.validation_bytes)
+    return _one_seed(s, seed, corpus, DistContext())
+
+
+def _seeds_in_parallel(s: DemoSettings, seeds: list[int], jobs: int) -> list[dict]:
+    """Each seed in its own process (spawned; ``jobs`` at a time), for a single-process run with cores to
+    spare: seeds are independent, and one thread per model is what these small matmuls use well."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = torch.get_num_threads()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_seed_worker, s, seed, threads) for seed in seeds]
+        return [f.result() for f in futures]
+
+
+def _train_all(s: DemoSettings, seed: int, corpus, ctx: DistContext) -> tuple[dict, dict[str, list[float]]]:
+    """Every variant from the same initial weights, then the fine-tuned copies of the rope model."""
+    models, train_loss = {}, {}
+    keys = passkey_rows(s.passkey_fraction, s.batch_size, ctx.world_size)
+    settings = TrainSettings(steps=s.steps, batch_size=s.batch_size, length=s.train_length, lr=s.lr,
+                             seed=seed, passkey_rows=keys)  # fmt: skip
+    for variant in s.variants:
+        models[variant] = fresh_model(s.model_config(variant), seed, ctx.device)
+        train_loss[variant] = train(
+            models[variant],
+            corpus.train,
+            settings,
+            ctx,
+            desc=f"seed {seed}: train {variant} @{s.train_length}",
+        )
+        if ctx.is_main:
+            print(
+                f"  seed {seed}: trained {variant:<10} final loss {train_loss[variant][-1]:.3f}", flush=True
+            )
+    if s.finetune:
+        # The same bytes per step as pre-training, in windows finetune_factor times longer (the passkey rows
+        # keep their share), without the curriculum: the copy circuit exists by now.
+        rows = max(ctx.world_size, s.batch_size // s.finetune_factor)
+        keys = passkey_rows(s.passkey_fraction, rows, ctx.world_size)
+        length = s.finetune_factor * s.train_length
+        tuned = replace(settings, steps=s.finetune_steps, length=length, lr=s.lr / 3,
+                        warmup=5, batch_size=rows, passkey_rows=keys, curriculum=0.0)  # fmt: skip
+        for method in FINETUNED_METHODS:
+            model = clone(models["rope"])
+            model.set_rope(rope_config_for(method, tuned.length, s, factor=s.finetune_factor))
+            name = f"rope+{method}+finetune"
+            train_loss[name] = train(model, corpus.train, tuned, ctx,
+                                     desc=f"seed {seed}: finetune {method} @{tuned.length}")  # fmt: skip
+            models[name] = model
+    return models, train_loss
+
+
+def passkey_rows(fraction: float, batch_size: int, world_size: int) -> int:
+    """Passkey windows in a global batch: the fraction, rounded down to a multiple of the world size (every
+    rank holds as many), and at least one per rank when the fraction is positive."""
+    rows = int(fraction * batch_size) // world_size * world_size
+    return max(rows, world_size) if fraction > 0 else 0
+
+
+def _jobs(models: dict, s: DemoSettings):
+    """(method name, model, multiple of L, rope config or None) for every evaluation."""
     L = s.train_length
-    chunk = max(EVAL_MULTIPLES) * L
-    windows = {n: validation_windows(stream, n * L, chunk, s.eval_chunks) for n in EVAL_MULTIPLES}
-    jobs = []  # (method name, model, eval length, rope config or None)
+    jobs = []
     for name, model in models.items():
-        for n in EVAL_MULTIPLES:
+        for n in s.eval_multiples:
             config = None
             if name.endswith("+finetune"):
-                config = rope_config_for(name.split("+")[1], n * L, s, factor=FINETUNE_FACTOR)
+                config = rope_config_for(name.split("+")[1], n * L, s, factor=s.finetune_factor)
             jobs.append((name, model, n, config))
     if "rope" in models:
         for method in SCALING_METHODS:
-            if method not in skipped:
-                jobs += [
-                    (f"rope+{method}", models["rope"], n, rope_config_for(method, n * L, s))
-                    for n in EVAL_MULTIPLES
-                ]
-    results, by_chunk = [], {}
-    for name, model, n, config in tqdm(jobs, desc="evaluate", dynamic_ncols=True, leave=False):
+            jobs += [(f"rope+{method}", models["rope"], n, rope_config_for(method, n * L, s))
+                     for n in s.eval_multiples]  # fmt: skip
+    return jobs
+
+
+def _evaluate_all(models, stream, s: DemoSettings, seed: int, ctx: DistContext):
+    """One seed's numbers: perplexity rows; retrieval counts {(method, length, depth): (correct, n)}; and,
+    per method, how much the loss of each byte of the longest windows differs from that of the same byte
+    predicted within a window of L (the extrapolation cost)."""
+    from tqdm.auto import tqdm
+
+    L = s.train_length
+    longest = max(s.eval_multiples)
+    chunk = longest * L
+    windows = {n: validation_windows(stream, n * L, chunk, s.eval_chunks) for n in s.eval_multiples}
+    # Fresh trials per seed (pooled over seeds they stay independent); the same ones for every method.
+    trials = {
+        (n, d): passkey_windows(stream, s.retrieval_examples, n * L,
+                                torch.Generator().manual_seed(1_000_003 * (seed + 1) + 1009 * n + k), d)[0]
+        for n in s.eval_multiples for k, d in enumerate(s.retrieval_depths)
+    }  # fmt: skip
+    results, counts, by_chunk = [], {}, {}
+    for name, model, n, config in tqdm(_jobs(models, s), desc=f"seed {seed}: evaluate", dynamic_ncols=True,
+                                       leave=False):  # fmt: skip
         if config is not None:
             model = clone(model)
             model.set_rope(config)
@@ -233,12 +329,43 @@ def _evaluate_all(models, stream, s, skipped, ctx: DistContext) -> tuple[list[di
         losses = token_losses(model, windows[n], batch, ctx.device)  # (windows, n * L)
         results.append({"method": name, "length": n * L, "perplexity": math.exp(float(losses.mean()))})
         by_chunk[name, n] = losses.reshape(s.eval_chunks, chunk)  # byte-aligned across lengths
-    longest = max(EVAL_MULTIPLES)
-    extra_loss = {
-        name: [round(x, 4) for x in (by_chunk[name, longest] - by_chunk[name, 1]).mean(0).tolist()]
-        for name in dict.fromkeys(name for name, _ in by_chunk)
-    }
-    return results, extra_loss
+        for d in s.retrieval_depths:
+            correct = retrieval_correct(model, trials[n, d], batch, ctx.device)
+            counts[name, n * L, d] = (int(correct.sum()), correct.numel())
+    extra_loss = {}
+    if 1 in s.eval_multiples:
+        extra_loss = {
+            name: (by_chunk[name, longest] - by_chunk[name, 1]).mean(0).tolist()
+            for name in dict.fromkeys(name for name, _ in by_chunk)
+        }
+    return results, counts, extra_loss
+
+
+def _pool_perplexity(per_seed: list[list[dict]]) -> list[dict]:
+    """Mean and (sample) standard deviation over seeds of each (method, length) perplexity."""
+    if not per_seed or not per_seed[0]:
+        return []
+    rows = []
+    for k, first in enumerate(per_seed[0]):
+        values = [seed_rows[k]["perplexity"] for seed_rows in per_seed]
+        row = {"method": first["method"], "length": first["length"], "perplexity": float(np.mean(values))}
+        if len(values) > 1:
+            row["perplexity_std"] = float(np.std(values, ddof=1))
+            row["perplexity_by_seed"] = [float(v) for v in values]
+        rows.append(row)
+    return rows
+
+
+def _pool_retrieval(per_seed: list[dict]) -> list[dict]:
+    """Trials of every seed pooled per (method, length, depth), with the Wilson interval."""
+    if not per_seed or not per_seed[0]:
+        return []
+    return [
+        report.retrieval_row(method, length, depth, sum(c[key][0] for c in per_seed),
+                             sum(c[key][1] for c in per_seed))
+        for key in per_seed[0]
+        for method, length, depth in [key]
+    ]  # fmt: skip
 
 
 @torch.no_grad()
@@ -246,6 +373,17 @@ def _attention_profile(model, stream, s: DemoSettings, ctx: DistContext):
     windows = validation_windows(stream, s.train_length, s.train_length, 8)
     _, maps = model(windows[:, :-1].to(ctx.device), need_weights=True)
     return report.attention_by_distance(maps)
+
+
+def _processes(world_size: int) -> str:
+    return f"{world_size} process" + ("" if world_size == 1 else "es")
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def cpu_name() -> str:
@@ -259,34 +397,42 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def machine_description(ctx: DistContext) -> dict:
+def machine_description(ctx: DistContext, load: str = "n/a") -> dict:
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else cpu_name()
     return {"device": str(ctx.device), "device_name": device, "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "threads": torch.get_num_threads(), "platform": platform.platform(), "load": load,
             "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
 
 
-def _write_report(out: Path, s: DemoSettings, results, extra, ctx) -> None:
+def _write_report(out: Path, s: DemoSettings, results, retrieval, extra) -> None:
     from ropekit.tools.verify import run_checks
 
     head_dim = s.dim // s.n_heads
     report.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)
-    report.plot_position_loss(out / "loss_vs_position.png", extra["extra_loss_by_position"], s.train_length)
+    if retrieval:
+        report.plot_retrieval_heatmap(out / "retrieval_heatmap.png", retrieval, s.train_length)
+        report.plot_retrieval(out / "retrieval_vs_length.png", retrieval, s.train_length)
+    if extra.get("extra_loss_by_position"):
+        report.plot_position_loss(
+            out / "loss_vs_position.png", extra["extra_loss_by_position"], s.train_length
+        )
     if "attention_by_distance" in extra:
         report.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
-                              10000.0, max(EVAL_MULTIPLES) * s.train_length)  # fmt: skip
-    checks = run_checks(RopeConfig(head_dim, 10000.0))
-    report.write_report(out / "report.md", report.report_sections(s, results, extra, checks))
+                              s.rope_base, max(s.eval_multiples) * s.train_length)  # fmt: skip
+    checks = run_checks(RopeConfig(head_dim, s.rope_base))
+    report.write_report(out / "report.md", report.report_sections(s, results, retrieval, extra, checks))
 
 
-def _summary(out: Path, s: DemoSettings, results, extra) -> str:
+def _summary(out: Path, s: DemoSettings, results, retrieval, extra) -> str:
+    machine = extra["machine"]
     lines = ["", f"ropekit demo: trained at L = {s.train_length} ({', '.join(s.variants)}), "
-             f"{extra['timings_s']['total']:.0f} s on {extra['machine']['device_name']} "
-             f"x{extra['world_size']} process(es)"]  # fmt: skip
+             f"seeds {extra['seeds']}, {extra['timings_s']['total']:.0f} s on {machine['device_name']}, "
+             f"{_processes(extra['world_size'])}"]  # fmt: skip
+    if retrieval:
+        lines += ["passkey retrieval (exact match, pooled over depths and seeds, 95% Wilson interval):",
+                  report.format_retrieval_table(retrieval, s.train_length)]  # fmt: skip
     if results:
         lines += ["validation perplexity per byte:", report.format_table(results, s.train_length)]
-    for method, why in extra["skipped"].items():
-        lines.append(f"skipped rope+{method}: {why}")
     files = sorted(p.name for p in out.iterdir())
     lines.append(f"wrote {out}/: {', '.join(files)}")
     return "\n".join(lines)
