@@ -10,6 +10,7 @@ from ropekit.tools.demo import DemoSettings
 from ropekit.tools.demo.report import (
     answer,
     attention_by_distance,
+    far_key_accuracy,
     format_retrieval_table,
     format_table,
     nice_log_ticks,
@@ -112,8 +113,24 @@ def test_answer_names_who_retrieves_past_L_and_how_far():
     text = answer(RESULTS, RETRIEVAL, 64)
     assert "rope+linear+finetune (to 4L; 80% there)" in text
     assert "rope retrieve at L only" in text and "nope do not retrieve even at L" in text
-    assert "reproduced: plain RoPE fails past L; PI retrieves past L after a short fine-tune" in text
+    assert "reproduced: plain RoPE fails for keys more than L back (7%); PI retrieves past L" in text
     assert text.count(". ") == 2 and text.endswith(".")  # three sentences
+
+
+def test_literature_check_of_plain_rope_reads_keys_more_than_L_back_not_pooled_depths():
+    # At 2L the near keys (depth 0.9, 13 bytes back) all come back and the far ones (115 bytes back) never:
+    # pooled that is 50% "retrieval" at 2L, yet exactly the papers' failure past L.
+    rows = [
+        retrieval_row("rope", n, d, k, 10)
+        for n in (64, 128)
+        for d, k in ((0.1, 10 if n == 64 else 0), (0.9, 10))
+    ]
+    assert far_key_accuracy(rows, "rope", 64) == 0.0
+    assert far_key_accuracy(rows[:2], "rope", 64) is None  # at L no key is more than L back
+    text = answer(RESULTS, rows, 64)
+    assert "reproduced: plain RoPE fails for keys more than L back (0%)" in text
+    flipped = [dict(r, accuracy=1.0) for r in rows]
+    assert "not reproduced: plain RoPE fails" in answer(RESULTS, flipped, 64)
 
 
 def test_answer_makes_no_literature_claim_when_rope_cannot_retrieve_at_L():
