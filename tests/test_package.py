@@ -119,6 +119,8 @@ FUNCTIONAL_KEYWORDS = [
     ("cu_seqlens", KW, None),
     ("interleaved", KW, False),
     ("inplace", KW, False),
+    ("per_token", KW, False),
+    ("full_width", KW, False),
     ("backend", KW, "auto"),
 ]
 
@@ -144,10 +146,11 @@ def test_rotary_embedding_signatures():
         [
             ("self", POS, EMPTY),
             ("q", POS, EMPTY),
-            ("k", POS, EMPTY),
+            ("k", POS, None),
             ("positions", KW, None),
             ("offsets", KW, 0),
             ("cu_seqlens", KW, None),
+            ("inplace", KW, False),
         ],
     )
 

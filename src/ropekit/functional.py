@@ -19,6 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.positions import Positions, resolve
+from ropekit.tables import token_tables
 from ropekit.validation import check_disjoint, check_tables, check_writable, check_x, describe
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
@@ -35,6 +36,8 @@ def apply_rotary_qk(
     cu_seqlens: torch.Tensor | None = None,
     interleaved: bool = False,
     inplace: bool = False,
+    per_token: bool = False,
+    full_width: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries and keys together (one kernel launch on fused backends).
@@ -46,7 +49,8 @@ def apply_rotary_qk(
     """
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
-    return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend)
+    forms = dict(per_token=per_token, full_width=full_width)
+    return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms)
 
 
 def apply_rotary(
@@ -59,6 +63,8 @@ def apply_rotary(
     cu_seqlens: torch.Tensor | None = None,
     interleaved: bool = False,
     inplace: bool = False,
+    per_token: bool = False,
+    full_width: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Apply rotary position embeddings to x.
@@ -76,6 +82,12 @@ def apply_rotary(
             at T. Each packed sequence starts at its own position 0 (plus its offset).
         interleaved: pair layout; False = half / GPT-NeoX / HF, True = GPT-J / Meta (module docstring).
         inplace: write into x and return it. Otherwise x is never modified.
+        per_token: cos / sin are already one row per token (Hugging Face's ``cos[position_ids]``), shaped
+            (B, S, W), (1, S, W) or (S, W), or (T, W) for packed input; positions and offsets must be left
+            at their defaults. The rows are read where they lie (see :mod:`ropekit.tables`).
+        full_width: the rows hold R values, each pair's value written for both its features (HF's
+            ``cat(freqs, freqs)``; with interleaved=True, ``repeat_interleave(freqs, 2)``). Only the first of
+            each pair is read, through a view. Works with per_token or with a table indexed by positions.
         backend: "auto", "torch", "cpu" or "triton".
 
     Returns:
@@ -85,10 +97,14 @@ def apply_rotary(
         ValueError: on a wrong rank, mismatched or too-wide tables, positions of the wrong shape, negative or
             past the table, malformed cu_seqlens, offsets of the wrong length, or an unavailable backend.
     """
-    return _apply(x, None, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend)[0]
+    forms = dict(per_token=per_token, full_width=full_width)
+    out, _ = _apply(x, None, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms)
+    return out
 
 
-def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend):
+def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms):
+    # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
+    cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
     return _apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)

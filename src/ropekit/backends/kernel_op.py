@@ -255,10 +255,10 @@ class KernelBackend:
             and type(q) is torch.Tensor
             and _get_current_dispatch_mode() is None
         )
-        if (
-            cos.dtype != torch.float32
-        ):  # the kernels read float32 tables (a float64 table: converted per call)
-            cos, sin = cos.float(), sin.float()
+        if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+            # The kernels read float32 rows of unit stride: a float64 table, or the every-other-column view of
+            # an interleaved full-width table, is converted per call. Row-sliced views are read in place.
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
         args = (q, k, cos, sin, positions, interleaved, conjugate, offset)
         if inplace:
             (self._rotary_ if direct else self.op_)(*args)

@@ -1,0 +1,156 @@
+"""Tables in the forms other libraries hand around, read in place as a (rows, R/2) table plus positions.
+
+The kernels take one form of table: rows of R/2 cos (and sin) values, row ``p`` for position ``p``, read with
+a row stride. Two other forms are common, and both are that form seen differently, so they cost no copy:
+
+* Full width, duplicated (Hugging Face, Megatron): rows of R values, each pair's angle written for both of the
+  pair's features. With half pairing (GPT-NeoX / HF) the row is ``cat(freqs, freqs)`` and the first R/2 values
+  are the table; with interleaved pairing (GPT-J / Cohere's ``repeat_interleave``) the row is
+  ``[f0, f0, f1, f1, ...]`` and every second value is. Only those values are read: the duplicates are trusted
+  to be duplicates, as in Liger's kernel.
+* Per token (HF's ``cos[position_ids]``, what its rotary modules return): one row per token, already gathered,
+  shaped like the tokens: (B, S, W), (1, S, W) or (S, W) for (B, S, H, D) input, (T, W) for packed (T, H, D).
+  That is a table whose row ``b * S + s`` serves token (b, s): positions = arange. For (B, S, W) rows with
+  row stride ``r``, ``reshape(B * S, W)`` is a view with the same row stride, so nothing moves.
+
+Shape notation: B batch, S sequence, T packed tokens, W table width (R or R/2), R rotary_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.validation import check_bool, check_tables, describe
+
+__all__ = ["half_width", "per_token_table", "token_tables"]
+
+
+def _check_pair(cos: object, sin: object) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {describe(t)}")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin: expected the same shape, got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
+        )
+
+
+def half_width(
+    cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the R/2 values per row that a full-width duplicated table (width R) holds once.
+
+    interleaved=False reads ``[..., :R/2]`` (rows ``cat(freqs, freqs)``); interleaved=True reads
+    ``[..., ::2]`` (rows ``freqs.repeat_interleave(2)``). Both are views: no copy.
+
+    Raises:
+        ValueError: if cos / sin are not floating-point tensors of one shape with an even, non-zero width.
+    """
+    _check_pair(cos, sin)
+    width = cos.shape[-1] if cos.dim() else 0
+    if width == 0 or width % 2:
+        raise ValueError(
+            f"cos: a full-width table holds rotary_dim values per row, so its width must be even and > 0; "
+            f"got shape {tuple(cos.shape)}"
+        )
+    if interleaved:
+        return cos[..., ::2], sin[..., ::2]
+    return cos[..., : width // 2], sin[..., : width // 2]
+
+
+def per_token_table(
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    tokens: tuple[int, ...],
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn per-token rows (half width) into a (rows, R/2) table and the positions that read it.
+
+    Args:
+        cos, sin: one row per token, width R/2: (B, S, R/2), (1, S, R/2) or (S, R/2) when ``tokens`` is
+            (B, S); (T, R/2) when ``tokens`` is (T,). A batch axis of stride 0 (an ``expand``) counts as 1.
+        tokens: the input's token axes, x.shape[:-2].
+        head_dim: the input's head_dim (R must not exceed it).
+
+    Returns:
+        (cos_rows, sin_rows, positions): tables of shape (rows, R/2), views of cos / sin when their layout
+        allows (always for contiguous or row-sliced rows), and int64 positions of shape ``tokens``.
+
+    Raises:
+        ValueError: rows that do not match the tokens, or a table wider than head_dim / 2.
+    """
+    _check_pair(cos, sin)
+    lead = tuple(cos.shape[:-1])
+    if len(tokens) == 2:
+        batch, seq = tokens
+        shared = lead in ((seq,), (1, seq)) or (
+            lead == (batch, seq) and batch > 1 and cos.stride(0) == 0 and sin.stride(0) == 0
+        )
+        if not shared and lead != (batch, seq):
+            raise ValueError(
+                f"cos: expected per-token rows of shape (batch, seq, width) = ({batch}, {seq}, w), "
+                f"(1, {seq}, w) or ({seq}, w) for input tokens {tokens}, got shape {tuple(cos.shape)}"
+            )
+    else:
+        shared = False
+        if lead != tokens:
+            raise ValueError(
+                f"cos: expected per-token rows of shape (total_tokens, width) = ({tokens[0]}, w) for packed "
+                f"input, got shape {tuple(cos.shape)}"
+            )
+    width = cos.shape[-1]
+    if shared:
+        seq = tokens[1]
+        cos_rows = cos.reshape(-1, seq, width)[0]  # (seq, width): the one row set every batch row shares
+        sin_rows = sin.reshape(-1, seq, width)[0]
+        positions = torch.arange(seq, device=cos.device).expand(tokens)  # (batch, seq)
+    else:
+        cos_rows, sin_rows = cos.reshape(-1, width), sin.reshape(-1, width)  # (tokens, width): a view
+        positions = torch.arange(cos_rows.shape[0], device=cos.device).view(tokens)
+    check_tables(cos_rows, sin_rows, head_dim)
+    return cos_rows, sin_rows, positions
+
+
+def token_tables(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: int | torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    interleaved: bool,
+    *,
+    per_token: bool = False,
+    full_width: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The functional API's table forms, turned into its one form: (cos, sin, positions) as
+    :func:`ropekit.apply_rotary` takes them, with cos / sin views of the caller's tensors.
+
+    With neither flag set, everything is returned as it came. full_width reads one value per pair
+    (:func:`half_width`); per_token turns the rows into a table plus the positions that read it
+    (:func:`per_token_table`), and then positions must be None and offsets 0.
+
+    Raises:
+        ValueError: a flag that is not a bool, positions or offsets given with per_token, rows that do not
+            match x's tokens.
+    """
+    check_bool("per_token", per_token)
+    if check_bool("full_width", full_width):
+        cos, sin = half_width(cos, sin, interleaved=bool(interleaved))
+    if not per_token:
+        return cos, sin, positions
+    if positions is not None:
+        raise ValueError(
+            f"positions: expected None with per_token=True (the rows are already one per token), "
+            f"got {describe(positions)}"
+        )
+    if isinstance(offsets, torch.Tensor) or offsets != 0:
+        raise ValueError(
+            f"offsets: expected 0 with per_token=True (the rows are already one per token), "
+            f"got {describe(offsets)}"
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != (3 if cu_seqlens is not None else 4):
+        return cos, sin, positions  # the functional API's own check of x names what is wrong
+    if isinstance(cos, torch.Tensor) and cos.device != x.device:
+        cos, sin = cos.to(x.device), sin.to(x.device)
+    return per_token_table(cos, sin, tuple(x.shape[:-2]), x.shape[-1])
