@@ -402,3 +402,74 @@ def test_module_runs_end_to_end_on_meta_tensors(call):
     q, k = _meta_inputs(layout)
     q_out, k_out = rope(q, k, **kwargs(q))
     assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.device.type == "meta"
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+def test_sbhd_and_every_layout_rotate_the_same_tokens_through_views(layout):
+    """sbhd (Megatron's sequence-first form) is a transposed view like bhsd: same tokens, same result."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 6, 4, HEAD_DIM, generator=g), torch.randn(2, 6, 2, HEAD_DIM, generator=g)  # bshd
+    want = RotaryEmbedding(head_dim=HEAD_DIM)(q, k, offsets=torch.tensor([1, 4]))
+    axes = {"bshd": None, "bhsd": (1, 2), "sbhd": (0, 1)}[layout]
+    view = (lambda t: t) if axes is None else (lambda t: t.transpose(*axes))
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, layout=layout)
+    q_in, k_in = view(q).contiguous(), view(k).contiguous()  # laid out as the layout says
+    got = rope(q_in, k_in, offsets=torch.tensor([1, 4]))
+    for a, b, x in zip(got, want, (q_in, k_in), strict=True):
+        assert a.shape == x.shape and a.stride() == x.stride()
+        assert torch.equal(view(a), b)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "thd"])
+def test_one_tensor_call_equals_the_pair_call(layout):
+    """rope(q) with k omitted rotates q alone (a query, or a key on its way into a cache)."""
+    g = torch.Generator().manual_seed(6)
+    shape = (7, 3, HEAD_DIM) if layout == "thd" else (2, 5, 3, HEAD_DIM)
+    q, k = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    kw = {"cu_seqlens": torch.tensor([0, 3, 7])} if layout == "thd" else {"offsets": 3}
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, interleaved=True, layout=layout)
+    pair = rope(q, k, **kw)
+    single = rope(k, **kw)
+    assert isinstance(single, torch.Tensor)
+    assert torch.equal(single, pair[1])
+
+
+# In place through a transposed view needs apply_rotary's single-output autograd path (issue 9).
+_VIEW_IN_PLACE = pytest.mark.xfail(
+    reason="in-place autograd on views: issue 9's single-output path", strict=True
+)
+
+
+@pytest.mark.parametrize(
+    "layout", ["bshd", pytest.param("bhsd", marks=_VIEW_IN_PLACE), pytest.param("sbhd", marks=_VIEW_IN_PLACE)]
+)
+def test_in_place_call_writes_into_the_callers_tensors_and_trains(layout):
+    g = torch.Generator().manual_seed(7)
+    shape = (
+        (2, 5, 3, HEAD_DIM) if layout == "bshd" else (5, 2, 3, HEAD_DIM) if layout == "sbhd" else (2, 3, 5, 8)
+    )
+    q0, k0 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, layout=layout)
+    want_q, want_k = rope(q0, k0)
+    wq, wk = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    q_leaf, k_leaf = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    q, k = q_leaf * 1.0, k_leaf * 1.0  # non-leaf tensors, as in a model
+    out_q, out_k = rope(q, k, inplace=True)
+    assert out_q is q and out_k is k
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(k, want_k, atol=0, rtol=0)
+    ((out_q * wq).sum() + (out_k * wk).sum()).backward()
+    ref_q, ref_k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    rq, rk = rope(ref_q, ref_k)
+    ((rq * wq).sum() + (rk * wk).sum()).backward()
+    torch.testing.assert_close(q_leaf.grad, ref_q.grad)
+    torch.testing.assert_close(k_leaf.grad, ref_k.grad)
+    single = k0.clone()
+    assert rope(single, inplace=True) is single and torch.equal(single, want_k)
+
+
+def test_inplace_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"^inplace: expected a bool"):
+        RotaryEmbedding(head_dim=HEAD_DIM)(torch.randn(1, 2, 1, HEAD_DIM), inplace=1)
+    with pytest.raises(ValueError, match=r"^layout: expected one of \('bshd', 'bhsd', 'sbhd', 'thd'\)"):
+        RotaryEmbedding(head_dim=HEAD_DIM, layout="hbsd")

@@ -13,18 +13,21 @@ from torch import nn
 
 from ropekit.backends import BACKENDS
 from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
-from ropekit.functional import _apply_resolved, apply_rotary_qk
+from ropekit.functional import _apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.positions import _is_integer_tensor, resolve
-from ropekit.validation import describe, is_compiling
+from ropekit.validation import check_bool, describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
 
-LAYOUTS = ("bshd", "bhsd", "thd")
+LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
 LAYOUT_SHAPES = {
     "bshd": "(batch, seq, heads, head_dim)",
     "bhsd": "(batch, heads, seq, head_dim)",
+    "sbhd": "(seq, batch, heads, head_dim)",
     "thd": "(total_tokens, heads, head_dim)",
 }
+# The axes swapped to view an input of each layout as (batch, seq, heads, head_dim); a swap is a view.
+_TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
 # Rows built at construction (fewer if max_position_embeddings is smaller); the table grows as positions
 # arrive. Also the rows a table covers when the config names no context length and the largest position
 # of a call is unknown on the host (tensor positions on a GPU, see the class docstring).
@@ -40,7 +43,8 @@ class RotaryEmbedding(nn.Module):
     Args:
         config: a :class:`RopeConfig`; or None, and pass its arguments as keywords (``head_dim=64``).
         layout: "bshd" (B, S, H, D) (default, flash-attn's); "bhsd" (B, H, S, D) (Hugging Face's);
-            "thd" (T, H, D) packed, with cu_seqlens.
+            "sbhd" (S, B, H, D) (Megatron's, sequence first); "thd" (T, H, D) packed, with cu_seqlens.
+            Every layout is read through a view: nothing is copied to reorder it.
         backend: forwarded to :func:`ropekit.apply_rotary_qk`.
 
     The cos/sin table is a non-persistent buffer (it is never saved in a state_dict) that follows the inputs'
@@ -84,6 +88,7 @@ class RotaryEmbedding(nn.Module):
     Example:
         >>> rope = RotaryEmbedding(head_dim=64, base=10000.0)
         >>> q, k = rope(torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64))
+        >>> k_new = rope(torch.randn(2, 1, 2, 64), offsets=16)  # one tensor: a key about to be cached
     """
 
     def __init__(
@@ -232,20 +237,32 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
+        k: torch.Tensor | None = None,
         *,
         positions: torch.Tensor | None = None,
         offsets: int | torch.Tensor = 0,
         cu_seqlens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """Rotate q and k laid out as ``self.layout``; positions / offsets / cu_seqlens as in apply_rotary.
+
+        Args:
+            q, k: tensors of the module's layout. Omit k to rotate one tensor (only the queries, or only a key
+                about to be written to a cache); the call then returns that one tensor.
+            inplace: write into q (and k) and return them; otherwise they are never modified.
+
+        Returns:
+            (q_rotated, k_rotated), or q_rotated alone when k is omitted.
 
         Raises:
             ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
+        check_bool("inplace", inplace)
         rank = 3 if self.layout == "thd" else 4
         for name, t in (("q", q), ("k", k)):
+            if name == "k" and t is None:
+                continue  # one tensor
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
                 raise ValueError(
                     f"{name}: expected a {rank}-D tensor {LAYOUT_SHAPES[self.layout]} for layout "
@@ -256,27 +273,44 @@ class RotaryEmbedding(nn.Module):
                     f"{name}: expected head_dim {self.config.head_dim} (this RotaryEmbedding's config), got "
                     f"{t.shape[-1]} in shape {tuple(t.shape)}"
                 )
-        bhsd = self.layout == "bhsd"
         alone = self.layout == "thd" and cu_seqlens is None  # packed tokens, explicit positions: 1 sequence
-        if bhsd:
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
+        q_in, k_in = q, k
+        q, k = self._to_bshd(q), self._to_bshd(k)  # (B, S, H, D) views
         if alone:
             if positions is None:
                 raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens or positions, got None")
-            q, k = q[None], k[None]  # (1, T, H, D)
+            q, k = q[None], None if k is None else k[None]  # (1, T, H, D)
             if isinstance(positions, torch.Tensor):
                 mrope = self.config.mrope_section is not None and positions.dim() == 2
                 positions = positions[:, None] if mrope else positions[None]  # (axes, 1, T) or (1, T)
-        q, k = self._rotate(q, k, positions, offsets, cu_seqlens)
-        if alone:
-            q, k = q[0], k[0]  # (T, H, D)
-        return (q.transpose(1, 2), k.transpose(1, 2)) if bhsd else (q, k)
+        q, k = self._rotate(q, k, positions, offsets, cu_seqlens, inplace)
+        if inplace:
+            q, k = q_in, k_in  # the caller's own tensors, whatever view the layout needed
+        else:
+            if alone:
+                q, k = q[0], None if k is None else k[0]  # (T, H, D)
+            q, k = self._to_bshd(q), self._to_bshd(k)  # back to the module's layout
+        return q if k_in is None else (q, k)
 
-    def _rotate(self, q, k, positions, offsets, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward on (B, S, H, D) or, with cu_seqlens, (T, H, D) inputs."""
+    def _to_bshd(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The (B, S, H, D) view of a tensor in the module's layout, and back (a swap is its own inverse)."""
+        axes = _TO_BSHD.get(self.layout)
+        return t if t is None or axes is None else t.transpose(*axes)
+
+    def _rotate_with(self, q, k, cos, sin, inplace, **kwargs):
+        """apply_rotary_qk, or apply_rotary when k is None; returns (q, k or None)."""
+        kwargs.update(interleaved=self.config.interleaved, backend=self.backend, inplace=inplace)
+        if k is None:
+            return apply_rotary(q, cos, sin, **kwargs), None
+        return apply_rotary_qk(q, k, cos, sin, **kwargs)
+
+    def _rotate(
+        self, q, k, positions, offsets, cu_seqlens, inplace
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward on (B, S, H, D) or, with cu_seqlens, (T, H, D) inputs; k may be None."""
         if isinstance(positions, torch.Tensor) and self.config.mrope_section is not None:
             if positions.dim() == q.dim() - 1 and positions.shape[0] == len(self.config.mrope_section):
-                return self._rotate_mrope(q, k, positions, cu_seqlens)
+                return self._rotate_mrope(q, k, positions, cu_seqlens, inplace)
         # Resolved once: the largest position sizes the table, the rows go to the kernels.
         pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
         needed = max(pos.largest + 1, 1) if pos.largest is not None else None
@@ -285,7 +319,8 @@ class RotaryEmbedding(nn.Module):
         far = needed is not None and needed > max(self.config.max_position_embeddings or 0, MAX_TABLE_ROWS)
         if far:
             # Far past any table worth keeping: rotate with rows computed for this call's tokens.
-            return self._rotate_rows(q, k, pos.as_tensor(q), self._frequency_seq_len(needed), cu_seqlens)
+            far_rows = pos.as_tensor(q)
+            return self._rotate_rows(q, k, far_rows, self._frequency_seq_len(needed), cu_seqlens, inplace)
         if is_compiling():
             if not self._table_ready(needed, q):
                 # Resizing a buffer is not graph code: run it eagerly (a graph break), then recompile.
@@ -299,13 +334,18 @@ class RotaryEmbedding(nn.Module):
             self.sin,
             pos,
             interleaved=self.config.interleaved,
-            inplace=False,
+            inplace=inplace,
             backend=self.backend,
         )
 
     def _rotate_mrope(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """M-RoPE: per-token cos/sin rows for (axes, B, S) or (axes, T) positions, applied as a table."""
         if positions.is_floating_point() or positions.dtype == torch.bool:
             raise ValueError(f"positions: expected an integer tensor, got dtype {positions.dtype}")
@@ -318,16 +358,17 @@ class RotaryEmbedding(nn.Module):
         axes = positions if q.dim() == 4 else positions[:, None, :]  # (axes, B, S)
         exact = self.config.length_dependent and self._frozen_seq_len is None and positions.numel()
         seq_len = self._frequency_seq_len(int(positions.max()) + 1 if exact else None)
-        return self._rotate_rows(q, k, axes, seq_len, cu_seqlens)
+        return self._rotate_rows(q, k, axes, seq_len, cu_seqlens, inplace)
 
     def _rotate_rows(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
+        k: torch.Tensor | None,
         positions: torch.Tensor,
         seq_len: int | None,
         cu_seqlens: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate with one freshly computed cos/sin row per token instead of the cached table.
 
         positions: anything :meth:`RopeConfig.cos_sin` maps to q.shape[:-2] + (R/2,) rows: positions shaped
@@ -338,16 +379,7 @@ class RotaryEmbedding(nn.Module):
         half = cos.shape[-1]
         cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)  # (tokens, R/2): one row per token
         rows = torch.arange(cos.shape[0], device=q.device).reshape(q.shape[:-2])  # (B, S) or (T,)
-        return apply_rotary_qk(
-            q,
-            k,
-            cos,
-            sin,
-            positions=rows,
-            cu_seqlens=cu_seqlens,
-            interleaved=self.config.interleaved,
-            backend=self.backend,
-        )
+        return self._rotate_with(q, k, cos, sin, inplace, positions=rows, cu_seqlens=cu_seqlens)
 
     def _needs_exact_length(self) -> bool:
         """A length-dependent schedule follows each call's largest position (read even from a GPU)."""
