@@ -1,0 +1,65 @@
+"""What the compat modules share: errors in the peer's argument names, and in-place rotation with autograd."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["in_place", "peer_names"]
+
+
+@contextlib.contextmanager
+def peer_names(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise the core's ValueErrors under the caller's argument names (offsets -> seqlen_offsets, ...).
+
+    The core's messages start with the argument they are about ("offsets: expected ..."); a caller of a peer's
+    API never typed that name, so the prefix is swapped for the one they did type.
+    """
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        name, sep, rest = text.partition(":")
+        if sep and name in names:
+            raise ValueError(f"{names[name]}:{rest}") from None
+        raise
+
+
+class _InPlaceRotation(torch.autograd.Function):
+    """A tensor rotated in place and returned, as flash-attn's in-place Functions do.
+
+    The backward pass is the same rotation by -theta (``rotate(grad, True)``) of a copy of the incoming
+    gradient, which is never written to. A non-leaf input is marked dirty, so autograd rebases its history
+    like any in-place op. A leaf that requires grad (or a view of one) cannot be marked dirty: PyTorch forbids
+    in-place writes there. As in flash-attn, the rotated leaf is then returned as a new view whose grad_fn is
+    this rotation, and the leaf's own ``.grad`` receives the gradient through it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rotate: Callable[[torch.Tensor, bool], None]) -> torch.Tensor:
+        rotate(x, False)
+        ctx.rotate = rotate
+        base = x if x._base is None else x._base
+        if not (base.is_leaf and base.requires_grad):
+            ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        ctx.rotate(grad, True)
+        return grad, None
+
+
+def in_place(x: torch.Tensor, rotate: Callable[[torch.Tensor, bool], None]) -> torch.Tensor:
+    """Call ``rotate(x, False)``, which writes into x, and return x, recorded for autograd if needed.
+
+    ``rotate(t, conjugate)`` must rotate the right parts of any tensor shaped like x (by -theta if conjugate).
+    """
+    if isinstance(x, torch.Tensor) and torch.is_grad_enabled() and x.requires_grad:
+        return _InPlaceRotation.apply(x, rotate)
+    rotate(x, False)
+    return x

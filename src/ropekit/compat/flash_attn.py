@@ -1,0 +1,185 @@
+"""flash-attn's rotary functions (``flash_attn.layers.rotary``, flash-attn 2.8) on the ropekit core.
+
+Migration: ``from flash_attn.layers.rotary import apply_rotary_emb`` becomes
+``from ropekit.compat.flash_attn import apply_rotary_emb``; the calls stay as they are.
+
+Shape notation: B batch, S sequence, T packed tokens, H heads, D head_dim, R rotary_dim, L table rows
+(flash-attn's seqlen_ro). Tables are flash-attn's: cos, sin of shape (L, R/2), row p for position p.
+
+Pairing: interleaved=False rotates features (i, i + R/2) together (GPT-NeoX style); interleaved=True rotates
+(2i, 2i+1) (GPT-J style). Features past R pass through unchanged.
+
+Same semantics as flash-attn: which tensor is written (``apply_rotary_emb(inplace=True)``, ``*_qkv_``,
+``*_kv_`` write into their input and return it; nothing else is modified), the positions
+(``seqlen_offsets`` + index within the sequence; each packed sequence starts at 0), and the gradients (the
+in-place functions train, the input may be a leaf that requires grad). Differences, all where flash-attn
+asserts or reads past its table:
+
+- A position past the table is a ValueError. flash-attn asserts for an int offset, and for a tensor of offsets
+  rotates those tokens by the identity (its masked load returns cos = 1, sin = 0).
+- x and the tables may have different dtypes (flash-attn asserts they match); math runs in float32.
+- head_dim is not limited to 256, and ``max_seqlen`` is accepted but not needed (cu_seqlens says it all).
+- In-place calls leave the incoming gradient as it is in backward (flash-attn rotates it in place).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.compat._common import in_place, peer_names
+from ropekit.functional import apply_rotary, apply_rotary_qk
+from ropekit.validation import check_bool, check_int, describe
+
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_kv_", "apply_rotary_emb_qkv_"]
+
+_NAMES = {"offsets": "seqlen_offsets"}
+
+
+def _flip(sin: torch.Tensor, conjugate: bool) -> torch.Tensor:
+    return -sin if conjugate else sin  # R(-theta): the backward pass (docs/math.md)
+
+
+def apply_rotary_emb(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    inplace: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb``: rotate the first R features of x.
+
+    Args:
+        x: (B, S, H, D), or (T, H, D) when cu_seqlens is given.
+        cos, sin: (L, R/2) tables, R <= D.
+        interleaved: pairing (module docstring).
+        inplace: write into x and return it.
+        seqlen_offsets: int, or a (B,) integer tensor (one per packed sequence with cu_seqlens): each
+            sequence's positions start there (KV-cache decoding).
+        cu_seqlens: (B + 1,) int32 cumulative lengths of a packed batch.
+        max_seqlen: accepted for flash-attn's signature; not needed.
+
+    Returns:
+        The rotated tensor, shaped like x (x itself when inplace).
+
+    Raises:
+        ValueError: wrong shapes or dtypes, positions past the table, malformed cu_seqlens (see
+            :func:`ropekit.apply_rotary`), a max_seqlen that is not a positive int.
+    """
+    if max_seqlen is not None:
+        check_int("max_seqlen", max_seqlen, minimum=1, expected="a positive int or None")
+    kw = dict(offsets=seqlen_offsets, cu_seqlens=cu_seqlens, interleaved=interleaved)
+    with peer_names(_NAMES):
+        if not check_bool("inplace", inplace):
+            return apply_rotary(x, cos, sin, **kw)
+        return in_place(x, lambda t, conj: apply_rotary(t, cos, _flip(sin, conj), **kw, inplace=True))
+
+
+def _qkv_heads(t: torch.Tensor, num_heads_q: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the q and k heads of a packed (B, S, 3, H, D) or (B, S, Hq + 2 Hk, D) tensor."""
+    if t.dim() == 5:
+        return t[:, :, 0], t[:, :, 1]  # (B, S, H, D) each
+    return t[:, :, :num_heads_q], t[:, :, num_heads_q : (t.shape[2] + num_heads_q) // 2]
+
+
+def _check_packed(name: str, t: object, count: int, num_heads_q: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+    if t.dim() == 5:
+        if t.shape[2] != count:
+            raise ValueError(
+                f"{name}: expected shape (batch, seq, {count}, heads, head_dim), got {tuple(t.shape)}"
+            )
+        return
+    if count == 3 and t.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError(
+                f"num_heads_q: expected an int for a 4-D qkv (batch, seq, num_heads_q + 2 * num_heads_k, "
+                f"head_dim) {tuple(t.shape)}, got None"
+            )
+        check_int("num_heads_q", num_heads_q, minimum=1, expected="a positive int")
+        k_heads, odd = divmod(t.shape[2] - num_heads_q, 2)
+        if odd or k_heads < 1:
+            raise ValueError(
+                f"num_heads_q: {num_heads_q} leaves {t.shape[2] - num_heads_q} of qkv's {t.shape[2]} heads, "
+                f"expected a positive even number (num_heads_k heads of k, then of v)"
+            )
+        return
+    want = "(batch, seq, 3, heads, head_dim) or (batch, seq, num_heads_q + 2 * num_heads_k, head_dim)"
+    if count == 2:
+        want = "(batch, seq, 2, heads, head_dim)"
+    raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+
+
+def apply_rotary_emb_qkv_(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cos_k: torch.Tensor | None = None,
+    sin_k: torch.Tensor | None = None,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+    num_heads_q: int | None = None,
+) -> torch.Tensor:
+    """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb_qkv_``: rotate q and k of a packed qkv in place.
+
+    Args:
+        qkv: (B, S, 3, H, D), or (B, S, Hq + 2 Hk, D) for GQA / MQA with num_heads_q = Hq (q heads first,
+            then k, then v). v is never touched.
+        cos, sin: (L, R/2) tables for q (and k, unless cos_k / sin_k are given).
+        cos_k, sin_k: optional (L, R/2) tables for k (each defaults to cos / sin).
+        interleaved: pairing (module docstring).
+        seqlen_offsets: int or (B,) integer tensor added to every position.
+        num_heads_q: the number of q heads of a 4-D qkv; ignored for a 5-D one.
+
+    Returns:
+        qkv itself, rotated. It trains: gradients equal those of the out-of-place rotation.
+
+    Raises:
+        ValueError: a qkv of another shape, a missing or inconsistent num_heads_q, or anything
+            :func:`ropekit.apply_rotary_qk` rejects.
+    """
+    _check_packed("qkv", qkv, 3, num_heads_q)
+    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    cos_k, sin_k = (cos if cos_k is None else cos_k), (sin if sin_k is None else sin_k)
+    shared = cos_k is cos and sin_k is sin
+
+    def rotate(t: torch.Tensor, conjugate: bool) -> None:
+        q, k = _qkv_heads(t, num_heads_q)
+        if shared:  # one launch for q and k
+            apply_rotary_qk(q, k, cos, _flip(sin, conjugate), **kw)
+        else:
+            apply_rotary(q, cos, _flip(sin, conjugate), **kw)
+            apply_rotary(k, cos_k, _flip(sin_k, conjugate), **kw)
+
+    with peer_names(_NAMES):
+        return in_place(qkv, rotate)
+
+
+def apply_rotary_emb_kv_(
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb_kv_``: rotate k of a packed kv in place.
+
+    Args:
+        kv: (B, S, 2, H, D); kv[:, :, 0] (k) rotates, kv[:, :, 1] (v) is never touched.
+        cos, sin: (L, R/2) tables.
+        interleaved: pairing (module docstring).
+        seqlen_offsets: int or (B,) integer tensor added to every position.
+
+    Returns:
+        kv itself, rotated. It trains: gradients equal those of the out-of-place rotation.
+
+    Raises:
+        ValueError: a kv of another shape, or anything :func:`ropekit.apply_rotary` rejects.
+    """
+    _check_packed("kv", kv, 2)
+    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    with peer_names(_NAMES):
+        return in_place(kv, lambda t, conj: apply_rotary(t[:, :, 0], cos, _flip(sin, conj), **kw))
