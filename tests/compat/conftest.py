@@ -1,0 +1,75 @@
+"""Running every compat call on a chosen backend, and the tolerances the peers' own tests use.
+
+The compat functions keep their peers' signatures, which have no ``backend`` argument, so the ``backend``
+fixture makes ``backend="auto"`` resolve to the backend under test for the duration of one test, and counts
+the calls it served, so a test can prove the backend it names really ran.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ropekit.functional
+from ropekit.backends import BACKENDS
+
+BACKEND_NAMES = ["torch", "cpu"]
+
+
+class ForcedBackend:
+    """The backend every ``backend="auto"`` call uses in this test, and how many calls it served."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+
+
+def force_backend(monkeypatch, name: str) -> ForcedBackend:
+    """Make ``backend="auto"`` resolve to ``name`` until the test ends (float64 input stays on torch)."""
+    forced = ForcedBackend(name)
+    impl = BACKENDS[name]
+    reason = impl.unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1))
+    if reason is not None:
+        pytest.skip(f"backend {name!r} unavailable: {reason}")
+    original = ropekit.functional.select_backend
+
+    def select(requested, q, cos):
+        if requested != "auto":
+            return original(requested, q, cos)
+        if q.dtype == torch.float64 and name == "cpu":
+            return original("torch", q, cos)  # the C loop serves 16/32-bit storage only
+        forced.calls += 1
+        return impl
+
+    monkeypatch.setattr(ropekit.functional, "select_backend", select)
+    return forced
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request, monkeypatch) -> ForcedBackend:
+    """Each test that takes this fixture runs once per backend in BACKEND_NAMES."""
+    return force_backend(monkeypatch, request.param)
+
+
+def arithmetic_atol(reference: torch.Tensor) -> float:
+    """flash-attn's tolerance: twice the error of one round trip ``x + 0.3 - 0.3`` in the output dtype."""
+    return 2 * ((reference + 0.3 - 0.3) - reference).abs().max().item()
+
+
+def as_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]):
+    """Per-token rows (..., R/2) shaped like ``tokens`` (or broadcast over its batch axis) as a (rows, R/2)
+    table plus the int positions that read it, for the ``assert_matches_reference`` fixture."""
+    cos = cos.expand(*tokens, cos.shape[-1]).reshape(-1, cos.shape[-1])
+    sin = sin.expand(*tokens, sin.shape[-1]).reshape(-1, sin.shape[-1])
+    return cos, sin, np.arange(cos.shape[0]).reshape(tokens)
+
+
+def signature_of(func) -> list[tuple[str, object]]:
+    """(name, default) for each parameter, the form the peers' signatures are written in below."""
+    import inspect
+
+    return [(p.name, p.default) for p in inspect.signature(func).parameters.values() if p.name != "self"]
+
+
+NO_DEFAULT = __import__("inspect").Parameter.empty

@@ -1,0 +1,289 @@
+"""ropekit.compat.vllm against the cases of vLLM's own tests.
+
+Follows vLLM's ``tests/kernels/core/test_pos_encoding.py`` (vllm-project/vllm, commit 0cf5d8e, 0.11):
+``test_rotary_embedding`` (get_rope with rope_theta 10000 and partial_rotary_factor rotary_dim / head_size;
+is_neox_style both ways; query shaped (B, S, H, D), flat (B, S, H * D) or sliced from (B, S, H, D + 64) (a
+strided view); head sizes 64 and 80 (and 120, 256 scaled out), rotary_dim head_size or 32; bfloat16 and
+float32; key given or None; positions random in [0, max_position); the in-place forward compared with the
+reference, with vLLM's default tolerances: float32 atol 1e-5 / rtol 1.3e-6, bfloat16 atol 1e-3 / rtol 1.6e-2)
+and ``test_rope_module_cache`` (one module per distinct configuration, the same one on a repeat, buffers in
+the requested dtype). The reference is ropekit's float64 rotation by the module's own cache; sizes scaled for
+a 2-core CPU (17 heads -> 5, seq 11 only).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ropekit.backends.cpu
+from ropekit.compat.vllm import (
+    RotaryEmbedding,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+    get_rope,
+    rotary_embedding,
+)
+from rotary_reference import reference_rotation
+
+from .conftest import NO_DEFAULT, force_backend, signature_of
+
+BATCH, SEQ, HEADS, MAX_POSITION = 5, 11, 5, 8192
+VLLM_TOL = {torch.float32: (1e-5, 1.3e-6), torch.bfloat16: (1e-3, 1.6e-2)}  # (atol, rtol)
+
+
+def batch_shape(head_size):
+    return (BATCH, SEQ, HEADS, head_size)
+
+
+def flat_shape(head_size):
+    return (BATCH, SEQ, HEADS * head_size)
+
+
+def padded_shape(head_size):
+    return (BATCH, SEQ, HEADS, head_size + 64)
+
+
+def expected(rope: RotaryEmbedding, positions, x, heads_view):
+    """ropekit's float64 rotation of x (shaped as vLLM passes it) by the module's own [cos | sin] cache."""
+    half = rope.rotary_dim // 2
+    cache = rope.cos_sin_cache
+    x4 = heads_view(x)  # (B, S, H, D)
+    return reference_rotation(
+        x4, cache[:, :half], cache[:, half:], positions.numpy(), interleaved=not rope.is_neox_style
+    )
+
+
+@pytest.mark.parametrize("use_key", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rotary_dim", [None, 32])
+@pytest.mark.parametrize("head_size", [64, 80])
+@pytest.mark.parametrize("tensor_shape_fn", [batch_shape, flat_shape, padded_shape])
+@pytest.mark.parametrize("is_neox_style", [True, False])
+@torch.inference_mode()
+def test_rotary_embedding_forward_is_the_reference_rotation_in_place(
+    backend, is_neox_style, tensor_shape_fn, head_size, rotary_dim, dtype, use_key
+):
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    g = torch.Generator().manual_seed(0)
+    rope_parameters = {
+        "rope_type": "default",
+        "rope_theta": 10000,
+        "partial_rotary_factor": rotary_dim / head_size,
+    }
+    rope = get_rope(head_size, MAX_POSITION, is_neox_style, rope_parameters).to(dtype=dtype)
+    positions = torch.randint(0, MAX_POSITION, (BATCH, SEQ), generator=g)
+    # vLLM's slice: a no-op for (B, S, H, D), one head of the flat form, a strided view of the padded one
+    query = torch.randn(tensor_shape_fn(head_size), generator=g).to(dtype)
+    query = query[..., :head_size]
+    key = torch.randn(query.shape, generator=g).to(dtype) if use_key else None
+    heads_view = lambda t: t.reshape(BATCH, SEQ, -1, head_size)  # noqa: E731
+    want_q = expected(rope, positions, query, heads_view)
+    want_k = expected(rope, positions, key, heads_view) if use_key else None
+    ref_query, ref_key = rope.forward_native(positions, query, key)  # out of place: inputs untouched
+    out_query, out_key = rope.forward(positions, query, key)  # in place
+    assert out_query is query and out_key is key
+    atol, rtol = VLLM_TOL[dtype]
+    torch.testing.assert_close(heads_view(out_query).double(), want_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out_query, ref_query, atol=atol, rtol=rtol)
+    if use_key:
+        torch.testing.assert_close(heads_view(out_key).double(), want_k, atol=atol, rtol=rtol)
+        torch.testing.assert_close(out_key, ref_key, atol=atol, rtol=rtol)
+    else:
+        assert ref_key is None and out_key is None
+    assert backend.calls > 0
+
+
+@torch.inference_mode()
+def test_rope_module_cache_shares_one_module_per_configuration():
+    head_sizes, rotary_dims, max_positions = [64, 80], [None, 32], [123, 1234]
+    thetas, neox, dtypes = [10000, 1000000], [True, False], [torch.bfloat16, torch.float32]
+    parameter_sets = (
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": (1,)},
+        {"rope_type": "dynamic", "factor": 1},
+    )
+    settings = list(
+        itertools.product(head_sizes, rotary_dims, max_positions, thetas, neox, parameter_sets, dtypes)
+    )
+
+    def build(setting):
+        head_size, rotary_dim, max_position, theta, is_neox_style, params, dtype = setting
+        params = {
+            **params,
+            "rope_theta": theta,
+            "partial_rotary_factor": (rotary_dim or head_size) / head_size,
+        }
+        return get_rope(head_size, max_position, is_neox_style, params, dtype)
+
+    ids = {}
+    for setting in settings:
+        rope = build(setting)
+        assert id(rope) not in ids.values()  # different settings never share a module
+        assert all(b.dtype == setting[-1] for b in rope.buffers())
+        assert all(p.dtype == setting[-1] for p in rope.parameters())
+        ids[str(setting)] = id(rope)
+    for setting in settings:
+        assert id(build(setting)) == ids[str(setting)]  # the cache takes effect
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_flashinfer_functions_out_of_place_and_in_place(backend, is_neox):
+    g = torch.Generator().manual_seed(3)
+    rope = get_rope(64, 256, is_neox, {"rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    cache = rope.cos_sin_cache  # (256, 32) float32, as FlashInfer requires
+    positions = torch.randint(0, 256, (7,), generator=g)
+    query, key = (
+        torch.randn(7, 4 * 64, generator=g),
+        torch.randn(7, 2 * 64, generator=g),
+    )  # (nnz, heads * head)
+    q_before, k_before = query.clone(), key.clone()
+    q_out, k_out = apply_rope_with_cos_sin_cache(positions, query, key, 64, cache, is_neox)
+    assert torch.equal(query, q_before) and torch.equal(key, k_before)
+    assert q_out.shape == query.shape and k_out.shape == key.shape
+    assert torch.equal(q_out[:, 32:64], query[:, 32:64])  # features past rotary_dim pass through
+    assert apply_rope_with_cos_sin_cache_inplace(positions, query, key, 64, cache, is_neox) is None
+    torch.testing.assert_close(query, q_out, atol=0, rtol=0)
+    torch.testing.assert_close(key, k_out, atol=0, rtol=0)
+    q3 = q_before.clone()
+    assert rotary_embedding(positions, q3, None, 64, cache, is_neox) is None  # key may be None
+    assert torch.equal(q3, q_out)
+
+
+@pytest.mark.parametrize(("rope_type", "extra"), [
+    ("linear", {"factor": 2.0}),
+    ("dynamic", {"factor": 2.0}),
+    ("yarn", {"factor": 4.0, "original_max_position_embeddings": 32}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}),
+])  # fmt: skip
+def test_scaled_caches_follow_ropekit_schedules_and_vllm_lengths(rope_type, extra):
+    """Cache rows = vLLM's lengths; values = ropekit's schedule evaluated once for the whole cache."""
+    from ropekit import RopeConfig
+
+    rope = get_rope(32, 64, True, {"rope_type": rope_type, "rope_theta": 10000.0, **extra})
+    rows = {"linear": 128, "dynamic": 128, "yarn": 128, "llama3": 64}[rope_type]
+    assert rope.cos_sin_cache.shape == (rows, 32)
+    config = RopeConfig(32, 10000.0, scaling={"rope_type": rope_type, **extra}, max_position_embeddings=64)
+    seq_len = rows if config.length_dependent else None
+    cos, sin = config.cos_sin(rows, seq_len=seq_len)
+    torch.testing.assert_close(rope.cos_sin_cache, torch.cat([cos, sin], -1), atol=1e-7, rtol=0)
+
+
+def test_cache_halves_are_read_where_they_lie(monkeypatch):
+    """The CPU kernel reads cos at the cache's start, sin R/2 floats on, row stride R (no gather, no copy),
+    and rotates a strided query where it lies."""
+    force_backend(monkeypatch, "cpu")
+    lib = ropekit.backends.cpu._load()
+    seen = {}
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args):
+                seen["q"], seen["q_out"] = args[0], args[1]
+                seen["cos"], seen["sin"], seen["stride"] = args[11], args[12], args[13]
+                return getattr(lib, name)(*args)
+
+            return call
+
+    monkeypatch.setattr(ropekit.backends.cpu, "_library", Spy())
+    rope = get_rope(64, 512, True, {"rope_theta": 10000.0})
+    query = torch.randn(9, 8, 64 + 16)[..., :64]  # a strided view, as vLLM's sliced qkv
+    rope(torch.arange(9), query, None)
+    base = rope.cos_sin_cache.data_ptr()
+    ptr = query.data_ptr()
+    assert seen == {"q": ptr, "q_out": ptr, "cos": base, "sin": base + 32 * 4, "stride": 64}
+
+
+def test_errors_name_vllm_arguments():
+    cache = get_rope(16, 32, True, {"rope_theta": 10000.0}).cos_sin_cache
+    positions = torch.arange(4)
+    with pytest.raises(ValueError, match=r"^positions: .*position 40 .*cos/sin table"):
+        rotary_embedding(torch.tensor([0, 1, 2, 40]), torch.randn(4, 32), None, 16, cache, True)
+    with pytest.raises(ValueError, match=r"^query: expected \(num_tokens, num_heads \* head_size\)"):
+        rotary_embedding(positions, torch.randn(4, 24), None, 16, cache, True)
+    with pytest.raises(ValueError, match=r"^key: expected"):
+        rotary_embedding(positions, torch.randn(4, 32), torch.randn(3, 32), 16, cache, True)
+    with pytest.raises(ValueError, match=r"^query: its strides"):
+        rotary_embedding(positions, torch.randn(2, 2, 32).transpose(0, 1), None, 16, cache, True)
+    with pytest.raises(ValueError, match=r"^cos_sin_cache: expected shape \(max_position, rotary_dim\)"):
+        rotary_embedding(positions, torch.randn(4, 32), None, 16, torch.randn(32, 18), True)
+    with pytest.raises(ValueError, match=r"^is_neox: expected a bool"):
+        rotary_embedding(positions, torch.randn(4, 32), None, 16, cache, 1)
+    with pytest.raises(ValueError, match=r"^rope_parameters\['rope_type'\]: expected one of"):
+        get_rope(16, 32, True, {"rope_type": "longrope"})
+    with pytest.raises(ValueError, match=r"^rope_parameters\['factor'\]: expected one number"):
+        get_rope(16, 32, True, {"rope_type": "linear", "factor": [1.0, 2.0]})
+    with pytest.raises(ValueError, match=r"^dual_chunk_attention_config"):
+        get_rope(16, 32, True, None, None, {"chunk_size": 8})
+
+
+def test_signatures_are_vllms_and_flashinfers():
+    op = [
+        ("positions", NO_DEFAULT),
+        ("query", NO_DEFAULT),
+        ("key", NO_DEFAULT),
+        ("head_size", NO_DEFAULT),
+        ("cos_sin_cache", NO_DEFAULT),
+    ]
+    assert signature_of(rotary_embedding) == [*op, ("is_neox", NO_DEFAULT)]
+    assert signature_of(apply_rope_with_cos_sin_cache) == [*op, ("is_neox", True)]
+    assert signature_of(apply_rope_with_cos_sin_cache_inplace) == [*op, ("is_neox", True)]
+    assert signature_of(get_rope)[:6] == [
+        ("head_size", NO_DEFAULT),
+        ("max_position", NO_DEFAULT),
+        ("is_neox_style", True),
+        ("rope_parameters", None),
+        ("dtype", None),
+        ("dual_chunk_attention_config", None),
+    ]
+    assert signature_of(RotaryEmbedding.__init__) == [
+        ("head_size", NO_DEFAULT),
+        ("rotary_dim", NO_DEFAULT),
+        ("max_position_embeddings", NO_DEFAULT),
+        ("base", NO_DEFAULT),
+        ("is_neox_style", NO_DEFAULT),
+        ("dtype", NO_DEFAULT),
+    ]
+    assert signature_of(RotaryEmbedding.forward) == [
+        ("positions", NO_DEFAULT),
+        ("query", NO_DEFAULT),
+        ("key", None),
+    ]
+
+
+def test_get_rope_also_reads_vllms_older_signature():
+    """Before 0.11: get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+    partial_rotary_factor), positional or by keyword. Same configuration, same module."""
+    new = get_rope(
+        80,
+        2048,
+        False,
+        {"rope_theta": 5000.0, "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.4},
+    )
+    positional = get_rope(80, 32, 2048, 5000.0, False, {"rope_type": "linear", "factor": 2.0})
+    keywords = get_rope(80, rotary_dim=32, max_position=2048, base=5000.0, is_neox_style=False,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0})  # fmt: skip
+    assert positional is keywords
+    assert positional.rotary_dim == new.rotary_dim == 32 and not positional.is_neox_style
+    assert torch.equal(positional.cos_sin_cache, new.cos_sin_cache)
+    halved = get_rope(120, 120, 64, 10000, True, None, torch.bfloat16, 0.5)
+    assert halved.rotary_dim == 60 and halved.cos_sin_cache.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^rope_parameters: pass it or the older rotary_dim"):
+        get_rope(64, 2048, True, {"rope_theta": 1e4}, rotary_dim=32)
+    with pytest.raises(ValueError, match=r"^rope_scaling: expected a dict or None"):
+        get_rope(64, 64, 2048, 10000.0, True, "linear")
+
+
+def test_module_forward_compiles_with_fullgraph_and_still_writes_in_place():
+    rope = get_rope(64, 256, True, {"rope_theta": 10000.0})
+    g = torch.Generator().manual_seed(6)
+    positions = torch.randint(0, 256, (7,), generator=g)
+    query, key = torch.randn(7, 4 * 64, generator=g), torch.randn(7, 2 * 64, generator=g)
+    want_q, want_k = rope.forward_native(positions, query, key)
+    compiled = torch.compile(lambda p, q, k: rope(p, q, k), backend="aot_eager", fullgraph=True)
+    compiled(positions, query, key)
+    torch.testing.assert_close(query, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(key, want_k, atol=0, rtol=0)
