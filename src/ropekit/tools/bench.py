@@ -11,6 +11,8 @@ Rows:
     copy_ / clone: the floors (copy into existing buffers; a fresh allocation plus the copy).
     ropekit[<backend>] and ropekit[<backend>] in-place, for the backend ``backend="auto"`` picks for the
     inputs (the dispatch in :mod:`ropekit.backends` decides) and the plain torch backend.
+    ropekit.compat.hf (HF's call on HF's (B, S, D) tables) and ropekit.compat.vllm in-place (vLLM's op on a
+    [cos | sin] cache): the peers' call conventions through ropekit, to compare with the core rows.
     HF eager (transformers' apply_rotary_pos_emb), HF + torch.compile, Meta's complex form (written here,
     after Meta's LLaMA reference code), rotary-embedding-torch, torchtune, and on CUDA flash-attn and Liger.
     A peer that is not installed is skipped with a note.
@@ -189,6 +191,33 @@ def _ropekit_row(backend: str, inplace: bool) -> Row:
     return Row(f"ropekit[{backend}]{suffix}", setup, inplace=inplace, differentiable=not inplace)
 
 
+def _compat_hf_row() -> Row:
+    def setup(case: Case):
+        from ropekit.compat.hf import apply_rotary_pos_emb
+
+        cos, sin = _hf_tables(case, case.q.dtype)  # HF's own tables, read in place
+        return lambda q, k: apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # bshd: heads are axis 2
+
+    return Row("ropekit.compat.hf", setup)
+
+
+def _compat_vllm_row() -> Row:
+    def setup(case: Case):
+        from ropekit.compat.vllm import rotary_embedding
+
+        cache = torch.cat([case.cos, case.sin], dim=-1)  # (L, D): vLLM's [cos | sin] cache
+        positions = case.positions.reshape(-1)  # (T,): one position per token
+        head_dim = case.shape.head_dim
+
+        def fn(q, k):
+            rotary_embedding(positions, q, k, head_dim, cache, True)  # in place, as vLLM's op
+            return q, k
+
+        return fn
+
+    return Row("ropekit.compat.vllm in-place", setup, inplace=True, differentiable=False)
+
+
 # ---- rows: peers ----------------------------------------------------------------------------------------
 
 
@@ -300,6 +329,8 @@ class PeerRow:
 # Every row beyond ropekit's backends, in table order. Append a PeerRow to add one (a peer library, or another
 # way of calling ropekit such as its compat APIs).
 PEER_ROWS: list[PeerRow] = [
+    PeerRow(_compat_hf_row),
+    PeerRow(_compat_vllm_row),
     PeerRow(lambda: _hf_row(False), "transformers"),
     PeerRow(lambda: _hf_row(True), "transformers"),
     PeerRow(_meta_row),
