@@ -434,15 +434,7 @@ def test_one_tensor_call_equals_the_pair_call(layout):
     assert torch.equal(single, pair[1])
 
 
-# In place through a transposed view needs apply_rotary's single-output autograd path (issue 9).
-_VIEW_IN_PLACE = pytest.mark.xfail(
-    reason="in-place autograd on views: issue 9's single-output path", strict=True
-)
-
-
-@pytest.mark.parametrize(
-    "layout", ["bshd", pytest.param("bhsd", marks=_VIEW_IN_PLACE), pytest.param("sbhd", marks=_VIEW_IN_PLACE)]
-)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 def test_in_place_call_writes_into_the_callers_tensors_and_trains(layout):
     g = torch.Generator().manual_seed(7)
     shape = (

@@ -73,3 +73,23 @@ def signature_of(func) -> list[tuple[str, object]]:
 
 
 NO_DEFAULT = __import__("inspect").Parameter.empty
+
+
+def spy_cpu_kernel(monkeypatch) -> dict[str, int]:
+    """Record the data pointers the C loop is called with (q, k, cos, sin): what it reads, where it lies."""
+    import ropekit.backends.cpu as cpu
+
+    seen: dict[str, int] = {}
+    original = cpu._function
+
+    def function(dtype):
+        entry = original(dtype)
+
+        def call(*args):
+            seen.update(q=args[0], q_out=args[1], k=args[2], cos=args[4], sin=args[5])
+            return entry(*args)
+
+        return call
+
+    monkeypatch.setattr(cpu, "_function", function)
+    return seen

@@ -16,10 +16,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-import ropekit.backends.cpu
 from ropekit.compat.hf import apply_rotary_pos_emb
 
-from .conftest import as_table, force_backend, signature_of
+from .conftest import as_table, force_backend, signature_of, spy_cpu_kernel
 
 # (bsz, seq_len, num_q_heads, num_kv_heads, head_dim): Liger's grid, scaled (32 -> 8 heads, 128 -> 24 tokens).
 SHAPES = [(1, 24, 8, 8, 16), (2, 24, 8, 8, 16), (1, 24, 8, 2, 16), (2, 24, 8, 2, 16), (3, 23, 7, 5, 20)]
@@ -122,28 +121,15 @@ def test_unsqueeze_dim_selects_the_heads_axis_as_in_transformers(backend, table_
 
 
 def test_full_width_table_is_read_where_it_lies(monkeypatch):
-    """The CPU kernel receives the caller's own table memory (row stride = head_dim) and q / k where they lie
-    in HF's transposed layout: nothing is rebuilt or made contiguous."""
+    """The CPU kernel receives the caller's own table memory and q / k where they lie in HF's transposed
+    layout: nothing is rebuilt or made contiguous."""
     force_backend(monkeypatch, "cpu")
-    lib = ropekit.backends.cpu._load()
-    seen = {}
-
-    class Spy:
-        def __getattr__(self, name):
-            def call(*args):
-                seen["q"], seen["k"] = args[0], args[2]
-                seen["cos"], seen["sin"], seen["stride"] = args[11], args[12], args[13]
-                return getattr(lib, name)(*args)
-
-            return call
-
-    monkeypatch.setattr(ropekit.backends.cpu, "_library", Spy())
+    seen = spy_cpu_kernel(monkeypatch)
     q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16)
     cos, sin = hf_tables(16, 2, 2, 9, True, torch.float32)
     apply_rotary_pos_emb(q, k, cos, sin)
-    assert seen == {
-        "q": q.data_ptr(), "k": k.data_ptr(), "cos": cos.data_ptr(), "sin": sin.data_ptr(), "stride": 16
-    }  # fmt: skip
+    got = (seen["q"], seen["k"], seen["cos"], seen["sin"])
+    assert got == (q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr())
 
 
 def test_errors_name_the_argument_and_the_expected_shape():

@@ -18,7 +18,6 @@ import itertools
 import pytest
 import torch
 
-import ropekit.backends.cpu
 from ropekit.compat.vllm import (
     RotaryEmbedding,
     apply_rope_with_cos_sin_cache,
@@ -28,7 +27,7 @@ from ropekit.compat.vllm import (
 )
 from rotary_reference import reference_rotation
 
-from .conftest import NO_DEFAULT, force_backend, signature_of
+from .conftest import NO_DEFAULT, force_backend, signature_of, spy_cpu_kernel
 
 BATCH, SEQ, HEADS, MAX_POSITION = 5, 11, 5, 8192
 VLLM_TOL = {torch.float32: (1e-5, 1.3e-6), torch.bfloat16: (1e-3, 1.6e-2)}  # (atol, rtol)
@@ -173,28 +172,15 @@ def test_scaled_caches_follow_ropekit_schedules_and_vllm_lengths(rope_type, extr
 
 
 def test_cache_halves_are_read_where_they_lie(monkeypatch):
-    """The CPU kernel reads cos at the cache's start, sin R/2 floats on, row stride R (no gather, no copy),
-    and rotates a strided query where it lies."""
+    """The CPU kernel reads cos at the cache's start and sin R/2 floats on (no gather, no copy), and rotates a
+    strided query where it lies."""
     force_backend(monkeypatch, "cpu")
-    lib = ropekit.backends.cpu._load()
-    seen = {}
-
-    class Spy:
-        def __getattr__(self, name):
-            def call(*args):
-                seen["q"], seen["q_out"] = args[0], args[1]
-                seen["cos"], seen["sin"], seen["stride"] = args[11], args[12], args[13]
-                return getattr(lib, name)(*args)
-
-            return call
-
-    monkeypatch.setattr(ropekit.backends.cpu, "_library", Spy())
+    seen = spy_cpu_kernel(monkeypatch)
     rope = get_rope(64, 512, True, {"rope_theta": 10000.0})
     query = torch.randn(9, 8, 64 + 16)[..., :64]  # a strided view, as vLLM's sliced qkv
     rope(torch.arange(9), query, None)
-    base = rope.cos_sin_cache.data_ptr()
-    ptr = query.data_ptr()
-    assert seen == {"q": ptr, "q_out": ptr, "cos": base, "sin": base + 32 * 4, "stride": 64}
+    base, ptr = rope.cos_sin_cache.data_ptr(), query.data_ptr()
+    assert (seen["q"], seen["q_out"], seen["cos"], seen["sin"]) == (ptr, ptr, base, base + 32 * 4)
 
 
 def test_errors_name_vllm_arguments():
