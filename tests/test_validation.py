@@ -320,8 +320,8 @@ def test_bad_flags_are_rejected(kwargs, match):
     "make, match",
     [
         (
-            lambda: RotaryEmbedding(head_dim=8, layout="sbhd"),
-            r"layout: expected one of \('bshd', 'bhsd', 'thd'\), got 'sbhd'",
+            lambda: RotaryEmbedding(head_dim=8, layout="hbsd"),
+            r"layout: expected one of \('bshd', 'bhsd', 'sbhd', 'thd'\), got 'hbsd'",
         ),
         (
             lambda: RotaryEmbedding(RopeConfig(8), head_dim=8),
