@@ -66,7 +66,13 @@ SIZES = {
     "num_expert_group": 1, "num_experts_per_token": 2, "index_head_dim": 16, "index_n_heads": 4,
     "attention_hidden_size": 128, "attention_head_dim": 32, "mamba_headdim": 16,
     "audio_hidden_size": 64, "text_hidden_size": 64, "condition_dim": 64, "codebook_dim": 64,
+    "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
     "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8, "num_kv_shared_layers": 0,
+}  # fmt: skip
+# Qwen4-Exp's attention layers build their sparse indexer only from all five of these (None by default).
+QWEN4_EXP_INDEXER = {
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
 }  # fmt: skip
 # Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
 FIXES: dict[str, dict[str, Any]] = {
@@ -79,14 +85,25 @@ FIXES: dict[str, dict[str, Any]] = {
     "diffusion_gemma": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
     "dots3_note": {"head_dim": 24},  # its sliding-window layers: qk_nope_head_dim + qk_rope_head_dim
     "dots3_note_text": {"head_dim": 24},
-    "qwen4_exp": {"token_budget": 8, "compress_ratio": 4},
-    "qwen4_exp_text": {"token_budget": 8, "compress_ratio": 4},
+    "qwen4_exp": QWEN4_EXP_INDEXER,
+    "qwen4_exp_text": QWEN4_EXP_INDEXER,
+    "dory": {  # a layer before, in and after the recurrent section
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
     "cohere_compass": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
     },
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig no longer declares (the rotary
+    # module takes rope_parameters), and clamps q/k/v to clip_qkv even when it is None (the default); the
+    # released DBRX config sets both.
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
@@ -200,7 +217,8 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
     if isinstance(per_layer, dict) and per_layer and new_layers:
         # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer.
         first = sorted(per_layer)[0]
-        out["per_layer_config"] = {str(new_layers - 1).zfill(len(str(first))): per_layer[first]}
+        kept = _shrink(per_layer[first]) if isinstance(per_layer[first], dict) else per_layer[first]
+        out["per_layer_config"] = {str(new_layers - 1).zfill(len(str(first))): kept}
     if isinstance(out.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
         out["num_key_value_heads"] = out.get("num_attention_heads")  # MLA: one latent k/v per head
     if "vocab_size" in out and out["vocab_size"] is None:
@@ -236,10 +254,19 @@ def tiny_config(model_type: str) -> Any:
     config_class = CONFIG_MAPPING[model_type]
     shrunk = _shrink(config_class().to_dict())
     text = shrunk.get("text_config")
-    (text if isinstance(text, dict) else shrunk).update(FIXES.get(model_type, {}))
+    _merge(text if isinstance(text, dict) else shrunk, FIXES.get(model_type, {}))
     if "mrope_section" in _modeling_source(model_type):
         _add_mrope_sections(shrunk)
     return config_class.from_dict(shrunk)
+
+
+def _merge(d: dict, fixes: dict) -> None:
+    """d updated with fixes, sub-config dicts (``attn_config``) updated key by key rather than replaced."""
+    for key, value in fixes.items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(d.get(key), dict):
+            _merge(d[key], value)
+        else:
+            d[key] = value
 
 
 def _modeling_source(model_type: str) -> str:
