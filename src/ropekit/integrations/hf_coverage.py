@@ -107,6 +107,10 @@ FIXES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
+    # to_dict() keeps the full model's hybrid layer ids, which from_dict() sets over the ones __post_init__
+    # derives from layers_block_type (["linear_attention", "hybrid"] once shrunk).
+    # RoPE in the shared attention block is off by default (use_mem_rope): turned on, it is what is measured.
+    "zamba2": {"hybrid_layer_ids": [1], "use_mem_rope": True},
     "granitemoehybrid": {
         "layer_types": ["linear_attention", "full_attention"],
         "position_embedding_type": "rope",
