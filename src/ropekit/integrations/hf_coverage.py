@@ -104,6 +104,14 @@ FIXES: dict[str, dict[str, Any]] = {
     # module takes rope_parameters), and clamps q/k/v to clip_qkv even when it is None (the default); the
     # released DBRX config sets both.
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # HRM's config stores the inflated num_hidden_layers = num_layers_per_stack * H_cycles * (L_cycles + 1)
+    # (one cache slot per attention call of the recurrence) next to the real per-stack count.
+    "hrm_text": {
+        "num_layers_per_stack": 1,
+        "H_cycles": 2,
+        "L_cycles": 3,
+        "num_hidden_layers": 1 * 2 * (3 + 1),
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
