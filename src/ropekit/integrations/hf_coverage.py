@@ -112,6 +112,9 @@ FIXES: dict[str, dict[str, Any]] = {
         "L_cycles": 3,
         "num_hidden_layers": 1 * 2 * (3 + 1),
     },
+    # Chameleon's model maps image tokens through the checkpoint's vocabulary map, None by default; a map
+    # with only the image placeholder (no image codes) serves text.
+    "chameleon": {"vocabulary_map": {"<image>": 8}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
