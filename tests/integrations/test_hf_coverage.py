@@ -46,6 +46,25 @@ def test_tiny_per_layer_type_config_keeps_both_kinds_of_layer():
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}
 
 
+def test_tiny_per_layer_config_is_shrunk_consistently_with_the_main_config():
+    # Dots 3 Note's sliding layers are configured apart, with their own MLA widths; the shrunk per-layer entry
+    # must still satisfy head_dim == qk_nope_head_dim + qk_rope_head_dim at the tiny sizes.
+    config = hf_coverage.tiny_config("dots3_note_text")
+    sliding = config.per_layer_config["sliding_attention"]
+    assert sliding.num_attention_heads <= hf_coverage.SIZES["num_attention_heads"]
+    assert sliding.num_key_value_heads == sliding.num_attention_heads
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
+
+
+def test_fixes_update_a_sub_config_key_by_key():
+    config = hf_coverage.tiny_config("dbrx")
+    assert (config.attn_config.rope_theta, config.attn_config.clip_qkv) == (500000.0, 8.0)  # from FIXES
+    d = {"attn_config": {"kv_n_heads": 2, "clip_qkv": None}, "layer_types": ["a", "b"]}
+    hf_coverage._merge(d, {"attn_config": {"clip_qkv": 8.0}, "layer_types": ["a"]})
+    # the keys a fix does not name keep their values; a list is replaced, not merged
+    assert d == {"attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0}, "layer_types": ["a"]}
+
+
 def test_render_states_patched_over_enumerated_and_write_replaces_only_the_section(tmp_path):
     rows = [
         Row("a", "patched", "2 layers", 2),
