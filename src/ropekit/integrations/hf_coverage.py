@@ -115,6 +115,9 @@ FIXES: dict[str, dict[str, Any]] = {
     # Chameleon's model maps image tokens through the checkpoint's vocabulary map, None by default; a map
     # with only the image placeholder (no image codes) serves text.
     "chameleon": {"vocabulary_map": {"<image>": 8}},
+    # T5Gemma2's encoder MLP reads dropout_rate, which T5Gemma2TextConfig does not declare (the
+    # encoder-decoder config passes it down).
+    "t5gemma2_encoder": {"dropout_rate": 0.0},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
