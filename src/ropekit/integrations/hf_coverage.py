@@ -69,12 +69,15 @@ SIZES = {
     "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
     "vocab_size": 512, "sliding_window": 8, "rotary_dim": 8, "num_kv_shared_layers": 0,
 }  # fmt: skip
+VOCAB = SIZES["vocab_size"]
 # Qwen4-Exp's attention layers build their sparse indexer only from all five of these (None by default).
 QWEN4_EXP_INDEXER = {
     "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
     "indexer_compress_ratio": 4,
 }  # fmt: skip
-# Defaults that leave a config without RoPE or unusable as a model: the value the config class needs.
+# Defaults that leave a config without RoPE or unusable as a model: the value the config class needs. A fix
+# goes into the text config when there is one (the outer config when only it has the key); a sub-config
+# (`*_config`) is updated key by key.
 FIXES: dict[str, dict[str, Any]] = {
     "esm": {"position_embedding_type": "rotary"},  # ESM-2 is rotary; the class default is ESM-1b's absolute
     "esmc": {"num_key_value_heads": 4},  # no grouped-query attention
@@ -118,6 +121,21 @@ FIXES: dict[str, dict[str, Any]] = {
     # T5Gemma2's encoder MLP reads dropout_rate, which T5Gemma2TextConfig does not declare (the
     # encoder-decoder config passes it down).
     "t5gemma2_encoder": {"dropout_rate": 0.0},
+    # Apertus 1.5 places image codes, then audio codes, at fixed offsets of the token vocabulary: codebooks
+    # and offsets that fit the tiny vocabulary, image codes right before audio codes.
+    "apertus1p5": {
+        "vision_config": {"codebook_size": 64},
+        "audio_config": {"codebook_size": 64},
+        "image_token_offset": VOCAB - 160,
+        "audio_token_offset": VOCAB - 96,
+    },
+    # Granite 4 Vision injects (window-downsampled) vision features at listed decoder layers; neither the list
+    # nor the window ratio has a default: values that fit the tiny model.
+    "granite4_vision": {
+        "deepstack_layer_map": [[-1, 0]],
+        "spatial_target_layers": [0, 1, 0, 1],
+        "downsample_rate": "1/2",
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
@@ -131,7 +149,6 @@ FIXES: dict[str, dict[str, Any]] = {
     },
 }
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL's, the fallback HF's M-RoPE modules use
-VOCAB = SIZES["vocab_size"]
 
 
 @dataclass
@@ -272,7 +289,11 @@ def tiny_config(model_type: str) -> Any:
     config_class = CONFIG_MAPPING[model_type]
     shrunk = _shrink(config_class().to_dict())
     text = shrunk.get("text_config")
-    _merge(text if isinstance(text, dict) else shrunk, FIXES.get(model_type, {}))
+    for key, value in FIXES.get(
+        model_type, {}
+    ).items():  # into the text config unless the key is the outer one's
+        outer = isinstance(text, dict) and key not in text and key in shrunk
+        _merge(shrunk if outer or not isinstance(text, dict) else text, {key: value})
     if "mrope_section" in _modeling_source(model_type):
         _add_mrope_sections(shrunk)
     return config_class.from_dict(shrunk)
