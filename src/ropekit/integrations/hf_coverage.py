@@ -136,6 +136,7 @@ FIXES: dict[str, dict[str, Any]] = {
         "spatial_target_layers": [0, 1, 0, 1],
         "downsample_rate": "1/2",
     },
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # layers of the 2-layer vision tower
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
     "bamba": {"attn_layer_indices": [1]},
