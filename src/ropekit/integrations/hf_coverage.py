@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import json
 import math
 import os
 import re
@@ -150,6 +151,8 @@ FIXES: dict[str, dict[str, Any]] = {
     },
 }
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL's, the fallback HF's M-RoPE modules use
+# A modeling file's own fallback sections: rope_parameters.get("mrope_section", [22, 22, 20]).
+MROPE_DEFAULT = re.compile(r"""["']mrope_section["'],\s*(\[[\d,\s]+\])""")
 
 
 @dataclass
@@ -290,13 +293,13 @@ def tiny_config(model_type: str) -> Any:
     config_class = CONFIG_MAPPING[model_type]
     shrunk = _shrink(config_class().to_dict())
     text = shrunk.get("text_config")
-    for key, value in FIXES.get(
-        model_type, {}
-    ).items():  # into the text config unless the key is the outer one's
+    for key, value in FIXES.get(model_type, {}).items():  # the text config's, unless only the outer has it
         outer = isinstance(text, dict) and key not in text and key in shrunk
         _merge(shrunk if outer or not isinstance(text, dict) else text, {key: value})
-    if "mrope_section" in _modeling_source(model_type):
-        _add_mrope_sections(shrunk)
+    source = _modeling_source(model_type)
+    if "mrope_section" in source:
+        default = MROPE_DEFAULT.search(source)
+        _add_mrope_sections(shrunk, json.loads(default[1]) if default else DEFAULT_MROPE_SECTION)
     return config_class.from_dict(shrunk)
 
 
@@ -317,16 +320,20 @@ def _modeling_source(model_type: str) -> str:
     return "".join(p.read_text() for p in folder.glob("modeling_*.py"))
 
 
-def _add_mrope_sections(d: dict) -> None:
-    """Give M-RoPE models that rely on the modeling default sections ones that fit the tiny head."""
+def _add_mrope_sections(d: dict, default: list[int]) -> None:
+    """Give M-RoPE models that rely on the modeling default sections ones that fit the tiny head.
+
+    `default` is the modeling code's fallback; its proportions are kept (ERNIE 4.5 VL's [22, 22, 20] stacks
+    the first two sections, which must stay equal).
+    """
     for key, value in d.items():
         if isinstance(value, dict) and key.endswith("_config") and not key.startswith(("vision", "audio")):
-            _add_mrope_sections(value)
+            _add_mrope_sections(value, default)
     head_dim = d.get("head_dim") or d.get("hidden_size", 64) // max(1, d.get("num_attention_heads", 4))
     for params in _rope_dicts(d.get("rope_parameters")):
         if "mrope_section" not in params and "hidden_size" in d and "rope_type" in params:
             rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
-            params["mrope_section"] = _fit_sections(DEFAULT_MROPE_SECTION, rotary // 2)
+            params["mrope_section"] = _fit_sections(default, rotary // 2)
 
 
 def _model_classes(model_type: str, config: Any) -> list[tuple[Any, Any, bool]]:
