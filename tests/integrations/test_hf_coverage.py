@@ -40,6 +40,15 @@ def test_tiny_m_rope_config_has_sections_that_fill_its_rotary_half():
     assert config.num_hidden_layers == 2 and config.vocab_size == hf_coverage.VOCAB
 
 
+def test_tiny_m_rope_sections_keep_the_modeling_fallback_proportions():
+    # ERNIE 4.5 VL relies on its modeling default [22, 22, 20] and stacks the first two sections, so they
+    # must stay equal at the tiny size.
+    config = hf_coverage.tiny_config("ernie4_5_vl_moe").text_config
+    head_dim = config.hidden_size // config.num_attention_heads
+    sections = config.rope_parameters["mrope_section"]
+    assert sum(sections) == head_dim // 2 and sections[0] == sections[1]
+
+
 def test_tiny_per_layer_type_config_keeps_both_kinds_of_layer():
     config = hf_coverage.tiny_config("gemma3_text")
     assert config.num_hidden_layers == 2
