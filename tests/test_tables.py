@@ -103,7 +103,9 @@ def test_views_share_the_callers_memory():
     assert rows_cos.data_ptr() == hf_cos.data_ptr() and rows_cos.stride() == (8, 1)
     assert positions.tolist() == [[0, 1, 2], [3, 4, 5]]
     shared_cos, _, shared_pos = per_token_table(cos[:3][None], sin[:3][None], (4, 3), head_dim=8)
-    assert shared_cos.data_ptr() == cos.data_ptr() and shared_pos.shape == (4, 3)
+    assert shared_cos.data_ptr() == cos.data_ptr() and shared_pos is None  # offset 0: rows read in order
+    one_row_cos, _, one_row_pos = per_token_table(half_cos[:1], half_sin[:1], (1, 3), head_dim=8)
+    assert one_row_cos.data_ptr() == hf_cos.data_ptr() and one_row_pos is None
     inter, _ = half_width(full(cos, True), full(sin, True), interleaved=True)
     assert inter.stride() == (8, 2) and torch.equal(inter, cos)
 

@@ -63,7 +63,7 @@ def per_token_table(
     sin: torch.Tensor,
     tokens: tuple[int, ...],
     head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Turn per-token rows (half width) into a (rows, R/2) table and the positions that read it.
 
     Args:
@@ -74,7 +74,9 @@ def per_token_table(
 
     Returns:
         (cos_rows, sin_rows, positions): tables of shape (rows, R/2), views of cos / sin when their layout
-        allows (always for contiguous or row-sliced rows), and int64 positions of shape ``tokens``.
+        allows (always for contiguous or row-sliced rows), and int64 positions of shape ``tokens``, or None
+        when every batch row reads rows 0..S-1 in order (one batch row, or rows shared by the batch): the
+        functional API then takes its int-offset path, which builds no positions tensor.
 
     Raises:
         ValueError: rows that do not match the tokens, or a table wider than head_dim / 2.
@@ -103,9 +105,11 @@ def per_token_table(
         seq = tokens[1]
         cos_rows = cos.reshape(-1, seq, width)[0]  # (seq, width): the one row set every batch row shares
         sin_rows = sin.reshape(-1, seq, width)[0]
-        positions = torch.arange(seq, device=cos.device).expand(tokens)  # (batch, seq)
     else:
         cos_rows, sin_rows = cos.reshape(-1, width), sin.reshape(-1, width)  # (tokens, width): a view
+    if len(tokens) == 2 and (shared or tokens[0] == 1):
+        positions = None  # every batch row reads rows 0..S-1 in order: offset 0, no positions tensor
+    else:
         positions = torch.arange(cos_rows.shape[0], device=cos.device).view(tokens)
     check_tables(cos_rows, sin_rows, head_dim)
     return cos_rows, sin_rows, positions
