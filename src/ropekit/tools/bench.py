@@ -641,12 +641,13 @@ def figure(records: list[dict]):
     names = list(dict.fromkeys(r["row"] for r in records if not math.isnan(r["x_copy"])))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes) * len(names) / 4), 4))
     width = 0.8 / max(len(names), 1)
+    palette = plt.get_cmap("tab20").colors  # 20 distinct colours: the default cycle repeats after 10 rows
     for i, name in enumerate(names):
         vals = [
             next((r["x_copy"] for r in records if r["shape"] == s and r["row"] == name), math.nan)
             for s in shapes
         ]
-        ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=name)
+        ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=name, color=palette[i % 20])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
     ax.set_yscale("log")
     ax.set_ylabel("forward time / copy_ of the same bytes")
