@@ -606,17 +606,7 @@ def format_table(records: list[dict]) -> str:
     for shape in dict.fromkeys(r["shape"] for r in records):
         lines += [f"== {shape} ==", head]
         for r in (r for r in records if r["shape"] == shape):
-            columns = (
-                "fwd_ms",
-                "fwd_us",
-                "fwd_bwd_ms",
-                "fwd_gbps",
-                "x_copy",
-                "x_clone",
-                "saved_mb",
-                "peak_mb",
-            )
-            nums = [r[c] for c in columns]
+            nums = [r[c] for c in COLUMNS[COLUMNS.index("fwd_ms") : COLUMNS.index("max_err")]]
             widths = (9, 8, 10, 7, 7, 7, 8, 8)
             cells = " ".join(_fmt(v, w) for v, w in zip(nums, widths, strict=True))
             lines.append(f"{r['row']:<26} {cells} {_fmt(r['max_err'], 8, '.1e')}  {r['note']}")
