@@ -435,3 +435,19 @@ def test_patch_probes_in_eval_mode_and_restores_training_mode():
     model.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
     hf.patch(model)
     assert modes == [False] and model.training
+
+
+def test_patched_layer_reads_no_tensor_data_on_the_host(monkeypatch):
+    """A patched layer's step runs on meta tensors, where any host read of data (.item(), .tolist(),
+    int(tensor): a device sync on CUDA) fails: patching adds no sync to a decode step (issue 10)."""
+    model = make_model("llama", {"rope_type": "default"})
+    hf.patch(model)  # proved on the CPU, then moved: the patched code is what runs on meta
+    rotary, layer = model.model.rotary_emb, model.model.layers[0].self_attn
+    model.to("meta")
+    forbid_hf_rotary(monkeypatch, model)
+    seen = spy_backends(monkeypatch)
+    hidden = torch.randn(2, 1, 64, device="meta")  # (batch, seq, hidden): one decode token per row
+    positions = torch.tensor([[37], [12]]).to("meta")
+    out, _ = layer(hidden, position_embeddings=rotary(hidden, positions), attention_mask=None)
+    assert out.device.type == "meta" and out.shape == (2, 1, 64)
+    assert seen  # ropekit rotated: HF's own function would have raised
