@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +11,14 @@ from rotary_cases import tables
 
 from ropekit import apply_rotary
 from ropekit.backends import BACKENDS
+from triton_interpreter import run_interpreter_cases
 
 HERE = Path(__file__).parent
 
 
 def test_triton_kernel_passes_the_interpreter_suite():
     """tests/backends/triton_interpreter_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += ["-W", "ignore::DeprecationWarning", str(HERE / "triton_interpreter_cases.py")]
-    result = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    run_interpreter_cases(HERE / "triton_interpreter_cases.py", cwd=HERE, timeout=300)
 
 
 @pytest.mark.skipif(
