@@ -65,6 +65,23 @@ def as_table(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]):
     return cos, sin, np.arange(cos.shape[0]).reshape(tokens)
 
 
+def llama_tables(head_dim, bsz, seq_len, expand, dtype, rope_parameters=None):
+    """cos, sin as transformers' ``LlamaRotaryEmbedding`` returns them: (1, S, D), or (B, S, D) when the
+    position ids are expanded over the batch; full width (duplicated halves), in ``dtype``."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        head_dim=head_dim, hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=4
+    )
+    if rope_parameters is not None:
+        config.rope_parameters = rope_parameters
+    pos = torch.arange(seq_len).unsqueeze(0)  # (1, S) position ids
+    if expand:
+        pos = pos.expand(bsz, -1)  # (B, S)
+    return LlamaRotaryEmbedding(config)(torch.empty(0, dtype=dtype), pos)
+
+
 def signature_of(func) -> list[tuple[str, object]]:
     """(name, default) for each parameter, the form the peers' signatures are written in below."""
     import inspect

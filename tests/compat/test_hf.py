@@ -12,33 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
 from ropekit.compat.hf import apply_rotary_pos_emb
 
-from .conftest import as_table, force_backend, signature_of, spy_cpu_kernel
+from .conftest import as_table, force_backend, llama_tables, signature_of, spy_cpu_kernel
 
 # (bsz, seq_len, num_q_heads, num_kv_heads, head_dim): Liger's grid, scaled (32 -> 8 heads, 128 -> 24 tokens).
 SHAPES = [(1, 24, 8, 8, 16), (2, 24, 8, 8, 16), (1, 24, 8, 2, 16), (2, 24, 8, 2, 16), (3, 23, 7, 5, 20)]
 DTYPE_TOL = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-1, 1e-5)]
-
-
-def hf_tables(head_dim, kv_heads, bsz, seq_len, expand, dtype, rope_parameters=None):
-    config = LlamaConfig(
-        head_dim=head_dim,
-        hidden_size=kv_heads * head_dim,
-        num_key_value_heads=kv_heads,
-        num_attention_heads=kv_heads,
-    )
-    if rope_parameters is not None:
-        config.rope_parameters = rope_parameters
-    pos = torch.arange(seq_len).unsqueeze(0)
-    if expand:
-        pos = pos.expand(bsz, -1)
-    like = torch.empty(0, dtype=dtype)
-    return LlamaRotaryEmbedding(config)(like, pos)  # (1 or bsz, seq, head_dim) each, in dtype
 
 
 @pytest.mark.parametrize("expand_position_ids", [True, False])
@@ -51,7 +33,7 @@ def test_outputs_and_gradients_match_transformers(
     # HF's layout: (bsz, heads, seq, head_dim) views of (bsz, seq, heads, head_dim) projections.
     q = torch.randn(bsz, seq_len, q_heads, head_dim, generator=g).transpose(1, 2).to(dtype)
     k = torch.randn(bsz, seq_len, kv_heads, head_dim, generator=g).transpose(1, 2).to(dtype)
-    cos, sin = hf_tables(head_dim, kv_heads, bsz, seq_len, expand_position_ids, dtype)
+    cos, sin = llama_tables(head_dim, bsz, seq_len, expand_position_ids, dtype)
     q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
     q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
     hf_q, hf_k = hf_apply_rotary_pos_emb(q1, k1, cos, sin)
@@ -74,7 +56,7 @@ def test_result_is_the_float64_rotation_by_the_tables_first_halves(backend, asse
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 9, 16, generator=g).to(dtype)  # (batch, heads, seq, head_dim)
     k = torch.randn(2, 2, 9, 16, generator=g).to(dtype)
-    cos, sin = hf_tables(16, 2, 2, 9, True, dtype)
+    cos, sin = llama_tables(16, 2, 9, True, dtype)
     got_q, got_k = apply_rotary_pos_emb(q, k, cos, sin)
     rows_cos, rows_sin, pos = as_table(cos[..., :8], sin[..., :8], (2, 9))
     for got, x in ((got_q, q), (got_k, k)):
@@ -92,7 +74,7 @@ def test_scaled_tables_are_used_as_given(backend, rope_parameters):
     """YaRN's attention scaling lives in HF's cos / sin: the tables are read, never recomputed."""
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 4, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
-    cos, sin = hf_tables(16, 2, 1, 30, False, torch.float32, rope_parameters)
+    cos, sin = llama_tables(16, 1, 30, False, torch.float32, rope_parameters)
     want = hf_apply_rotary_pos_emb(q, k, cos, sin)
     got = apply_rotary_pos_emb(q, k, cos, sin)
     for a, b in zip(got, want, strict=True):
@@ -104,7 +86,7 @@ def test_unsqueeze_dim_selects_the_heads_axis_as_in_transformers(backend, table_
     """unsqueeze_dim=2 (or 1 for an (S, D) table) is HF's (batch, seq, heads, head_dim) form."""
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 7, 4, 16, generator=g), torch.randn(2, 7, 2, 16, generator=g)  # (b, s, h, d)
-    cos, sin = hf_tables(16, 2, 2, 7, True, torch.float32)
+    cos, sin = llama_tables(16, 2, 7, True, torch.float32)
     dim = 2
     if table_rank == 2:
         cos, sin, dim = cos[0], sin[0], 1  # (seq, head_dim), shared by the batch
@@ -126,7 +108,7 @@ def test_full_width_table_is_read_where_it_lies(monkeypatch):
     force_backend(monkeypatch, "cpu")
     seen = spy_cpu_kernel(monkeypatch)
     q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16)
-    cos, sin = hf_tables(16, 2, 2, 9, True, torch.float32)
+    cos, sin = llama_tables(16, 2, 9, True, torch.float32)
     apply_rotary_pos_emb(q, k, cos, sin)
     got = (seen["q"], seen["k"], seen["cos"], seen["sin"])
     assert got == (q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr())
@@ -134,7 +116,7 @@ def test_full_width_table_is_read_where_it_lies(monkeypatch):
 
 def test_errors_name_the_argument_and_the_expected_shape():
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    cos, sin = hf_tables(8, 2, 1, 5, False, torch.float32)
+    cos, sin = llama_tables(8, 1, 5, False, torch.float32)
     with pytest.raises(ValueError, match=r"^cos: expected rows as wide as head_dim \(8\)"):
         apply_rotary_pos_emb(q, k, cos[..., :4], sin[..., :4])
     with pytest.raises(ValueError, match=r"^unsqueeze_dim: 3 makes cos"):
@@ -154,7 +136,7 @@ def test_signature_is_transformers():
 def test_compiles_with_fullgraph():
     """The mapping is views and one core call: torch.compile keeps it in one graph."""
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
-    cos, sin = hf_tables(16, 2, 2, 5, True, torch.float32)
+    cos, sin = llama_tables(16, 2, 5, True, torch.float32)
     compiled = torch.compile(apply_rotary_pos_emb, backend="aot_eager", fullgraph=True)
     for got, want in zip(compiled(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)

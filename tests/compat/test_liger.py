@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ropekit.compat.liger import liger_rotary_pos_emb
 
-from .conftest import NO_DEFAULT, as_table, signature_of
+from .conftest import NO_DEFAULT, as_table, llama_tables, signature_of
 
 SHAPES = [(1, 24, 8, 8, 16), (2, 24, 8, 8, 16), (1, 24, 8, 2, 16), (2, 24, 8, 2, 16), (3, 23, 7, 21, 20)]
 DTYPE_TOL = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-1, 1e-5)]
-
-
-def llama_tables(head_dim, bsz, seq_len, expand, dtype):
-    heads = dict(num_attention_heads=4, num_key_value_heads=4)
-    config = LlamaConfig(head_dim=head_dim, hidden_size=4 * head_dim, **heads)
-    pos = torch.arange(seq_len).unsqueeze(0)
-    if expand:
-        pos = pos.expand(bsz, -1)
-    return LlamaRotaryEmbedding(config)(torch.empty(0, dtype=dtype), pos)
 
 
 @pytest.mark.parametrize("expand_position_ids", [True, False])
