@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.validation import check_disjoint, check_writable
+from ropekit.validation import check_disjoint, check_writable, describe
 
 __all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "row_error"]
 
@@ -55,7 +55,7 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
     for a decode step's budget: a few attribute reads per tensor, no shape slicing.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in dtypes:
-        _fail("q", f"a 4-D (batch, seq, heads, head_dim) tensor of {[str(d) for d in dtypes]}", _describe(q))
+        _fail("q", f"a 4-D (batch, seq, heads, head_dim) tensor of {[str(d) for d in dtypes]}", describe(q))
     batch, seq, _, head_dim = q.shape
     device = q.device
     _check_pair("q", q, q_out, q, device)
@@ -64,7 +64,7 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
         check_disjoint("q_out", q_out, "k_out", k_out)
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
-            _fail(name, "a 2-D float32 tensor (table_len, rotary_dim // 2)", _describe(t))
+            _fail(name, "a 2-D float32 tensor (table_len, rotary_dim // 2)", describe(t))
         if t.device != device:
             _fail(name, f"a tensor on q's device {device}", f"one on {t.device}")
         if t.stride()[1] != 1 and t.shape[1] > 1:
@@ -77,12 +77,12 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
     tokens = batch * seq
     if positions is not None:
         if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64:
-            _fail("positions", "an int64 tensor", _describe(positions))
+            _fail("positions", "an int64 tensor", describe(positions))
         if positions.numel() != tokens or not positions.is_contiguous() or positions.device != device:
             _fail(
                 "positions",
                 f"a contiguous tensor of {tokens} rows (batch * seq) on {device}",
-                f"{_describe(positions)} on {positions.device}",
+                f"{describe(positions)} on {positions.device}",
             )
     elif type(offset) is not int or not 0 <= offset < 1 << 63:
         _fail("offset", "a non-negative int64 when positions is None", repr(offset))
@@ -94,7 +94,7 @@ def _check_pair(name: str, x, out, q: torch.Tensor, device: torch.device) -> Non
     """x (q or k) is read and out written: both 4-D like q, one dtype and device, last stride 1, and out
     without self-overlap."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        _fail(name, "a 4-D tensor (batch, seq, heads, head_dim)", _describe(x))
+        _fail(name, "a 4-D tensor (batch, seq, heads, head_dim)", describe(x))
     shape, q_shape = x.shape, q.shape
     if shape[0] != q_shape[0] or shape[1] != q_shape[1] or shape[3] != q_shape[3]:
         _fail(name, f"q's batch, seq and head_dim {tuple(q_shape)}", str(tuple(shape)))
@@ -106,7 +106,7 @@ def _check_pair(name: str, x, out, q: torch.Tensor, device: torch.device) -> Non
         or out.dtype != x.dtype
         or out.device != device
     ):
-        _fail(f"{name}_out", f"a {x.dtype} tensor of shape {tuple(shape)} on {device}", _describe(out))
+        _fail(f"{name}_out", f"a {x.dtype} tensor of shape {tuple(shape)} on {device}", describe(out))
     if shape[3] > 1 and (x.stride()[3] != 1 or out.stride()[3] != 1) and x.numel():  # empty: nothing read
         _fail(name, "a last axis of stride 1 (input and output)", f"strides {x.stride()} and {out.stride()}")
     check_writable(f"{name}_out", out)
@@ -127,12 +127,6 @@ def check_offset_rows(offset: int, batch: int, seq: int, table_len: int) -> None
         raise row_error(offset + seq - 1, table_len)
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return repr(value)[:80]
-
-
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0) if x.dim() == 3 else x  # packed (T, H, D) -> (1, T, H, D)
 
@@ -140,13 +134,11 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 def _check_op_inputs(q, k, positions) -> None:
     """The op's own shape contract, before the 4-D views: q and k (T, H, D) or (B, S, H, D) alike."""
     if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
-        _fail("q", "a (batch, seq, heads, head_dim) or (total_tokens, heads, head_dim) tensor", _describe(q))
+        _fail("q", "a (batch, seq, heads, head_dim) or (total_tokens, heads, head_dim) tensor", describe(q))
     if k is not None and (not isinstance(k, torch.Tensor) or k.dim() != q.dim()):
-        _fail("k", f"a {q.dim()}-D tensor like q", _describe(k))
+        _fail("k", f"a {q.dim()}-D tensor like q", describe(k))
     if positions is not None and (not isinstance(positions, torch.Tensor) or positions.shape != q.shape[:-2]):
-        _fail(
-            "positions", f"a tensor of shape {tuple(q.shape[:-2])} (q's leading axes)", _describe(positions)
-        )
+        _fail("positions", f"a tensor of shape {tuple(q.shape[:-2])} (q's leading axes)", describe(positions))
 
 
 def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
