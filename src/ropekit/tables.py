@@ -20,19 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.validation import check_bool, check_tables, describe
+from ropekit.validation import check_bool, check_table_pair, check_tables, describe
 
 __all__ = ["half_width", "per_token_table", "token_tables"]
-
-
-def _check_pair(cos: object, sin: object) -> None:
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {describe(t)}")
-    if cos.shape != sin.shape:
-        raise ValueError(
-            f"cos and sin: expected the same shape, got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
-        )
 
 
 def half_width(
@@ -46,7 +36,7 @@ def half_width(
     Raises:
         ValueError: if cos / sin are not floating-point tensors of one shape with an even, non-zero width.
     """
-    _check_pair(cos, sin)
+    check_table_pair(cos, sin)
     width = cos.shape[-1] if cos.dim() else 0
     if width == 0 or width % 2:
         raise ValueError(
@@ -81,7 +71,7 @@ def per_token_table(
     Raises:
         ValueError: rows that do not match the tokens, or a table wider than head_dim / 2.
     """
-    _check_pair(cos, sin)
+    check_table_pair(cos, sin)
     lead = tuple(cos.shape[:-1])
     if len(tokens) == 2:
         batch, seq = tokens

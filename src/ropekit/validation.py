@@ -22,6 +22,7 @@ __all__ = [
     "check_number",
     "check_positive",
     "check_rotary_dim",
+    "check_table_pair",
     "check_tables",
     "check_writable",
     "check_x",
@@ -149,19 +150,34 @@ def check_x(name: str, x: Any, *, varlen: bool) -> None:
         raise ValueError(f"{name}: expected a {want}-D tensor {expected}, got shape {tuple(x.shape)}")
 
 
-def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
-    """cos, sin: same shape (table_len, rotary_dim // 2) with rotary_dim <= head_dim. Returns rotary_dim."""
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {describe(t)}")
-        if t.dim() != 2:
-            raise ValueError(
-                f"{name}: expected shape (table_len, rotary_dim // 2), got shape {tuple(t.shape)}"
-            )
+def _check_float_tensor(name: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point torch.Tensor, got {describe(t)}")
+
+
+def _check_same_shape(cos: torch.Tensor, sin: torch.Tensor) -> None:
     if cos.shape != sin.shape:
         raise ValueError(
             f"cos and sin: expected the same shape, got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}"
         )
+
+
+def check_table_pair(cos: Any, sin: Any) -> None:
+    """cos and sin are floating-point tensors of one shape (any rank: tables or per-token rows)."""
+    _check_float_tensor("cos", cos)
+    _check_float_tensor("sin", sin)
+    _check_same_shape(cos, sin)
+
+
+def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
+    """cos, sin: same shape (table_len, rotary_dim // 2) with rotary_dim <= head_dim. Returns rotary_dim."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_float_tensor(name, t)
+        if t.dim() != 2:
+            raise ValueError(
+                f"{name}: expected shape (table_len, rotary_dim // 2), got shape {tuple(t.shape)}"
+            )
+    _check_same_shape(cos, sin)
     rotary_dim = 2 * cos.shape[1]
     if rotary_dim == 0 or rotary_dim > head_dim:
         raise ValueError(
