@@ -20,7 +20,7 @@ from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
-from ropekit.validation import check_disjoint, check_tables, check_writable, check_x, describe
+from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, check_x, describe
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
 
@@ -151,10 +151,8 @@ def _apply_resolved(
                 f"k: expected q's dtype {q.dtype} and device {q.device}, got {k.dtype} on {k.device}"
             )
     check_tables(cos, sin, q.shape[-1])
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-    if not isinstance(inplace, bool):
-        raise ValueError(f"inplace: expected a bool, got {inplace!r}")
+    check_bool("interleaved", interleaved)
+    check_bool("inplace", inplace)
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     if inplace:

@@ -15,7 +15,7 @@ from ropekit.backends import BACKENDS
 from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
 from ropekit.functional import _apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.positions import _is_integer_tensor, resolve
-from ropekit.validation import check_bool, describe, is_compiling
+from ropekit.validation import check_bool, check_int, describe, is_compiling
 
 __all__ = ["RotaryEmbedding"]
 
@@ -142,8 +142,7 @@ class RotaryEmbedding(nn.Module):
         Raises:
             ValueError: if seq_len is not a positive integer.
         """
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-            raise ValueError(f"seq_len: expected a positive integer, got {seq_len!r}")
+        seq_len = check_int("seq_len", seq_len)
         previous, self._frozen_seq_len = self._frozen_seq_len, seq_len
         return _FrozenFrequencies(self, previous)
 

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 import ropekit
 from ropekit.backends import BACKENDS, select_backend
+from ropekit.validation import check_int
 
 __all__ = [
     "COLUMNS",
@@ -491,8 +492,7 @@ def run_benchmark(
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but torch.cuda.is_available() is False")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+    check_int("repeats", repeats)
     if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or not min_run_time > 0:
         raise ValueError(f"min_run_time: expected a number of seconds > 0, got {min_run_time!r}")
     dev, torch_dtype = torch.device(device), dtypes[dtype]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ropekit.validation import check_int
+
 __all__ = [
     "KEY_CLOSE",
     "KEY_DIGITS",
@@ -98,8 +100,7 @@ def load_corpus(train_bytes: int, validation_bytes: int, root: Path | None = Non
         ValueError: for a non-positive size, or when the stdlib holds too little source for the request.
     """
     for name, value in (("train_bytes", train_bytes), ("validation_bytes", validation_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        check_int(name, value)
     root = stdlib_root() if root is None else Path(root)
     wanted = {"train": train_bytes, "validation": validation_bytes}
     chunks: dict[str, list[bytes]] = {"train": [], "validation": []}

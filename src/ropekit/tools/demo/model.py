@@ -20,6 +20,7 @@ from ropekit.config import RopeConfig
 from ropekit.module import RotaryEmbedding
 from ropekit.nn.attention import Attention
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding
+from ropekit.validation import check_int
 
 __all__ = ["VARIANTS", "ByteTransformer", "ModelConfig"]
 
@@ -45,9 +46,7 @@ class ModelConfig:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {self.variant!r}")
         for name in ("dim", "n_layers", "n_heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+            check_int(name, getattr(self, name))
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim: expected a multiple of 2 * n_heads ({2 * self.n_heads}), got {self.dim}")
 

@@ -19,6 +19,7 @@ from ropekit.schedules import extension_scaling
 from ropekit.schedules.yarn import BETA_FAST, BETA_SLOW
 from ropekit.tools.demo.data import KEY_DIGITS
 from ropekit.tools.inspect import decay_bound
+from ropekit.validation import check_int
 
 __all__ = [
     "attention_by_distance",
@@ -55,10 +56,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
     Raises:
         ValueError: for n < 1 or successes outside [0, n].
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n: expected a positive integer, got {n!r}")
-    if isinstance(successes, bool) or not isinstance(successes, int) or not 0 <= successes <= n:
-        raise ValueError(f"successes: expected an integer in [0, {n}], got {successes!r}")
+    n = check_int("n", n)
+    check_int("successes", successes, minimum=0, maximum=n, expected=f"an integer in [0, {n}]")
     p = successes / n
     z2 = z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
