@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("ropekit.backends",)),
     ("autograd", ("ropekit.autograd",)),
     ("functional", ("ropekit.functional",)),
+    ("fused", ("ropekit.fused",)),
     ("module", ("ropekit.module", "ropekit.multiaxis", "ropekit.sinusoidal", "ropekit.convert")),
     ("public API", ("ropekit._moved", "ropekit")),  # the package root: only the exact name "ropekit"
     ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations")),

@@ -382,7 +382,7 @@ def test_module_reads_no_tensor_data_on_the_host_for_device_inputs(monkeypatch, 
         received.append(cos)
         return q, k
 
-    monkeypatch.setattr(ropekit.module, "_apply_resolved", record)
+    monkeypatch.setattr(ropekit.module, "apply_resolved", record)
     rope = RotaryEmbedding(head_dim=64, max_position_embeddings=8192, layout=layout)
     q, k = _meta_inputs(layout)
     q_out, k_out = rope(q, k, **kwargs(q))

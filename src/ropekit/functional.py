@@ -107,10 +107,10 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace,
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    return _apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
+    return apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
 
 
-def _apply_resolved(
+def apply_resolved(
     q: torch.Tensor,
     k: torch.Tensor | None,
     cos: torch.Tensor,
@@ -173,7 +173,7 @@ def _apply_resolved(
     if inplace and impl.name == "torch":
         # The torch backend writes through slice assignments, which AOTAutograd cannot replay inside a
         # Function that dirties a view: rotate out of place and copy back (autograd's own in-place rule).
-        out_q, out_k = _apply_resolved(
+        out_q, out_k = apply_resolved(
             q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend
         )
         q.copy_(out_q)

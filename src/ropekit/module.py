@@ -13,7 +13,7 @@ from torch import nn
 
 from ropekit.backends import BACKENDS
 from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
-from ropekit.functional import _apply_resolved, apply_rotary, apply_rotary_qk
+from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.positions import _is_integer_tensor, resolve
 from ropekit.validation import check_bool, check_int, describe, is_compiling
 
@@ -326,7 +326,7 @@ class RotaryEmbedding(nn.Module):
                 torch.compiler.disable(self._ensure_table)(needed, q)
         else:
             self._ensure_table(needed, q)
-        return _apply_resolved(
+        return apply_resolved(
             q,
             k,
             self.cos,

@@ -217,9 +217,9 @@ def _compiler_identity(path: str, timeout: float) -> str:
     return f"{os.path.realpath(path)}\n{banner}"
 
 
-def _cache_key(path: str, timeout: float = BUILD_TIMEOUT_S) -> str:
+def _cache_key(path: str, timeout: float = BUILD_TIMEOUT_S, source: str = _SOURCE) -> str:
     """Hash of everything the built library depends on: source, flags, compiler identity and CPU."""
-    parts = [_SOURCE, *FLAGS, _compiler_identity(path, timeout), _cpu_signature()]
+    parts = [source, *FLAGS, _compiler_identity(path, timeout), _cpu_signature()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -247,9 +247,17 @@ def _build_lock(directory: Path) -> Iterator[None]:
 
 
 def build_library(
-    compiler: str | None = None, cache_dir: Path | None = None, *, timeout: float = BUILD_TIMEOUT_S
+    compiler: str | None = None,
+    cache_dir: Path | None = None,
+    *,
+    timeout: float = BUILD_TIMEOUT_S,
+    source: str = _SOURCE,
+    stem: str = "rotary_cpu",
 ) -> ctypes.CDLL:
-    """Compile (or load from the cache) the C loop; returns the loaded library.
+    """Compile (or load from the cache) a C source, by default the rotary loop; returns the loaded library.
+
+    Other kernels (the fused serving loops) pass their own ``source`` and ``stem`` and set their entry
+    points' argtypes themselves; they share the cache, its checks and the build lock.
 
     The cache directory (``$ROPEKIT_CACHE_DIR``, default ``~/.cache/ropekit``) is created with mode 0700
     and must belong to this user and be writable by no one else, as must a cached library, because loading
@@ -260,6 +268,7 @@ def build_library(
         compiler: the C compiler; defaults to ``$CC``, else ``cc``.
         cache_dir: where built libraries are kept; defaults to the directory above.
         timeout: seconds the compiler may run before the build counts as failed.
+        source, stem: the C source and the file-name stem of its cached library.
 
     Raises:
         RuntimeError: if no compiler is found, the build fails or times out, or the cache directory or a
@@ -270,22 +279,24 @@ def build_library(
     if path is None:
         raise RuntimeError(f"no C compiler found (looked for {compiler!r}; install gcc or set CC)")
     directory = _private_dir(Path(cache_dir) if cache_dir is not None else _cache_dir())
-    target = directory / f"rotary_cpu_{_cache_key(path, timeout)}.so"
+    target = directory / f"{stem}_{_cache_key(path, timeout, source)}.so"
     with _build_lock(directory):
         if not target.exists():
-            _compile(path, target, timeout)
+            _compile(path, target, timeout, source)
     _check_private(target)
     lib = ctypes.CDLL(str(target))
+    if source is not _SOURCE:
+        return lib
     for entry in _ENTRY.values():
         getattr(lib, entry).argtypes = _ARGTYPES
         getattr(lib, entry).restype = ctypes.c_int64
     return lib
 
 
-def _compile(path: str, target: Path, timeout: float) -> None:
+def _compile(path: str, target: Path, timeout: float, source: str) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "rotary_cpu.c"
-        src.write_text(_SOURCE)
+        src = Path(tmp) / "kernel.c"
+        src.write_text(source)
         built = Path(tmp) / target.name
         cmd = [path, *FLAGS, str(src), "-o", str(built)]
         try:
