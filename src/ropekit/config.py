@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from ropekit.schedules import RopeSpec, Schedule, mrope_axis_of_pair, mrope_layout, split_scaling
+from ropekit.schedules.dual_chunk import DualChunkTables, dual_chunk_positions
+from ropekit.schedules.softmax import attention_temperature, check_temperature, softmax_scale
 from ropekit.validation import (
     check_base,
     check_bool,
@@ -69,7 +71,7 @@ class RopeConfig:
     max_position_embeddings: int | None = None
     hf_float32_inv_freq: bool = False
     _schedule: Schedule = field(init=False, repr=False, compare=False)
-    _mrope: tuple[tuple[int, ...], bool] | None = field(init=False, repr=False, compare=False)
+    _mrope: tuple[tuple[int, ...], str] | None = field(init=False, repr=False, compare=False)
     _spec: RopeSpec = field(init=False, repr=False, compare=False)
 
     def __init__(
@@ -118,6 +120,7 @@ class RopeConfig:
         object.__setattr__(self, "_schedule", sched)
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_mrope", mrope_layout(scaling, rotary_dim // 2))
+        check_temperature(scaling)
 
     # -- construction from published configs -----------------------------------------------------------
     @classmethod
@@ -177,8 +180,13 @@ class RopeConfig:
 
     @property
     def mrope_interleaved(self) -> bool:
-        """True for Qwen3-VL's interleaved M-RoPE layout, False for Qwen2-VL's chunked one (or no M-RoPE)."""
-        return self._mrope is not None and self._mrope[1]
+        """True for Qwen3-VL's interleaved M-RoPE layout, False for any other layout (or no M-RoPE)."""
+        return self.mrope_layout == "interleaved"
+
+    @property
+    def mrope_layout(self) -> str | None:
+        """The M-RoPE layout ("chunked", "interleaved", "ernie"; see ropekit.schedules.mrope), or None."""
+        return None if self._mrope is None else self._mrope[1]
 
     @property
     def schedule(self) -> Schedule:
@@ -276,6 +284,79 @@ class RopeConfig:
             flat_sin[start : start + rows] = chunk_sin
             flat_cos[start : start + rows] = chunk_cos
         return cos, sin
+
+    # -- attention scale and per-role tables (docs/scaling.md, "Attention scale") ------------------------
+    def softmax_scale(self, head_dim: int) -> float:
+        """The factor attention scores q.k are multiplied by before the softmax, as this RoPE implies it.
+
+        1 / sqrt(head_dim) for every schedule, times DeepSeek's mscale(factor, mscale_all_dim)^2 when the
+        scaling dict sets ``mscale_all_dim`` (YaRN in MLA models; the tables then carry only
+        mscale / mscale_all_dim). Plain YaRN's temperature lives in the tables instead
+        (:meth:`attention_scaling`), and Llama 4's per-position tuning in :meth:`attention_temperature`.
+
+        Args:
+            head_dim: the width q.k runs over. For MLA (DeepSeek) that is qk_nope_head_dim +
+                qk_rope_head_dim, not the rotated slice this config describes.
+
+        Raises:
+            ValueError: for a head_dim that is not a positive integer.
+        """
+        factor = self._spec.factor_or_length_ratio() if self._spec.get("mscale_all_dim") else None
+        return softmax_scale(self.scaling, factor, head_dim)
+
+    def attention_temperature(
+        self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Llama 4's per-position query multiplier for its NoPE layers (all ones without temperature keys).
+
+        With ``floor_scale`` and ``attn_scale`` in the scaling dict (``from_hf`` copies them from a Llama 4
+        config whose ``attn_temperature_tuning`` is set), the query at position p is multiplied by
+        1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) in layers that apply no RoPE; multiply
+        :meth:`softmax_scale` by it for the equivalent per-query softmax scale.
+
+        Args:
+            positions: integer tensor of query positions (any shape).
+            dtype: output dtype.
+
+        Returns:
+            a tensor shaped like positions.
+        """
+        return attention_temperature(self.scaling, positions, dtype)
+
+    def dual_chunk_cos_sin(
+        self,
+        positions: torch.Tensor,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> DualChunkTables:
+        """Dual chunk attention's tables (rope_type "dual_chunk", Qwen2.5-1M): one (cos, sin) per role.
+
+        Keys are rotated with ``.key``; the query once per attention it takes part in: ``.intra`` (its own
+        chunk), ``.succ`` (the previous chunk), ``.inter`` (older chunks), and vLLM's ``.succ_critical`` /
+        ``.inter_critical``. The positions behind them are :func:`ropekit.schedules.dual_chunk_positions`.
+
+        Args:
+            positions: integer tensor of token positions (any shape).
+            dtype: output dtype (angles in float64).
+            device: output device; defaults to positions' device.
+
+        Returns:
+            :class:`ropekit.schedules.DualChunkTables`; each cos / sin has shape positions.shape +
+            (rotary_dim // 2,).
+
+        Raises:
+            ValueError: when this config's rope_type is not "dual_chunk", or for bad positions.
+        """
+        if self.rope_type != "dual_chunk":
+            raise ValueError(
+                f"rope_type: dual_chunk_cos_sin needs rope_type 'dual_chunk' (chunk_size, local_size), "
+                f"got {self.rope_type!r}"
+            )
+        roles = dual_chunk_positions(
+            positions, self._spec.params["chunk_size"], self._spec.params["local_size"]
+        )
+        return DualChunkTables(*(self.cos_sin(p, dtype=dtype, device=device) for p in roles))
 
 
 def _frozen(value: Any) -> Any:

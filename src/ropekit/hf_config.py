@@ -28,22 +28,39 @@ from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
 from ropekit.validation import check_fraction, describe
 
-__all__ = ["load_hf_config", "rope_kwargs", "rope_layer_types"]
+__all__ = ["indexer_rope_kwargs", "load_hf_config", "rope_kwargs", "rope_layer_types"]
 
 log = logging.getLogger(__name__)
 
 # HF's default rope_theta when a config names none.
 DEFAULT_THETA = 10000.0
 # model_type values whose HF modeling code pairs features (2i, 2i+1) (GPT-J style) rather than (i, i + d/2).
-INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "deepseek_v2"})
-# M-RoPE sections HF's Qwen-VL modules fall back to when a config omits them, and whether the model type
-# always interleaves them (Qwen3-VL's module does, whatever mrope_interleaved says).
+INTERLEAVED_MODEL_TYPES = frozenset(
+    {
+        "gptj", "codegen", "cohere", "cohere2", "deepseek_v2",
+        # ERNIE 4.5 (rotate_half_text) and Llama 4 (complex pairs, text and vision) pair (2i, 2i+1) too.
+        "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
+        "llama4", "llama4_text", "llama4_vision_model",
+    }
+)  # fmt: skip
+# M-RoPE sections HF's multimodal modules fall back to when a config omits them, and the layout the model type
+# always uses (Qwen3-VL's module interleaves whatever mrope_interleaved says; ERNIE 4.5-VL alternates h / w
+# and puts t last; None: the config's own mrope_interleaved decides).
 MROPE_DEFAULTS = {
-    "qwen2_vl": ([16, 24, 24], False),
-    "qwen2_5_vl": ([16, 24, 24], False),
-    "qwen3_vl": ([24, 20, 20], True),
-    "qwen3_vl_moe": ([24, 20, 20], True),
+    "qwen2_vl": ([16, 24, 24], None),
+    "qwen2_5_vl": ([16, 24, 24], None),
+    "qwen3_vl": ([24, 20, 20], "interleaved"),
+    "qwen3_vl_moe": ([24, 20, 20], "interleaved"),
+    "ernie4_5_vl_moe": ([22, 22, 20], "ernie"),
+    "ernie4_5_moe_vl": ([22, 22, 20], "ernie"),  # the type name in Baidu's own config.json
 }
+# MLA models whose attention multiplies the softmax scale by YaRN's mscale(f, mscale_all_dim)^2 and pairs its
+# rotated slice (2i, 2i+1) unless rope_interleave is false.
+MLA_MODEL_TYPES = frozenset({"deepseek_v3", "deepseek_v32"})
+# Keys HunYuan's "dynamic" + alpha configs publish that its NTK-alpha RoPE never reads.
+HUNYUAN_UNUSED = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# Llama 4's defaults for the NoPE layers' query temperature (HF Llama4TextConfig).
+LLAMA4_TEMPERATURE = {"floor_scale": 8192, "attn_scale": 0.1}
 # Schedules that read original_max_position_embeddings; Phi-3 keeps it at the top level of config.json. When a
 # config names none, HF fills it from max_position_embeddings, and so do we.
 USES_ORIGINAL_LENGTH = frozenset({"llama3", "yarn", "longrope", "su"})
@@ -194,11 +211,35 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
     params.pop("type", None)
     params["rope_type"] = kind
     model_type = str(d.get("model_type") or "").removesuffix("_text")
+    if kind == "dynamic" and params.get("alpha"):  # HunYuan: a fixed alpha makes it static NTK
+        kind = params["rope_type"] = "ntk_alpha"
+        # HunYuan's configs carry YaRN-style keys next to alpha; its modeling code reads alpha only.
+        for key in HUNYUAN_UNUSED:
+            params.pop(key, None)
+    if kind == "default" and isinstance(d.get("dual_chunk_attention_config"), Mapping):  # Qwen2.5-1M
+        dca = d["dual_chunk_attention_config"]
+        kind = params["rope_type"] = "dual_chunk"
+        params.update({k: dca[k] for k in ("chunk_size", "local_size") if k in dca})
+        if dca.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = dca["original_max_position_embeddings"]
     if model_type in MROPE_DEFAULTS:
-        section, interleaved = MROPE_DEFAULTS[model_type]
+        section, layout = MROPE_DEFAULTS[model_type]
+        if MROPE_DEFAULTS[model_type][1] == "ernie" and d.get("freq_allocation") is not None:
+            # Baidu's own config.json: freq_allocation pairs follow t, the rest alternate h / w.
+            half = (_head_dim(d) // 2 - d["freq_allocation"]) // 2
+            section = [half, half, d["freq_allocation"]]
         params.setdefault("mrope_section", section)
-        if interleaved:
+        if layout == "interleaved":
             params["mrope_interleaved"] = True
+        elif layout is not None:
+            params.pop("mrope_interleaved", None)
+            params["mrope_layout"] = layout
+    if model_type == "llama4_vision_model":  # 2-D axial: patch column and row, each its own frequencies
+        per_axis = _head_dim(d) // 4
+        kind = params["rope_type"] = "axial"
+        params["mrope_section"] = [per_axis, per_axis]
+    if model_type == "llama4" and d.get("attn_temperature_tuning", True):
+        params.update({key: d.get(key, default) for key, default in LLAMA4_TEMPERATURE.items()})
     if kind in USES_ORIGINAL_LENGTH:
         if d.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
@@ -257,8 +298,10 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
             rotary_dim = int(head_dim * partial)
     model_type = d.get("model_type")
     interleaved = model_type in INTERLEAVED_MODEL_TYPES or (
-        model_type == "deepseek_v3" and d.get("rope_interleave", True) is not False
+        model_type in MLA_MODEL_TYPES and d.get("rope_interleave", True) is not False
     )
+    if model_type == "llama4_vision_model":
+        rotary_dim = 4 * (head_dim // 4)
     max_positions = d.get("max_position_embeddings", d.get("n_positions"))
     scaling = None if params == {"rope_type": "default"} else params
     return {
@@ -268,4 +311,40 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
         "interleaved": bool(interleaved),
         "scaling": scaling,
         "max_position_embeddings": max_positions,
+    }
+
+
+def indexer_rope_kwargs(config: Any) -> dict[str, Any]:
+    """RopeConfig keyword arguments for DeepSeek-V3.2's lightning indexer, beside its MLA attention.
+
+    The indexer rotates with the same cos/sin tables as MLA (same schedule and table factor) but pairs the
+    halves (i, i + d/2) where MLA interleaves, rotates the *first* qk_rope_head_dim features of its
+    index_head_dim-wide heads, and scores with 1 / sqrt(index_head_dim) only (Hugging Face
+    ``DeepseekV32Indexer``). So the DeepSeek keys mscale / mscale_all_dim become the explicit YaRN
+    ``attention_factor`` they imply for the tables, and :meth:`RopeConfig.softmax_scale` then adds no
+    mscale^2.
+
+    Raises:
+        ValueError: for a config without index_head_dim or qk_rope_head_dim.
+    """
+    from ropekit.config import RopeConfig  # config sits beside this module and imports it lazily too
+
+    d = load_hf_config(config)
+    for key in ("index_head_dim", "qk_rope_head_dim"):
+        if not isinstance(d.get(key), int):
+            raise ValueError(
+                f"config[{key!r}]: expected the indexer's width (an integer), got {describe(d.get(key))}"
+            )
+    kwargs = rope_kwargs(d)
+    scaling = kwargs["scaling"]
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        table_factor = RopeConfig(**kwargs).attention_scaling()
+        scaling = {k: v for k, v in scaling.items() if k not in ("mscale", "mscale_all_dim")}
+        scaling["attention_factor"] = table_factor
+    return {
+        **kwargs,
+        "head_dim": d["index_head_dim"],
+        "rotary_dim": d["qk_rope_head_dim"],
+        "interleaved": False,
+        "scaling": scaling,
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ropekit.hf_config import rope_kwargs
+from ropekit.hf_config import indexer_rope_kwargs, rope_kwargs
 
 __all__ = ["PRESETS", "Preset", "get_preset", "preset_kwargs"]
 
@@ -26,6 +26,8 @@ class Preset:
             settings).
         config: the config.json keys that decide RoPE, as published.
         note: anything a user should know (documented settings that are not in config.json, quirks).
+        part: which RoPE of the model the preset describes: "" for its attention, "indexer" for
+            DeepSeek-V3.2's lightning indexer (read with :func:`ropekit.hf_config.indexer_rope_kwargs`).
     """
 
     name: str
@@ -33,6 +35,7 @@ class Preset:
     source: str
     config: dict[str, Any]
     note: str = ""
+    part: str = ""
 
 
 def _hub(repo: str) -> str:
@@ -235,6 +238,168 @@ _ENTRIES = [
     ),
 ]
 
+# DeepSeek-V3.2 keeps DeepSeek-V3's RoPE and adds the lightning indexer (128 wide, 64 heads, top 2048).
+_DEEPSEEK_V32 = {
+    "model_type": "deepseek_v32",
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 2048,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
+# Llama 4 Scout's text and vision configs (meta-llama/Llama-4-Scout-17B-16E, config.json).
+_LLAMA4_SCOUT_TEXT = {
+    "model_type": "llama4_text",
+    "hidden_size": 5120,
+    "num_attention_heads": 40,
+    "head_dim": 128,
+    "max_position_embeddings": 262144,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "attn_temperature_tuning": 4,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+}
+_LLAMA4_SCOUT_VISION = {
+    "model_type": "llama4_vision_model",
+    "hidden_size": 1408,
+    "num_attention_heads": 16,
+    "image_size": 336,
+    "patch_size": 14,
+    "rope_theta": 10000,
+}
+
+_ENTRIES += [
+    Preset(
+        "hunyuan-a13b",
+        "tencent/Hunyuan-A13B-Instruct",
+        _hub("tencent/Hunyuan-A13B-Instruct"),
+        {
+            "model_type": "hunyuan_v1_moe",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "head_dim": 128,
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "alpha": 1000.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "type": "dynamic",
+            },
+        },
+        note="Labelled 'dynamic', but the fixed alpha makes it static NTK: base 1e4 * 1000^(128/126) "
+        "(rope_type 'ntk_alpha'); the other keys are unused.",
+    ),
+    Preset(
+        "qwen2.5-7b-1m",
+        "Qwen/Qwen2.5-7B-Instruct-1M",
+        _hub("Qwen/Qwen2.5-7B-Instruct-1M"),
+        {
+            "model_type": "qwen2",
+            "hidden_size": 3584,
+            "num_attention_heads": 28,
+            "max_position_embeddings": 1010000,
+            "rope_theta": 10000000.0,
+            "dual_chunk_attention_config": {
+                "chunk_size": 262144,
+                "local_size": 8192,
+                "original_max_position_embeddings": 262144,
+            },
+        },
+        note="Dual chunk attention: keys at p mod 253952; RopeConfig.dual_chunk_cos_sin gives the key, "
+        "intra, succ and inter tables.",
+    ),
+    Preset(
+        "qwen3-vl-8b",
+        "Qwen/Qwen3-VL-8B-Instruct",
+        _hub("Qwen/Qwen3-VL-8B-Instruct"),
+        {
+            "model_type": "qwen3_vl_text",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "head_dim": 128,
+            "max_position_embeddings": 262144,
+            "rope_theta": 5000000,
+            "rope_scaling": {
+                "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+                "rope_type": "default",
+            },
+        },
+        note="Interleaved M-RoPE; positions from ropekit.get_rope_index (videos one frame per timestamp).",
+    ),
+    Preset(
+        "ernie-4.5-vl-28b-a3b",
+        "baidu/ERNIE-4.5-VL-28B-A3B-PT",
+        _hub("baidu/ERNIE-4.5-VL-28B-A3B-PT"),
+        {
+            "model_type": "ernie4_5_moe_vl",
+            "hidden_size": 2560,
+            "num_attention_heads": 20,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000,
+            "freq_allocation": 20,
+        },
+        note="3-D RoPE, interleaved pairs: the first 44 pairs alternate height / width, the last 20 "
+        "(freq_allocation) follow time (mrope_layout 'ernie', sections [22, 22, 20]).",
+    ),
+    Preset(
+        "deepseek-v3.2",
+        "deepseek-ai/DeepSeek-V3.2-Exp",
+        _hub("deepseek-ai/DeepSeek-V3.2-Exp"),
+        _DEEPSEEK_V32,
+        note="MLA: the 64-wide rope slice, interleaved pairs; softmax_scale(192) includes "
+        "(0.1 ln 40 + 1)^2. The indexer is the 'deepseek-v3.2-indexer' preset.",
+    ),
+    Preset(
+        "deepseek-v3.2-indexer",
+        "deepseek-ai/DeepSeek-V3.2-Exp",
+        _hub("deepseek-ai/DeepSeek-V3.2-Exp"),
+        _DEEPSEEK_V32,
+        note="The lightning indexer: same tables as MLA, half pairing on the first 64 of 128 features, "
+        "softmax scale 1/sqrt(128) without mscale^2.",
+        part="indexer",
+    ),
+    Preset(
+        "llama-4-scout",
+        "meta-llama/Llama-4-Scout-17B-16E",
+        _hub("meta-llama/Llama-4-Scout-17B-16E") + " (text_config)",
+        _LLAMA4_SCOUT_TEXT,
+        note="RoPE on 3 of every 4 layers (no_rope_layers); the NoPE layers scale queries by "
+        "attention_temperature(positions) = 1 + 0.1 ln(1 + floor((p + 1) / 8192)).",
+    ),
+    Preset(
+        "llama-4-scout-vision",
+        "meta-llama/Llama-4-Scout-17B-16E",
+        _hub("meta-llama/Llama-4-Scout-17B-16E") + " (vision_config)",
+        _LLAMA4_SCOUT_VISION,
+        note="2-D axial RoPE over the 24 x 24 patches (head_dim 88: 22 pairs per axis, interleaved); "
+        "positions from ropekit.multiaxis.llama4_vision_positions(336, 14).",
+    ),
+]
+
 PRESETS: dict[str, Preset] = {p.name: p for p in _ENTRIES}
 
 
@@ -251,4 +416,5 @@ def get_preset(name: str) -> Preset:
 
 def preset_kwargs(name: str) -> dict[str, Any]:
     """RopeConfig keyword arguments for a preset."""
-    return rope_kwargs(get_preset(name).config)
+    preset = get_preset(name)
+    return (indexer_rope_kwargs if preset.part == "indexer" else rope_kwargs)(preset.config)

@@ -2,17 +2,21 @@
 
 # Importing a schedule module registers it.
 from ropekit.schedules import (  # noqa: F401
+    axial,
     default,
+    dual_chunk,
     dynamic,
     linear,
     llama3,
     longrope,
     ntk,
+    ntk_alpha,
     proportional,
     yarn,
 )
+from ropekit.schedules.dual_chunk import DualChunkPositions, DualChunkTables, dual_chunk_positions
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
-from ropekit.schedules.mrope import mrope_axis_of_pair, mrope_layout
+from ropekit.schedules.mrope import MROPE_LAYOUTS, mrope_axis_of_pair, mrope_layout
 from ropekit.schedules.registry import (
     SCHEDULES,
     RopeSpec,
@@ -24,9 +28,13 @@ from ropekit.schedules.registry import (
 
 __all__ = [
     "EXTEND_METHODS",
+    "MROPE_LAYOUTS",
     "SCHEDULES",
+    "DualChunkPositions",
+    "DualChunkTables",
     "RopeSpec",
     "Schedule",
+    "dual_chunk_positions",
     "extension_scaling",
     "get_schedule",
     "mrope_axis_of_pair",
