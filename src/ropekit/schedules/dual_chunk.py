@@ -45,7 +45,7 @@ class DualChunkPositions(NamedTuple):
 
 
 class DualChunkTables(NamedTuple):
-    """(cos, sin) for every role of dual chunk attention, each (..., rotary_dim // 2) as RopeConfig.cos_sin."""
+    """(cos, sin) for every role of dual chunk attention, each (..., rotary_dim // 2)."""
 
     key: tuple[torch.Tensor, torch.Tensor]
     intra: tuple[torch.Tensor, torch.Tensor]
