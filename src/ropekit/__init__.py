@@ -10,6 +10,7 @@ from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.module import RotaryEmbedding
 from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
+from ropekit.rope_index import get_rope_index
 from ropekit.schedules import register_schedule
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding, sinusoidal_embedding
 
@@ -25,6 +26,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
     "axial_cos_sin",
+    "get_rope_index",
     "mrope_positions",
     "register_schedule",
     "sinusoidal_embedding",

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 import torch
 
 from ropekit.config import RopeConfig
+from ropekit.rope_index import vision_position_ids
 from ropekit.validation import check_base, check_even, check_int, check_positive
 
-__all__ = ["axial_cos_sin", "mrope_positions", "xpos_cos_sin"]
+__all__ = ["axial_cos_sin", "llama4_vision_positions", "mrope_positions", "xpos_cos_sin"]
 
 
 def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -91,7 +92,8 @@ def mrope_positions(
 
     A text run of n tokens takes t = h = w = next, next + 1, ...; a grid (t, h, w) (already divided by the
     vision encoder's patch size) takes t, h and w offsets from the current start, and the next segment starts
-    one past the largest id used so far.
+    one past the largest id used so far (the original Qwen2-VL rule; for a batch of tokenized prompts with
+    image and video grids, :func:`ropekit.get_rope_index` follows transformers 5).
 
     Args:
         segments: ints (text runs) and (t, h, w) tuples (visual grids), in sequence order.
@@ -110,9 +112,7 @@ def mrope_positions(
             t, h, w = _positive_ints("segments grid", seg)
             if h % spatial_merge or w % spatial_merge:
                 raise ValueError(f"segments: grid {seg} is not divisible by spatial_merge={spatial_merge}")
-            h, w = h // spatial_merge, w // spatial_merge
-            grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-            ids = torch.stack([g.reshape(-1) for g in grid]) + start  # (3, t * h * w)
+            ids = vision_position_ids(start, t, h // spatial_merge, w // spatial_merge)  # (3, t * h * w)
             parts.append(ids)
             start = int(ids.max()) + 1
         else:
@@ -122,6 +122,25 @@ def mrope_positions(
     if not parts:
         raise ValueError("segments: expected at least one segment, got none")
     return torch.cat(parts, dim=1)
+
+
+def llama4_vision_positions(image_size: int, patch_size: int) -> torch.Tensor:
+    """(2, N + 1) positions of Llama 4's vision encoder: (column + 1, row + 1) per patch, then (0, 0).
+
+    The N = (image_size // patch_size)^2 patches come in row-major order and the class token last; it gets
+    angle 0 (HF masks its frequencies to 0, which position 0 gives as well). Rotate with the config of
+    ``RopeConfig.from_hf(vision_config)`` (rope_type "axial", two sections, interleaved pairs), e.g.
+    ``config.cos_sin(llama4_vision_positions(336, 14)[:, None])``.
+
+    Raises:
+        ValueError: for sizes that are not positive integers or a patch larger than the image.
+    """
+    side = check_int("image_size", image_size) // check_int("patch_size", patch_size)
+    if side < 1:
+        raise ValueError(f"patch_size: expected at most image_size ({image_size}), got {patch_size}")
+    patch = torch.arange(side * side)  # (N,) row-major
+    xy = torch.stack([patch % side + 1, patch // side + 1])  # (2, N): column, row
+    return torch.cat([xy, torch.zeros(2, 1, dtype=torch.int64)], dim=1)  # (2, N + 1), class token last
 
 
 def xpos_cos_sin(
