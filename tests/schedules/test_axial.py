@@ -1,5 +1,5 @@
-"""Axial RoPE (rope_type "axial"): Llama 4's vision 2-D RoPE, equal to transformers' Llama4VisionRotaryEmbedding
-and to its vision_apply_rotary_emb on real queries."""
+"""Axial RoPE (rope_type "axial"): Llama 4's vision 2-D RoPE, equal to transformers'
+Llama4VisionRotaryEmbedding and to its vision_apply_rotary_emb on real queries."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""M-RoPE sections: which axis drives each pair, in Qwen2-VL's chunked, Qwen3-VL's interleaved and ERNIE 4.5-VL's
-layouts (the last equal to transformers' Ernie4_5_VLMoeTextRotaryEmbedding)."""
+"""M-RoPE sections: which axis drives each pair, in Qwen2-VL's chunked, Qwen3-VL's interleaved and
+ERNIE 4.5-VL's layouts (the last equal to transformers' Ernie4_5_VLMoeTextRotaryEmbedding)."""
 
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ def test_ernie_layout_gives_h_to_even_w_to_odd_pairs_then_t():
 
 @pytest.mark.parametrize("section", [(3, 3, 2), (2, 2, 4), (1, 1, 6)])
 def test_ernie_tables_equal_transformers_text_rotary_embedding(section):
-    from transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe import Ernie4_5_VLMoeTextRotaryEmbedding
+    from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as hf
 
     hf_config = _ernie_text_config(section)
     positions = torch.randint(0, 300, (3, 2, 9))  # (t, h, w), batch, seq
-    cos, sin = Ernie4_5_VLMoeTextRotaryEmbedding(hf_config)(torch.zeros(1), positions)  # (2, 9, 16), pairs
+    cos, sin = hf.Ernie4_5_VLMoeTextRotaryEmbedding(hf_config)(torch.zeros(1), positions)  # (2, 9, 16)
     config = RopeConfig.from_hf(hf_config)
     assert (config.mrope_layout, config.interleaved, config.mrope_section) == ("ernie", True, section)
     got_cos, got_sin = config.cos_sin(positions)
