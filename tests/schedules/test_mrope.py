@@ -48,7 +48,7 @@ def test_bad_sections_are_rejected():
         RopeConfig(16, scaling={"mrope_section": [2, 0, 6], "mrope_interleaved": True})
 
 
-# -- ERNIE 4.5-VL: h / w alternate over the first pairs, t takes the last ones --------------------------------
+# -- ERNIE 4.5-VL: h / w alternate over the first pairs, t takes the last ones ---------------------------
 
 
 def _ernie_text_config(section=(3, 3, 2)):
