@@ -80,3 +80,39 @@ def test_overrides_and_unknown_names():
     assert RopeConfig.preset("LLAMA-3-8B", hf_float32_inv_freq=True).hf_float32_inv_freq
     with pytest.raises(ValueError, match=r"unknown preset 'llama-9'; expected one of \["):
         RopeConfig.preset("llama-9")
+
+
+@pytest.mark.parametrize(
+    ("name", "facts"),
+    [
+        ("hunyuan-a13b", {"head_dim": 128, "base": 1e4, "rope_type": "ntk_alpha", "interleaved": False}),
+        (
+            "qwen2.5-7b-1m",
+            {"head_dim": 128, "base": 1e7, "rope_type": "dual_chunk", "max_position_embeddings": 1010000},
+        ),
+        (
+            "qwen3-vl-8b",
+            {"head_dim": 128, "base": 5e6, "mrope_section": (24, 20, 20), "mrope_interleaved": True},
+        ),
+        (
+            "ernie-4.5-vl-28b-a3b",
+            {"head_dim": 128, "base": 5e5, "mrope_layout": "ernie", "interleaved": True},
+        ),
+        ("deepseek-v3.2", {"head_dim": 64, "rope_type": "yarn", "interleaved": True}),
+        (
+            "deepseek-v3.2-indexer",
+            {"head_dim": 128, "rotary_dim": 64, "rope_type": "yarn", "interleaved": False},
+        ),
+        ("llama-4-scout", {"head_dim": 128, "base": 5e5, "rope_type": "llama3", "interleaved": True}),
+        ("llama-4-scout-vision", {"head_dim": 88, "rope_type": "axial", "mrope_section": (22, 22)}),
+    ],
+)
+def test_served_model_variant_presets(name, facts):
+    test_preset_facts(name, facts)
+
+
+def test_deepseek_v32_softmax_scales_mla_by_mscale_squared_and_not_the_indexer():
+    mla, indexer = RopeConfig.preset("deepseek-v3.2"), RopeConfig.preset("deepseek-v3.2-indexer")
+    assert mla.softmax_scale(192) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192))
+    assert indexer.softmax_scale(128) == pytest.approx(128**-0.5, rel=1e-15)
+    assert mla.attention_scaling() == indexer.attention_scaling() == 1.0
