@@ -191,3 +191,21 @@ def test_inputs_are_not_modified():
     copies = [t.clone() for t in given]
     ropekit.get_rope_index(config, mm, mm, images, videos, mask)
     assert all(torch.equal(a, b) for a, b in zip(copies, given, strict=True))
+
+
+def test_qwen3_vl_tables_at_get_rope_index_positions_equal_transformers_text_rotary_module():
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    config = transformers.Qwen3VLConfig(
+        text_config={"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "num_hidden_layers": 1}
+    )
+    text = config.text_config
+    text.rope_parameters = {**text.rope_parameters, "mrope_section": [4, 2, 2]}
+    mm, mask, images, videos = random_batch("qwen3_vl", random.Random(11), batch=2)
+    positions, _ = ropekit.get_rope_index(config, mm, mm, images, videos, mask)
+    cos, sin = Qwen3VLTextRotaryEmbedding(text)(torch.zeros(1), positions)  # (batch, seq, 16), halves
+    ours = ropekit.RopeConfig.from_hf(text)
+    assert ours.mrope_interleaved
+    got_cos, got_sin = ours.cos_sin(positions)
+    torch.testing.assert_close(got_cos, cos[..., :8], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_sin, sin[..., :8], rtol=0, atol=1e-5)
