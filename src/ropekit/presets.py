@@ -240,25 +240,12 @@ _ENTRIES = [
 
 # DeepSeek-V3.2 keeps DeepSeek-V3's RoPE and adds the lightning indexer (128 wide, 64 heads, top 2048).
 _DEEPSEEK_V32 = {
+    **next(p.config for p in _ENTRIES if p.name == "deepseek-v3"),
     "model_type": "deepseek_v32",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
     "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
     "index_head_dim": 128,
     "index_n_heads": 64,
     "index_topk": 2048,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
 }
 # Llama 4 Scout's text and vision configs (meta-llama/Llama-4-Scout-17B-16E, config.json).
 _LLAMA4_SCOUT_TEXT = {

@@ -13,12 +13,17 @@ from ropekit.schedules.params import check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
-def _validate(spec: RopeSpec) -> None:
-    check_value(spec, "factor", minimum=1, required=True)  # below 1 would shrink the context, never extend it
+def check_ntk(spec: RopeSpec, key: str) -> None:
+    """scaling[key] (the NTK factor, or HunYuan's alpha) is >= 1, and rotary_dim > 2 for d / (d - 2)."""
+    check_value(spec, key, minimum=1, required=True)  # below 1 would shrink the context, never extend it
     if spec.rotary_dim <= 2:
         raise ValueError(
             f"rotary_dim: NTK scaling needs rotary_dim > 2 (it uses d / (d - 2)), got {spec.rotary_dim}"
         )
+
+
+def _validate(spec: RopeSpec) -> None:
+    check_ntk(spec, "factor")
 
 
 @register_schedule("ntk", required=("factor",), validate=_validate)

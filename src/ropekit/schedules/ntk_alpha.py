@@ -13,17 +13,12 @@ from __future__ import annotations
 import torch
 
 from ropekit.schedules.extend import ntk_base
-from ropekit.schedules.params import check_value
+from ropekit.schedules.ntk import check_ntk
 from ropekit.schedules.registry import RopeSpec, register_schedule
 
 
 def _validate(spec: RopeSpec) -> None:
-    # alpha < 1 would lower the base (shrink the context); HunYuan publishes 1000.
-    check_value(spec, "alpha", minimum=1, required=True)
-    if spec.rotary_dim <= 2:
-        raise ValueError(
-            f"rotary_dim: NTK-alpha scaling needs rotary_dim > 2 (it uses d / (d - 2)), got {spec.rotary_dim}"
-        )
+    check_ntk(spec, "alpha")  # HunYuan publishes 1000
 
 
 @register_schedule("ntk_alpha", required=("alpha",), validate=_validate)
