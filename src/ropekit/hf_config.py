@@ -11,6 +11,12 @@ config (which is where schedule keys and values are validated). It understands b
   Gemma 3's legacy ``rope_local_base_freq`` and ModernBERT's ``global_rope_theta`` / ``local_rope_theta``
   are read into the same per-layer-type form.
 
+Model-specific forms read into ropekit's vocabulary: HunYuan's ``"dynamic"`` + ``alpha`` (rope_type
+``ntk_alpha``), Qwen2.5-1M's ``dual_chunk_attention_config`` (``dual_chunk``), Llama 4's vision config
+(``axial``, two sections) and its NoPE temperature (``floor_scale`` / ``attn_scale``), ERNIE 4.5-VL's M-RoPE
+(``mrope_layout: "ernie"``, from ``mrope_section`` or Baidu's ``freq_allocation``); DeepSeek-V3.2's indexer
+has its own reader, :func:`indexer_rope_kwargs`.
+
 head_dim comes from ``head_dim`` (DeepSeek's ``qk_rope_head_dim`` first), else
 hidden_size // num_attention_heads.
 """
