@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         for key, value in rows[0].items():
             print(f"{key:>24}: {value}")
         return 0
+    width = max(16, *(len(r["name"]) for r in rows))  # the longest preset name sets the first column
+    kind = max(9, *(len(r["rope_type"]) for r in rows))
     head = (
-        f"{'name':<16} {'head_dim':>8} {'rotary':>6} {'base':>9} {'rope_type':<9} {'pairing':<11} "
+        f"{'name':<{width}} {'head_dim':>8} {'rotary':>6} {'base':>9} {'rope_type':<{kind}} {'pairing':<11} "
         f"{'max_pos':>7}"
     )
     print(head)
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         pairing = "interleaved" if r["interleaved"] else "half"
         print(
-            f"{r['name']:<16} {r['head_dim']:>8} {r['rotary_dim']:>6} {r['base']:>9g} {r['rope_type']:<9} "
+            f"{r['name']:<{width}} {r['head_dim']:>8} {r['rotary_dim']:>6} {r['base']:>9g} "
+            f"{r['rope_type']:<{kind}} "
             f"{pairing:<11} {r['max_position_embeddings'] or '-':>7}"
         )
     print("\nsources: `ropekit presets NAME` shows each model's config.json citation")
