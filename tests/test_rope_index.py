@@ -209,3 +209,27 @@ def test_qwen3_vl_tables_at_get_rope_index_positions_equal_transformers_text_rot
     got_cos, got_sin = ours.cos_sin(positions)
     torch.testing.assert_close(got_cos, cos[..., :8], rtol=0, atol=1e-5)
     torch.testing.assert_close(got_sin, sin[..., :8], rtol=0, atol=1e-5)
+
+
+def test_position_ids_follow_input_ids_dtype_and_deltas_are_int64():
+    config = transformers.Qwen2VLConfig()
+    mm = torch.tensor([[0, 1, 1, 1, 1, 0]])
+    pos, deltas = ropekit.get_rope_index(config, mm.int(), mm, torch.tensor([[1, 4, 4]]))
+    assert pos.dtype == torch.int32 and deltas.dtype == torch.int64
+    assert pos[:, 0].tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
+    assert deltas.tolist() == [[-2]]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((torch.zeros(2),), {}, r"mrope_position_deltas: expected a \(batch, 1\) tensor"),
+        ((torch.zeros(2, 1, dtype=torch.int64), -1), {}, "start: expected an integer >= 0"),
+        ((torch.zeros(2, 1, dtype=torch.int64), 3), {"attention_mask": torch.ones(2, 3)}, r"attention_mask"),
+    ],
+)
+def test_decode_positions_reject_bad_arguments(args, kwargs, match):
+    if len(args) == 1:
+        args = (*args, 0)
+    with pytest.raises(ValueError, match=match):
+        mrope_decode_positions(*args, **kwargs)
