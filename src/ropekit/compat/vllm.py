@@ -74,18 +74,20 @@ def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> Val
     )
 
 
-# The last cache split into its halves: a decode step calls with the same cache every time, and two slices
-# cost more than the checks of the whole call. Keyed on the tensor object and its data pointer.
-_last_halves: list = [None, 0, None]
-
-
 def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin): the (P, R/2) halves of a [cos | sin] cache, as views with row stride R."""
-    ptr = cache.data_ptr()
-    if cache is not _last_halves[0] or ptr != _last_halves[1]:
+    """(cos, sin): the (P, R/2) halves of a [cos | sin] cache, as views with row stride R.
+
+    A decode step passes the same cache every time, and two slices cost more than all the checks of the
+    call, so the views are kept on the cache tensor itself (they live and die with it), keyed by its data
+    pointer and shape.
+    """
+    key = (cache.data_ptr(), cache.shape)
+    memo = cache.__dict__.get("_ropekit_halves")
+    if memo is None or memo[0] != key:
         half = cache.shape[1] // 2
-        _last_halves[:] = cache, ptr, (cache[:, :half], cache[:, half:])
-    return _last_halves[2]
+        memo = key, (cache[:, :half], cache[:, half:])
+        cache.__dict__["_ropekit_halves"] = memo
+    return memo[1]
 
 
 def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto"):
