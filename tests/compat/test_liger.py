@@ -130,16 +130,8 @@ def test_signature_is_ligers():
         ("rotary_dim", None),
         ("backend", "auto"),  # ropekit's keyword-only addition
     ]
-    assert signature_of(LigerRopeFunction.forward)[1:] == [  # after ctx
-        ("q", NO_DEFAULT),
-        ("k", NO_DEFAULT),
-        ("cos", NO_DEFAULT),
-        ("sin", NO_DEFAULT),
-        ("position_ids", None),
-        ("unsqueeze_dim", 1),
-        ("rotary_dim", None),
-        ("backend", "auto"),
-    ]
+    # the Function's forward takes the same arguments after ctx, backend positional (apply takes no keywords)
+    assert signature_of(LigerRopeFunction.forward)[1:] == signature_of(liger_rotary_pos_emb)
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), [*DTYPE_TOL, (torch.float16, 1e-2, 1e-5)], ids=str)
