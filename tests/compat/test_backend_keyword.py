@@ -21,7 +21,6 @@ MODULES = [flash_attn, hf, liger, megatron, rotary_embedding_torch, torchtune, v
 NOT_ROTATIONS = {
     "hf.ROPE_INIT_FUNCTIONS": "frequencies and attention factor only",
     "hf.rope_config_validation": "reads a config",
-    "vllm.get_rope": "returns a vllm.RotaryEmbedding, whose backend attribute chooses",
 }
 
 
@@ -101,6 +100,9 @@ def _calls():
         ),
         "vllm.apply_rope_with_cos_sin_cache_inplace": lambda b: vllm.apply_rope_with_cos_sin_cache_inplace(
             torch.arange(5), torch.randn(5, 3 * 16), torch.randn(5, 16), 16, cache, backend=b
+        ),
+        "vllm.get_rope": lambda b: vllm.get_rope(16, 32, True, {"rope_theta": 10000.0}, backend=b)(
+            torch.arange(5), torch.randn(5, 3 * 16), torch.randn(5, 16)
         ),
         "vllm.RotaryEmbedding": lambda b: vllm.RotaryEmbedding(
             16, 16, 32, 10000, True, torch.float32, backend=b

@@ -334,6 +334,7 @@ def get_rope(
     base: float | None = None,
     rope_scaling: Mapping[str, Any] | None = None,
     partial_rotary_factor: float | None = None,
+    backend: str = "auto",
 ) -> RotaryEmbedding:
     """Mirrors vLLM's ``get_rope`` (0.11 signature): one cached module per configuration.
 
@@ -347,6 +348,8 @@ def get_rope(
     rope_scaling=None, dtype=None, partial_rotary_factor=1.0)``, the form most model code still uses. It is
     read too: a call whose third argument is an int rather than a bool, or that names rotary_dim, base,
     rope_scaling or partial_rotary_factor (rotary_dim then becomes int(rotary_dim * partial_rotary_factor)).
+
+    ``backend`` (keyword only, ropekit's) is the module's backend for every call, and part of the cache key.
 
     Raises:
         ValueError: a rope_type other than default, linear, dynamic, yarn and llama3 (vLLM's deepseek_yarn,
@@ -378,7 +381,7 @@ def get_rope(
             rotary_dim = int(rotary_dim * partial_rotary_factor)
     if dual_chunk_attention_config is not None:
         raise ValueError("dual_chunk_attention_config: dual-chunk attention is not supported; expected None")
-    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, rotary_dim)
+    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, rotary_dim, backend)
 
 
 def _cached_rope(
@@ -388,13 +391,14 @@ def _cached_rope(
     rope_parameters: Mapping[str, Any] | None,
     dtype: torch.dtype | None,
     rotary_dim: int | None,
+    backend: str = "auto",
 ) -> RotaryEmbedding:
     """get_rope's work, one argument form: the module for this configuration, built once."""
     if dtype is None:
         dtype = torch.get_default_dtype()
     params = dict(rope_parameters or {})
     items = tuple((k, _hashable(v)) for k, v in params.items())
-    key = (head_size, max_position, is_neox_style, items, dtype, rotary_dim)
+    key = (head_size, max_position, is_neox_style, items, dtype, rotary_dim, backend)
     try:
         hash(key)
     except TypeError:
@@ -426,6 +430,6 @@ def _cached_rope(
         if kind == "yarn":
             length = params.get("original_max_position_embeddings", max_position)
         rows = math.ceil(length * float(factor))
-    module = RotaryEmbedding.from_config(config, rows, dtype)
+    module = RotaryEmbedding.from_config(config, rows, dtype, backend=backend)
     _ROPE_CACHE[key] = module
     return module
