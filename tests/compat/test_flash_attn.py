@@ -8,6 +8,14 @@ of row b at position offset_b + s; q and k rotated, v untouched; gradients throu
 same tolerances (rtol 1e-3, atol twice the error of ``x + 0.3 - 0.3`` in the output dtype). Sizes are scaled
 down for a 2-core CPU (batch 4, 3 heads, seqlen 19, head_dim 32 instead of 32, 4, 217-781, 64-128). The
 reference is ropekit's float64 one, rounded to the dtype as flash-attn's float32 reference is.
+
+The ``RotaryEmbedding`` module follows flash-attn's ``tests/layers/test_rotary.py`` (``test_rotary``,
+GPT-NeoX pairing, and ``test_rotary_interleaved``, GPT-J pairing: a leaf fp16 qkv (B, S, 3, H, D) that
+requires grad, seqlen_offset 0 or an int with S + offset = the table length, rotary fraction 0.5 and 1; the
+module's tables against the reference tables; q and k rotated, features past rotary_dim and v equal to the
+input; gradients the inverse rotation of the upstream gradient; rtol 1e-3, atol 5e-3), scaled from (8, 2048,
+16 heads, 128) to (2, 48, 3, 32), offset 711 -> 17. xPos (``scale_base``), the kv form and tensor offsets with
+``max_seqlen`` have no flash-attn test; they are checked against the formulas of flash-attn's module.
 """
 
 from __future__ import annotations
@@ -19,8 +27,13 @@ import pytest
 import torch
 from torch import nn
 
-from ropekit.compat.flash_attn import apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
-from rotary_reference import reference_rotation
+from ropekit.compat.flash_attn import (
+    RotaryEmbedding,
+    apply_rotary_emb,
+    apply_rotary_emb_kv_,
+    apply_rotary_emb_qkv_,
+)
+from rotary_reference import assert_matches_reference, reference_rotation, reference_tables
 
 from .conftest import NO_DEFAULT, arithmetic_atol, signature_of
 
@@ -266,6 +279,7 @@ def test_signatures_are_flash_attns():
         ("seqlen_offsets", 0),
         ("cu_seqlens", None),
         ("max_seqlen", None),
+        ("backend", "auto"),  # ropekit's keyword-only addition
     ]
     assert signature_of(apply_rotary_emb_qkv_) == [
         ("qkv", NO_DEFAULT),
@@ -276,6 +290,7 @@ def test_signatures_are_flash_attns():
         ("interleaved", False),
         ("seqlen_offsets", 0),
         ("num_heads_q", None),
+        ("backend", "auto"),
     ]
     assert signature_of(apply_rotary_emb_kv_) == [
         ("kv", NO_DEFAULT),
@@ -283,6 +298,23 @@ def test_signatures_are_flash_attns():
         ("sin", NO_DEFAULT),
         ("interleaved", False),
         ("seqlen_offsets", 0),
+        ("backend", "auto"),
+    ]
+    assert signature_of(RotaryEmbedding.__init__) == [
+        ("dim", NO_DEFAULT),
+        ("base", 10000.0),
+        ("interleaved", False),
+        ("scale_base", None),
+        ("pos_idx_in_fp32", True),
+        ("device", None),
+        ("backend", "auto"),
+    ]
+    assert signature_of(RotaryEmbedding.forward) == [
+        ("qkv", NO_DEFAULT),
+        ("kv", None),
+        ("seqlen_offset", 0),
+        ("max_seqlen", None),
+        ("num_heads_q", None),
     ]
 
 
@@ -337,3 +369,89 @@ def test_in_place_argument_checks_come_before_any_write():
     with pytest.raises(ValueError, match=r"^seqlen_offsets: "):
         apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=torch.tensor([1, 2]))
     assert torch.equal(x, before)
+
+
+def xpos_scales(rotary_dim: int, length: int, scale_base: float) -> torch.Tensor:
+    """flash-attn's xPos factor per (position, pair): zeta_i^((p - length // 2) / scale_base), float64."""
+    zeta = (torch.arange(0, rotary_dim, 2, dtype=torch.float64) + 0.4 * rotary_dim) / (1.4 * rotary_dim)
+    power = (torch.arange(length, dtype=torch.float64) - length // 2) / scale_base
+    return zeta ** power[:, None]  # (length, R/2)
+
+
+@pytest.mark.parametrize("seqlen_offset", [0, 17])
+@pytest.mark.parametrize("rotary_fraction", [0.5, 1.0])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_module_rotates_packed_qkv_in_place_as_flash_attn(
+    backend, interleaved, rotary_fraction, seqlen_offset
+):
+    torch.manual_seed(0)
+    batch, seqlen_total, heads, head_dim = 2, 48, 3, 32
+    seqlen, rotary_dim = seqlen_total - seqlen_offset, int(head_dim * rotary_fraction)
+    rtol, atol = 1e-3, 5e-3
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, dtype=torch.float16, requires_grad=True)
+    qkv_og = qkv.detach().clone()
+    rotary = RotaryEmbedding(rotary_dim, interleaved=interleaved)
+    out = rotary(qkv, seqlen_offset=seqlen_offset)
+    cos, sin = reference_tables(rotary_dim, seqlen_total)
+    torch.testing.assert_close(rotary._cos_cached, cos, rtol=rtol, atol=atol)
+    torch.testing.assert_close(rotary._sin_cached, sin, rtol=rtol, atol=atol)
+    pos = np.broadcast_to(np.arange(seqlen) + seqlen_offset, (batch, seqlen))
+    for i in (0, 1):  # q and k
+        want = rotated(qkv_og[:, :, i], cos, sin, pos, interleaved)
+        assert torch.allclose(out[:, :, i], want, rtol=rtol, atol=atol)
+    assert torch.equal(out[:, :, 0:2, :, rotary_dim:], qkv_og[:, :, 0:2, :, rotary_dim:])
+    assert torch.equal(out[:, :, 2], qkv_og[:, :, 2])
+    g = torch.randn_like(out)
+    g_og = g.clone()
+    out.backward(g)
+    for i in (0, 1):
+        want = rotated(g_og[:, :, i], cos, sin, pos, interleaved, conjugate=True)
+        assert torch.allclose(qkv.grad[:, :, i], want, rtol=rtol, atol=atol)
+    assert torch.equal(qkv.grad[:, :, 0:2, :, rotary_dim:], g_og[:, :, 0:2, :, rotary_dim:])
+    assert torch.equal(qkv.grad[:, :, 2], g_og[:, :, 2])
+    assert backend.calls > 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_module_xpos_scales_queries_up_and_keys_down_about_the_table_centre(backend, interleaved):
+    g = torch.Generator().manual_seed(3)
+    batch, seqlen, heads, dim, scale_base = 2, 20, 2, 16, 8.0
+    qkv = torch.randn(batch, seqlen, 3, heads, dim, generator=g)
+    before = qkv.clone()
+    rotary = RotaryEmbedding(dim, interleaved=interleaved, scale_base=scale_base)
+    out = rotary(qkv)
+    assert out is qkv
+    cos, sin = reference_tables(dim, seqlen)
+    scale = xpos_scales(dim, seqlen, scale_base)
+    pos = np.broadcast_to(np.arange(seqlen), (batch, seqlen))
+    want_q = reference_rotation(before[:, :, 0], cos * scale, sin * scale, pos, interleaved=interleaved)
+    want_k = reference_rotation(before[:, :, 1], cos / scale, sin / scale, pos, interleaved=interleaved)
+    torch.testing.assert_close(out[:, :, 0].double(), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, :, 1].double(), want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :, 2], before[:, :, 2])
+    # q . k depends on the offset between the positions only: rotation and scale cancel in pairs
+    assert rotary.scale is not None and rotary.scale.shape == (dim // 2,)
+
+
+def test_module_kv_form_and_tensor_offsets_with_max_seqlen(backend):
+    g = torch.Generator().manual_seed(4)
+    batch, seqlen, heads, dim = 3, 5, 2, 16
+    q = torch.randn(batch, seqlen, heads, dim, generator=g)
+    kv = torch.randn(batch, seqlen, 2, heads, dim, generator=g)
+    q_before, kv_before = q.clone(), kv.clone()
+    offsets = torch.tensor([0, 7, 30], dtype=torch.int32)
+    rotary = RotaryEmbedding(dim)
+    q_out, kv_out = rotary(q, kv, seqlen_offset=offsets, max_seqlen=40)
+    assert q_out is q and kv_out is kv and rotary._seq_len_cached == 40
+    cos, sin = reference_tables(dim, 40)
+    pos = offsets.numpy()[:, None] + np.arange(seqlen)
+    assert_matches_reference(q, q_before, cos, sin, pos, interleaved=False)
+    assert_matches_reference(kv[:, :, 0], kv_before[:, :, 0], cos, sin, pos, interleaved=False)
+    assert torch.equal(kv[:, :, 1], kv_before[:, :, 1])
+    # a tensor offset past the tables, with no max_seqlen to grow them: a ValueError, not an identity
+    with pytest.raises(ValueError, match=r"^positions: largest position 104 is past"):
+        rotary(q.clone(), kv.clone(), seqlen_offset=torch.tensor([0, 0, 100]))
+    with pytest.raises(ValueError, match=r"^scale_base: expected"):
+        RotaryEmbedding(16, scale_base=0)
+    with pytest.raises(ValueError, match=r"^backend: expected"):
+        RotaryEmbedding(16, backend="cuda")

@@ -6,6 +6,15 @@ own for the function; its users' test is Liger-Kernel's ``test/transformers/test
 whose cases are used here: (bsz, seq, q heads, kv heads, head_dim) including GQA and an odd-sized shape,
 position ids of batch 1 or expanded to the batch, float32 (atol = rtol = 1e-5) and bfloat16 (atol 1e-1),
 forward outputs and q / k gradients against HF's. Sizes are scaled down for a 2-core CPU.
+
+``ROPE_INIT_FUNCTIONS`` and ``rope_config_validation`` follow transformers'
+``tests/utils/test_modeling_rope_utils.py`` (``RopeTest``, commit 087e800: the numerical snapshots of the
+default, dynamic (factor 10, seq_len 16384) and yarn (factor 10, beta 32 / 1) frequencies of the default
+``LlamaConfig``, to their printed 5 digits; linear = default / factor; dynamic unscaled up to
+max_position_embeddings; yarn's attention factor 0.1 ln(factor) + 1 or the explicit one). Beyond that file,
+every rope type transformers 5.24 registers is compared, value for value, with transformers' own function
+on tiny configs (Llama; Phi-3 for longrope), and "default" with
+``LlamaRotaryEmbedding.compute_default_rope_parameters``.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-from ropekit.compat.hf import apply_rotary_pos_emb
+from ropekit.compat.hf import ROPE_INIT_FUNCTIONS, apply_rotary_pos_emb, rope_config_validation
 
 from .conftest import as_table, force_backend, llama_tables, signature_of, spy_cpu_kernel
 
@@ -130,7 +139,7 @@ def test_errors_name_the_argument_and_the_expected_shape():
 
 
 def test_signature_is_transformers():
-    assert signature_of(apply_rotary_pos_emb) == signature_of(hf_apply_rotary_pos_emb)
+    assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_apply_rotary_pos_emb), ("backend", "auto")]
 
 
 def test_compiles_with_fullgraph():
@@ -140,3 +149,149 @@ def test_compiles_with_fullgraph():
     compiled = torch.compile(apply_rotary_pos_emb, backend="aot_eager", fullgraph=True)
     for got, want in zip(compiled(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def tiny_config(rope_parameters, cls_name="LlamaConfig", **extra):
+    import transformers
+
+    kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    if cls_name == "LlamaConfig":
+        kwargs["head_dim"] = 16
+    return getattr(transformers, cls_name)(**kwargs, **extra, rope_parameters=dict(rope_parameters))
+
+
+SHORT, LONG = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]
+INIT_CASES = {
+    "linear": ({"rope_type": "linear", "factor": 2.0}, "LlamaConfig", {}),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, "LlamaConfig", {}),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "LlamaConfig", {}),
+    "yarn_mscale": (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+         "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+        "LlamaConfig",
+        {},
+    ),
+    "longrope": (
+        {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "factor": 4.0,
+         "original_max_position_embeddings": 64},
+        "Phi3Config",
+        {},
+    ),
+    "llama3": (
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        "LlamaConfig",
+        {},
+    ),
+    "proportional": ({"rope_type": "proportional", "partial_rotary_factor": 0.5}, "LlamaConfig", {}),
+    "partial_linear": (
+        {"rope_type": "linear", "factor": 3.0, "partial_rotary_factor": 0.5}, "LlamaConfig", {}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seq_len", [None, 40, 300])
+@pytest.mark.parametrize("case", list(INIT_CASES))
+def test_rope_init_functions_equal_transformers_own(case, seq_len):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS as HF_ROPE_INIT_FUNCTIONS
+
+    params, cls_name, extra = INIT_CASES[case]
+    rope_type = params["rope_type"]
+    config = tiny_config({"rope_theta": 10000.0, **params}, cls_name, **extra)
+    want_inv_freq, want_factor = HF_ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len)
+    got_inv_freq, got_factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len)
+    assert got_inv_freq.dtype == torch.float32 and got_inv_freq.shape == want_inv_freq.shape
+    torch.testing.assert_close(got_inv_freq, want_inv_freq, atol=0, rtol=1e-6)
+    assert got_factor == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_rope_init_functions_cover_every_transformers_rope_type():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS as HF_ROPE_INIT_FUNCTIONS
+
+    assert set(HF_ROPE_INIT_FUNCTIONS) <= set(ROPE_INIT_FUNCTIONS)
+    assert {params["rope_type"] for params, _, _ in INIT_CASES.values()} >= set(HF_ROPE_INIT_FUNCTIONS)
+
+
+def test_default_rope_init_equals_the_models_own_and_dynamic_takes_a_tensor_seq_len():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = tiny_config({"rope_type": "default", "rope_theta": 500000.0})
+    want, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    got, got_factor = ROPE_INIT_FUNCTIONS["default"](config)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got_factor == factor == 1.0
+    dynamic = tiny_config({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    by_int = ROPE_INIT_FUNCTIONS["dynamic"](dynamic, None, 700)[0]
+    torch.testing.assert_close(ROPE_INIT_FUNCTIONS["dynamic"](dynamic, None, torch.tensor(700))[0], by_int)
+    with pytest.raises(ValueError, match=r"^config: its rope_type is 'default'; expected 'yarn'"):
+        ROPE_INIT_FUNCTIONS["yarn"](config)
+
+
+def test_rope_config_validation_warns_where_transformers_accepts_and_raises_where_it_cannot_work():
+    import warnings
+
+    ok = tiny_config(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rope_config_validation(ok)  # factor == max_position_embeddings / original: silent
+    mismatch = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    with pytest.warns(UserWarning, match=r"rope_parameters\['factor'\]: 2.0 differs from .* = 4.0"):
+        rope_config_validation({"max_position_embeddings": 256, "head_dim": 16, "rope_parameters": mismatch})
+    implicit = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                "original_max_position_embeddings": 64, "rope_theta": 1e4}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"rope_parameters\['factor'\]: missing, so it is implicit"):
+        rope_config_validation({"max_position_embeddings": 256, "head_dim": 16, "rope_parameters": implicit})
+    no_original = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "rope_theta": 1e4}  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"\['original_max_position_embeddings'\]: missing for rope_type 'llama3'"
+    ):
+        rope_config_validation(
+            {"max_position_embeddings": 256, "head_dim": 16, "rope_parameters": no_original}
+        )
+    shrinking = {"rope_type": "linear", "factor": 0.5, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"factor"):  # transformers warns, then shrinks the context
+        rope_config_validation({"max_position_embeddings": 256, "head_dim": 16, "rope_parameters": shrinking})
+    no_factor = {"rope_type": "linear", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"factor"):  # a required key missing
+        rope_config_validation({"max_position_embeddings": 256, "head_dim": 16, "rope_parameters": no_factor})
+
+
+# transformers' RopeTest snapshots (tests/utils/test_modeling_rope_utils.py), as printed there: default
+# LlamaConfig (head_dim 128, rope_theta 1e4, max_position_embeddings 2048).
+EXPECTED_DEFAULT_HEAD = [1.0000e00, 8.6596e-01, 7.4989e-01, 6.4938e-01, 5.6234e-01, 4.8697e-01]
+EXPECTED_DYNAMIC_TAIL = [3.0683e-06, 2.4832e-06, 2.0097e-06, 1.6265e-06]  # factor 10, seq_len 16384
+EXPECTED_YARN_MIDDLE = [1.0000e-01, 8.3479e-02, 6.9590e-02, 5.7925e-02, 4.8136e-02, 3.9931e-02]  # [16:22]
+
+
+def test_rope_init_numerics_match_transformers_snapshots():
+    import math
+
+    from transformers import LlamaConfig
+
+    def llama(params):
+        return LlamaConfig(rope_parameters={"rope_theta": 10000.0, **params})
+
+    default, scale = ROPE_INIT_FUNCTIONS["default"](llama({"rope_type": "default"}))
+    assert scale == 1.0 and default.shape == (64,)
+    torch.testing.assert_close(default[:6], torch.tensor(EXPECTED_DEFAULT_HEAD), rtol=1e-4, atol=0)
+    for factor in (2.0, 10.0, 20.0):
+        linear, scale = ROPE_INIT_FUNCTIONS["linear"](llama({"rope_type": "linear", "factor": factor}))
+        torch.testing.assert_close(linear, default / factor)
+        dynamic = llama({"rope_type": "dynamic", "factor": factor})
+        torch.testing.assert_close(ROPE_INIT_FUNCTIONS["dynamic"](dynamic)[0], default)
+        torch.testing.assert_close(ROPE_INIT_FUNCTIONS["dynamic"](dynamic, None, 1)[0], default)
+        yarn = llama({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 2048})
+        assert ROPE_INIT_FUNCTIONS["yarn"](yarn)[1] == pytest.approx(0.1 * math.log(factor) + 1.0)
+        explicit = llama({"rope_type": "yarn", "factor": factor, "attention_factor": 0.5,
+                          "original_max_position_embeddings": 2048})  # fmt: skip
+        assert ROPE_INIT_FUNCTIONS["yarn"](explicit, None, 1)[1] == 0.5
+    dynamic, _ = ROPE_INIT_FUNCTIONS["dynamic"](llama({"rope_type": "dynamic", "factor": 10.0}), None, 16384)
+    torch.testing.assert_close(dynamic[-4:], torch.tensor(EXPECTED_DYNAMIC_TAIL), rtol=1e-4, atol=0)
+    yarn = llama({"rope_type": "yarn", "factor": 10.0, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 2048})  # fmt: skip
+    torch.testing.assert_close(
+        ROPE_INIT_FUNCTIONS["yarn"](yarn)[0][16:22], torch.tensor(EXPECTED_YARN_MIDDLE), rtol=1e-4, atol=0
+    )

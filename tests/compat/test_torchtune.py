@@ -10,16 +10,30 @@ so the sum of 2^25 outputs differs by 0.057 where torchtune allows 1e-5 relative
 absolute, and the elementwise checks against ropekit's float64 reference carry the rest. The two golden
 forward tests keep torchtune's full size (a few hundred MB, about a second) because statistics of a smaller
 input have no published values; the other tests are small.
+
+The same file's ``TestVisionRotaryPositionEmbedding`` (seed 0, x = randn(2, 51, 8, 4): 3 tiles of 4 x 4
+patches plus CLS, dim 2; golden mean / sum / max) and both classes' ``test_rope_init_meta_device`` (a module
+built on meta, then ``rope_init()``, has the buffers of one built on the CPU), and
+``tests/torchtune/models/phi3/test_phi3_position_embeddings.py`` (commit a22b80d: seed 0,
+x = randn(4, 60, 32, 96), golden mean and sum) are followed too. torchtune 0.6.1 itself does not import
+against the installed torchao, but its position-embedding files import only torch: when torchtune is
+installed they are loaded by path and every module is compared with torchtune's own, output for output.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from ropekit.compat.torchtune import Llama3ScaledRoPE, RotaryPositionalEmbeddings
+from ropekit.compat.torchtune import (
+    Llama3ScaledRoPE,
+    Phi3RotaryPositionalEmbeddings,
+    RotaryPositionalEmbeddings,
+    VisionRotaryPositionalEmbeddings,
+)
 
 from .conftest import NO_DEFAULT, signature_of
 
@@ -167,6 +181,20 @@ def test_signatures_are_torchtunes():
         ("dim", NO_DEFAULT),
         ("max_seq_len", 4096),
         ("base", 10_000),
+        ("backend", "auto"),  # ropekit's keyword-only addition
+    ]
+    assert signature_of(Phi3RotaryPositionalEmbeddings.__init__) == signature_of(
+        RotaryPositionalEmbeddings.__init__
+    )
+    assert signature_of(Phi3RotaryPositionalEmbeddings.forward) == [("x", NO_DEFAULT), ("input_pos", None)]
+    assert signature_of(VisionRotaryPositionalEmbeddings.__init__) == [
+        ("patch_size", NO_DEFAULT),
+        ("tile_size", NO_DEFAULT),
+        ("max_num_tiles", NO_DEFAULT),
+        ("dim", NO_DEFAULT),
+        ("base", 10_000),
+        ("append_cls_token", True),
+        ("backend", "auto"),
     ]
     assert signature_of(Llama3ScaledRoPE.__init__) == [
         ("dim", NO_DEFAULT),
@@ -176,5 +204,171 @@ def test_signatures_are_torchtunes():
         ("low_freq_factor", 1),
         ("high_freq_factor", 4),
         ("old_context_len", 8192),
+        ("backend", "auto"),
     ]
     assert signature_of(RotaryPositionalEmbeddings.forward) == [("x", NO_DEFAULT), ("input_pos", None)]
+
+
+def torchtune_file(relative: str):
+    """One of torchtune's position-embedding files, loaded by path: torchtune's package __init__ needs a
+    torchao the environment does not have; these files import only torch."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchtune")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtune is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    module_spec = importlib.util.spec_from_file_location(f"torchtune_{path.stem}_{path.parent.name}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_vision_forward_reproduces_torchtune_golden_statistics(backend):
+    """torchtune's TestVisionRotaryPositionEmbedding.test_forward: 3 tiles of 4 x 4 patches + CLS, dim 2."""
+    torch.manual_seed(0)  # torchtune's set_seed(0) on one process
+    x = torch.randn(2, ((16 // 4) ** 2 + 1) * 3, 8, 4)  # (bsz, seq_len, num_heads, head_dim)
+    rope = VisionRotaryPositionalEmbeddings(patch_size=4, tile_size=16, max_num_tiles=3, dim=2)
+    x_out = rope(x)
+    assert x_out.shape == x.shape
+    torch.testing.assert_close(x_out.mean(), torch.tensor(-0.00903320), atol=1e-8, rtol=1e-5)
+    torch.testing.assert_close(x_out.sum(), torch.tensor(-29.48437119), atol=1e-8, rtol=1e-5)
+    torch.testing.assert_close(x_out.max(), torch.tensor(4.07074356), atol=1e-8, rtol=1e-5)
+    assert backend.calls > 0
+
+
+@pytest.mark.parametrize("append_cls_token", [True, False])
+def test_vision_turns_x_then_y_pairs_by_patch_column_and_row_plus_one(
+    assert_matches_reference, append_cls_token
+):
+    g = torch.Generator().manual_seed(2)
+    grid, tiles, dim = 3, 2, 4  # pairs 0, 1 follow the column, pairs 2, 3 the row
+    rope = VisionRotaryPositionalEmbeddings(8, 8 * grid, tiles, dim, append_cls_token=append_cls_token)
+    x = torch.randn(2, tiles * (grid * grid + 1), 3, 2 * dim, generator=g)
+    out = rope(x, input_pos=torch.arange(5))  # torchtune ignores keyword arguments; so does ropekit
+    theta = torch.tensor(meta_frequencies(dim, 10_000), dtype=torch.float64)  # (dim / 2,)
+    patch = torch.arange(grid * grid)
+    angles = torch.cat([(patch % grid + 1)[:, None] * theta, (patch // grid + 1)[:, None] * theta], -1)
+    cls = torch.zeros(1, dim, dtype=torch.float64)
+    angles = torch.cat([angles, cls] if append_cls_token else [cls, angles]).repeat(tiles, 1)  # (s, dim)
+    pos = np.broadcast_to(np.arange(angles.shape[0]), x.shape[:2])
+    assert_matches_reference(out, x, angles.cos(), angles.sin(), pos, interleaved=True)
+    cls_at = grid * grid if append_cls_token else 0
+    assert torch.equal(out[:, cls_at], x[:, cls_at])  # the CLS token is not rotated
+    with pytest.raises(ValueError, match=r"^x: expected shape \(batch, max_num_tiles"):
+        rope(x[:, :-1])
+    with pytest.raises(ValueError, match=r"^dim: expected a positive even int"):
+        VisionRotaryPositionalEmbeddings(8, 16, 1, 3)
+
+
+def test_phi3_forward_reproduces_torchtune_golden_statistics(backend):
+    """torchtune's TestPhi3RotaryPositionalEmbeddings.test_forward: x = randn(4, 60, 32, 96), dim 96."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 60, 32, 96)
+    x_out = Phi3RotaryPositionalEmbeddings(dim=96, max_seq_len=4096)(x)
+    assert x_out.shape == x.shape
+    torch.testing.assert_close(x_out.mean(), torch.tensor(-0.0005), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(x_out.sum(), torch.tensor(-381.0620), atol=1e-3, rtol=1e-5)
+    assert backend.calls > 0
+
+
+@pytest.mark.parametrize("input_pos_kind", ["none", "s", "1s", "bs"])
+def test_phi3_rotates_half_pairs_and_input_pos_shapes_broadcast_as_torchtune(
+    backend, assert_matches_reference, input_pos_kind
+):
+    g = torch.Generator().manual_seed(5)
+    bsz, seq, heads, dim = 3, 6, 2, 16
+    x = torch.randn(bsz, seq, heads, dim, generator=g)
+    rope = Phi3RotaryPositionalEmbeddings(dim, max_seq_len=32)
+    shared = torch.tensor([4, 0, 31, 7, 7, 2])
+    input_pos = {
+        "none": None,
+        "s": shared,
+        "1s": shared[None],
+        "bs": torch.randint(0, 32, (bsz, seq), generator=g),
+    }[input_pos_kind]
+    out = rope(x, input_pos)  # positional, as torchtune's Phi-3 forward takes it
+    positions = torch.arange(seq) if input_pos is None else input_pos
+    positions = positions.expand(bsz, seq)
+    angles = torch.arange(32, dtype=torch.float64)[:, None] * torch.tensor(meta_frequencies(dim, 10_000))
+    assert_matches_reference(out, x, angles.cos(), angles.sin(), positions.numpy(), interleaved=False)
+    assert backend.calls > 0
+
+
+def test_input_pos_of_shape_1_s_is_shared_by_the_batch():
+    """torchtune reads cache[input_pos] and views it as (-1, s, 1, h_d // 2, 2): (1, s) broadcasts."""
+    g = torch.Generator().manual_seed(6)
+    rope = RotaryPositionalEmbeddings(16, max_seq_len=32)
+    x = torch.randn(3, 4, 2, 16, generator=g)
+    pos = torch.tensor([[5, 9, 2, 30]])
+    assert torch.equal(rope(x, input_pos=pos), rope(x, input_pos=pos.expand(3, 4)))
+    assert torch.equal(rope(x, input_pos=pos), rope(x, input_pos=pos[0]))
+
+
+@pytest.mark.parametrize("use_to_empty", [False, True])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RotaryPositionalEmbeddings(dim=16, max_seq_len=64),
+        lambda: Llama3ScaledRoPE(dim=16, max_seq_len=64, old_context_len=32),
+        lambda: Phi3RotaryPositionalEmbeddings(dim=16, max_seq_len=64),
+        lambda: VisionRotaryPositionalEmbeddings(patch_size=4, tile_size=16, max_num_tiles=2, dim=8),
+    ],
+    ids=["rope", "llama3", "phi3", "vision"],
+)
+def test_rope_init_meta_device(make, use_to_empty):
+    """torchtune's test_rope_init_meta_device: build on meta, rope_init(), same buffers as a CPU build; and
+    the module then computes what the CPU one does (also after to_empty, FSDP's path)."""
+    on_cpu = make()
+    with torch.device("meta"):
+        meta_rope = make()
+    assert all(b.is_meta for b in meta_rope.buffers())
+    if use_to_empty:
+        meta_rope.to_empty(device="cpu")
+        meta_rope.reset_parameters()
+    else:
+        meta_rope.rope_init()
+    pairs = list(zip(on_cpu.buffers(), meta_rope.buffers(), strict=True))
+    assert pairs
+    for p1, p2 in pairs:
+        torch.testing.assert_close(p1, p2, atol=0, rtol=0)
+    x = torch.randn(2, 34 if isinstance(on_cpu, VisionRotaryPositionalEmbeddings) else 5, 2, 16)
+    assert torch.equal(meta_rope(x), on_cpu(x))
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "kwargs", "seq"),
+    [
+        (RotaryPositionalEmbeddings, "modules/position_embeddings.py", {"dim": 32, "max_seq_len": 64}, 20),
+        (Llama3ScaledRoPE, "models/llama3_1/_position_embeddings.py", {"dim": 32, "old_context_len": 16}, 20),
+        (Phi3RotaryPositionalEmbeddings, "models/phi3/_position_embeddings.py", {"dim": 32}, 20),
+        (
+            VisionRotaryPositionalEmbeddings,
+            "modules/position_embeddings.py",
+            {"patch_size": 2, "tile_size": 8, "max_num_tiles": 2, "dim": 16},
+            34,
+        ),
+    ],
+    ids=["rope", "llama3", "phi3", "vision"],
+)
+@pytest.mark.parametrize("input_pos_kind", ["none", "s", "1s", "bs"])
+def test_agrees_with_torchtune_itself(ours, theirs, kwargs, seq, input_pos_kind):
+    module = getattr(torchtune_file(theirs), ours.__name__)(**kwargs)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, seq, 3, 32, generator=g)
+    call = {}
+    if ours is not VisionRotaryPositionalEmbeddings:
+        positions = torch.randint(0, 64, (2, seq), generator=g)
+        call = {
+            "none": {},
+            "s": {"input_pos": positions[0]},
+            "1s": {"input_pos": positions[:1]},
+            "bs": {"input_pos": positions},
+        }[input_pos_kind]
+    want = module(x, **call)
+    got = ours(**kwargs)(x, **call)
+    # torchtune forms its angles in float32 (positions < 64 here): a few float32 ulps of a unit value
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # the caches too, over the rows where float32 angles are still that close (the docstring's p * 6e-8)
+    torch.testing.assert_close(ours(**kwargs).cache[:64], module.cache[:64], atol=2e-5, rtol=1e-5)

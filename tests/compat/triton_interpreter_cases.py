@@ -86,3 +86,25 @@ def test_megatron_sbhd(triton, assert_matches_reference):
     megatron_cases.test_packed_qkv_slices_rotate_as_the_reference(
         triton, assert_matches_reference, torch.float32, True, 0.5, True, 1.25
     )
+
+
+def test_flash_attn_module_packed_qkv(triton):
+    flash_attn_cases.test_module_rotates_packed_qkv_in_place_as_flash_attn(triton, True, 0.5, 17)
+
+
+def test_liger_vision_table(triton):
+    liger_cases.test_vision_2d_cos_sin(triton, 9, 3, 16, torch.float32, 1e-5, 1e-5)
+
+
+def test_liger_rope_function(triton):
+    liger_cases.test_functional_correctness(triton, 2, 5, 3, 3, 16, 2)
+
+
+def test_torchtune_vision(triton, assert_matches_reference):
+    torchtune_cases.test_vision_turns_x_then_y_pairs_by_patch_column_and_row_plus_one(
+        assert_matches_reference, True
+    )
+
+
+def test_vllm_op_in_place_bumps_versions(triton):
+    vllm_cases.test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite("triton", True)

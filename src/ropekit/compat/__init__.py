@@ -5,15 +5,19 @@ modifies, which it returns) onto :func:`ropekit.apply_rotary` / :func:`ropekit.a
 :class:`ropekit.RotaryEmbedding`. None adds math of its own; each docstring names the peer function it mirrors
 and every difference. docs/compat.md has the one-line migration for each.
 
-- :mod:`ropekit.compat.flash_attn`: ``apply_rotary_emb``, ``apply_rotary_emb_qkv_``, ``apply_rotary_emb_kv_``
+- :mod:`ropekit.compat.flash_attn`: ``apply_rotary_emb``, ``apply_rotary_emb_qkv_``, ``apply_rotary_emb_kv_``,
+  ``RotaryEmbedding``
 - :mod:`ropekit.compat.hf`: ``apply_rotary_pos_emb`` (transformers 5.x)
-- :mod:`ropekit.compat.liger`: ``liger_rotary_pos_emb``
-- :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op), FlashInfer's ``apply_rope_with_cos_sin_cache``
-  (and ``_inplace``), ``RotaryEmbedding`` and ``get_rope``
-- :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``
+- :mod:`ropekit.compat.liger`: ``liger_rotary_pos_emb`` (and ``_vision``, ``_gpt_oss``), ``LigerRopeFunction``
+- :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op, registered as
+  ``torch.ops.ropekit.rotary_embedding``), FlashInfer's ``apply_rope_with_cos_sin_cache`` (and ``_inplace``),
+  ``RotaryEmbedding`` and ``get_rope``
+- :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``,
+  ``Phi3RotaryPositionalEmbeddings``, ``VisionRotaryPositionalEmbeddings``
+- :mod:`ropekit.compat.rotary_embedding_torch`: lucidrains' ``RotaryEmbedding``, ``apply_rotary_emb``
 - :mod:`ropekit.compat.megatron`: ``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_with_cos_sin`` (sbhd)
 """
 
-from ropekit.compat import flash_attn, hf, liger, megatron, torchtune, vllm
+from ropekit.compat import flash_attn, hf, liger, megatron, rotary_embedding_torch, torchtune, vllm
 
-__all__ = ["flash_attn", "hf", "liger", "megatron", "torchtune", "vllm"]
+__all__ = ["flash_attn", "hf", "liger", "megatron", "rotary_embedding_torch", "torchtune", "vllm"]

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["in_place", "peer_names"]
+from ropekit.backends import BACKENDS
+
+__all__ = ["check_backend_name", "in_place", "peer_names", "renamed"]
 
 
 @contextlib.contextmanager
@@ -21,11 +23,18 @@ def peer_names(names: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     except ValueError as err:
-        text = str(err)
-        name, sep, rest = text.partition(":")
-        if sep and name in names:
-            raise ValueError(f"{names[name]}:{rest}") from None
-        raise
+        raise renamed(err, names) from None
+
+
+def renamed(err: ValueError, names: Mapping[str, str]) -> ValueError:
+    """err under the caller's argument name (see :func:`peer_names`), or err itself if it names none of them.
+
+    For hot paths, where a ``with peer_names(...)`` block costs more than the call it guards.
+    """
+    name, sep, rest = str(err).partition(":")
+    if sep and name in names:
+        return ValueError(f"{names[name]}:{rest}")
+    return err
 
 
 class _InPlaceRotation(torch.autograd.Function):
@@ -63,3 +72,10 @@ def in_place(x: torch.Tensor, rotate: Callable[[torch.Tensor, bool], None]) -> t
         return _InPlaceRotation.apply(x, rotate)
     rotate(x, False)
     return x
+
+
+def check_backend_name(backend: object) -> str:
+    """A compat module's ``backend=`` at construction: a name the core's dispatch knows."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    return backend

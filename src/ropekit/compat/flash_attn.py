@@ -1,7 +1,8 @@
 """flash-attn's rotary functions (``flash_attn.layers.rotary``, flash-attn 2.8) on the ropekit core.
 
-Migration: ``from flash_attn.layers.rotary import apply_rotary_emb`` becomes
-``from ropekit.compat.flash_attn import apply_rotary_emb``; the calls stay as they are.
+Migration: ``from flash_attn.layers.rotary import apply_rotary_emb`` (or ``RotaryEmbedding``) becomes
+``from ropekit.compat.flash_attn import apply_rotary_emb``; the calls stay as they are. Every function and
+the module also take ropekit's ``backend=`` (keyword only).
 
 Shape notation: B batch, S sequence, T packed tokens, H heads, D head_dim, R rotary_dim, L table rows
 (flash-attn's seqlen_ro). Tables are flash-attn's: cos, sin of shape (L, R/2), row p for position p.
@@ -25,12 +26,15 @@ asserts or reads past its table:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from ropekit.compat._common import in_place, peer_names
+from ropekit.compat._common import check_backend_name, in_place, peer_names
+from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
-from ropekit.validation import check_bool, check_int, describe
+from ropekit.multiaxis import xpos_cos_sin
+from ropekit.validation import check_bool, check_int, check_positive, describe
 
-__all__ = ["apply_rotary_emb", "apply_rotary_emb_kv_", "apply_rotary_emb_qkv_"]
+__all__ = ["RotaryEmbedding", "apply_rotary_emb", "apply_rotary_emb_kv_", "apply_rotary_emb_qkv_"]
 
 _NAMES = {"offsets": "seqlen_offsets"}
 
@@ -48,6 +52,8 @@ def apply_rotary_emb(
     seqlen_offsets: int | torch.Tensor = 0,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb``: rotate the first R features of x.
 
@@ -60,6 +66,7 @@ def apply_rotary_emb(
             sequence's positions start there (KV-cache decoding).
         cu_seqlens: (B + 1,) int32 cumulative lengths of a packed batch.
         max_seqlen: accepted for flash-attn's signature; not needed.
+        backend: ropekit's backend ("auto", "torch", "cpu" or "triton"), keyword only.
 
     Returns:
         The rotated tensor, shaped like x (x itself when inplace).
@@ -70,7 +77,7 @@ def apply_rotary_emb(
     """
     if max_seqlen is not None:
         check_int("max_seqlen", max_seqlen, minimum=1, expected="a positive int or None")
-    kw = dict(offsets=seqlen_offsets, cu_seqlens=cu_seqlens, interleaved=interleaved)
+    kw = dict(offsets=seqlen_offsets, cu_seqlens=cu_seqlens, interleaved=interleaved, backend=backend)
     with peer_names(_NAMES):
         if not check_bool("inplace", inplace):
             return apply_rotary(x, cos, sin, **kw)
@@ -122,6 +129,8 @@ def apply_rotary_emb_qkv_(
     interleaved: bool = False,
     seqlen_offsets: int | torch.Tensor = 0,
     num_heads_q: int | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb_qkv_``: rotate q and k of a packed qkv in place.
 
@@ -133,6 +142,7 @@ def apply_rotary_emb_qkv_(
         interleaved: pairing (module docstring).
         seqlen_offsets: int or (B,) integer tensor added to every position.
         num_heads_q: the number of q heads of a 4-D qkv; ignored for a 5-D one.
+        backend: ropekit's backend, keyword only.
 
     Returns:
         qkv itself, rotated. It trains: gradients equal those of the out-of-place rotation.
@@ -142,7 +152,7 @@ def apply_rotary_emb_qkv_(
             :func:`ropekit.apply_rotary_qk` rejects.
     """
     _check_packed("qkv", qkv, 3, num_heads_q)
-    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True, backend=backend)
     cos_k, sin_k = (cos if cos_k is None else cos_k), (sin if sin_k is None else sin_k)
     shared = cos_k is cos and sin_k is sin
 
@@ -164,6 +174,8 @@ def apply_rotary_emb_kv_(
     sin: torch.Tensor,
     interleaved: bool = False,
     seqlen_offsets: int | torch.Tensor = 0,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors ``flash_attn.layers.rotary.apply_rotary_emb_kv_``: rotate k of a packed kv in place.
 
@@ -172,6 +184,7 @@ def apply_rotary_emb_kv_(
         cos, sin: (L, R/2) tables.
         interleaved: pairing (module docstring).
         seqlen_offsets: int or (B,) integer tensor added to every position.
+        backend: ropekit's backend, keyword only.
 
     Returns:
         kv itself, rotated. It trains: gradients equal those of the out-of-place rotation.
@@ -180,6 +193,127 @@ def apply_rotary_emb_kv_(
         ValueError: a kv of another shape, or anything :func:`ropekit.apply_rotary` rejects.
     """
     _check_packed("kv", kv, 2)
-    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    kw = dict(offsets=seqlen_offsets, interleaved=interleaved, inplace=True, backend=backend)
     with peer_names(_NAMES):
         return in_place(kv, lambda t, conj: apply_rotary(t[:, :, 0], cos, _flip(sin, conj), **kw))
+
+
+class RotaryEmbedding(nn.Module):
+    """Mirrors ``flash_attn.layers.rotary.RotaryEmbedding``: RoFormer's rotation (Su et al. 2021), optionally
+    with xPos (Sun et al. 2022), applied in place to a packed qkv or to q and a packed kv.
+
+    Args:
+        dim: rotary_dim R: the first R features of each head rotate (head_dim may be larger).
+        base: RoPE base; frequencies base^(-2i/R), computed in float32 as flash-attn does.
+        interleaved: pairing (module docstring).
+        scale_base: None, or xPos's scale base (flash-attn recommends 512): queries are scaled by
+            zeta_i^((p - L//2) / scale_base) and keys by its inverse, zeta_i = (2i/R + 0.4) / 1.4, where L is
+            the length the tables were last built for (flash-attn centres them there; so does ropekit).
+        pos_idx_in_fp32: accepted for older flash-attn's signature. Positions are exact either way
+            (flash-attn with False formed them in inv_freq's dtype, which a bfloat16 model rounds).
+        device: where inv_freq (and the tables, until a call moves them) live.
+        backend: ropekit's backend for every call, keyword only.
+
+    The tables (``_cos_cached``, ``_sin_cached``, and ``_cos_k_cached`` / ``_sin_k_cached`` for xPos) are
+    rebuilt, as flash-attn's, when a call needs more rows than they hold, or comes on another device, or
+    trains on tables made under inference mode. Differences: they stay float32 (flash-attn casts them to
+    qkv's dtype); their angles are formed in float64 from the float32 frequencies; a tensor
+    ``seqlen_offset`` past the tables without ``max_seqlen`` is a ValueError (flash-attn rotates those tokens
+    by the identity).
+
+    Raises:
+        ValueError: dim not a positive even int, base not a number > 1, scale_base not positive, a flag
+            that is not a bool, or an unknown backend.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        base: float = 10000.0,
+        interleaved: bool = False,
+        scale_base: float | None = None,
+        pos_idx_in_fp32: bool = True,
+        device: torch.device | str | None = None,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.config = RopeConfig(dim, base, interleaved=interleaved, hf_float32_inv_freq=True)
+        self.dim, self.base, self.interleaved = dim, float(base), interleaved
+        if scale_base is not None:
+            check_positive("scale_base", scale_base)
+        self.scale_base = scale_base
+        self.pos_idx_in_fp32 = check_bool("pos_idx_in_fp32", pos_idx_in_fp32)
+        self.backend = check_backend_name(backend)
+        inv_freq = self.config.inv_freq().to(device=device, dtype=torch.float32)  # (R/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        scale = None
+        if scale_base is not None:  # xPos's zeta_i, flash-attn's ``scale`` buffer
+            scale = (torch.arange(0, dim, 2, device=device, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)
+        self.register_buffer("scale", scale, persistent=False)
+        self._seq_len_cached = 0
+        self._cos_cached = self._sin_cached = self._cos_k_cached = self._sin_k_cached = None
+
+    def _update_cos_sin_cache(
+        self, seqlen: int, device: torch.device | None = None, dtype: object = None
+    ) -> None:
+        """(Re)build the tables for positions 0 .. seqlen - 1 when flash-attn would; dtype is ignored
+        (the tables stay float32)."""
+        cached = self._cos_cached
+        if (
+            cached is not None
+            and seqlen <= self._seq_len_cached
+            and cached.device == device
+            and not (self.training and cached.is_inference())
+        ):
+            return
+        self._seq_len_cached = seqlen
+        if self.scale_base is None:
+            self._cos_cached, self._sin_cached = self.config.cos_sin(seqlen, device=device)  # (L, R/2)
+            return
+        (cos_q, sin_q), (cos_k, sin_k) = xpos_cos_sin(
+            self.config, seqlen, scale_base=self.scale_base, center=seqlen // 2
+        )
+        self._cos_cached, self._sin_cached = cos_q.to(device), sin_q.to(device)
+        self._cos_k_cached, self._sin_k_cached = cos_k.to(device), sin_k.to(device)
+
+    def forward(
+        self,
+        qkv: torch.Tensor,
+        kv: torch.Tensor | None = None,
+        seqlen_offset: int | torch.Tensor = 0,
+        max_seqlen: int | None = None,
+        num_heads_q: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rotate in place, as flash-attn: qkv (B, S, 3, H, D) (or (B, S, Hq + 2 Hk, D) with num_heads_q)
+        when kv is None, returning qkv; else q = qkv (B, S, H, D) and kv (B, S, 2, H, D), returning (q, kv).
+
+        seqlen_offset: int or (B,) integer tensor added to every position (KV-cache decoding); with a
+        tensor, pass max_seqlen so the tables cover it. v is never touched.
+
+        Raises:
+            ValueError: packed tensors of another shape, positions past the tables, a bad max_seqlen, or
+                anything :func:`apply_rotary_emb_qkv_` / :func:`apply_rotary_emb` reject.
+        """
+        if not isinstance(qkv, torch.Tensor) or qkv.dim() < 2:
+            raise ValueError(f"qkv: expected a packed (batch, seq, ...) tensor, got {describe(qkv)}")
+        if max_seqlen is not None:
+            length = check_int("max_seqlen", max_seqlen, minimum=1, expected="a positive int or None")
+            self._update_cos_sin_cache(length, device=qkv.device)
+        elif isinstance(seqlen_offset, int) and not isinstance(seqlen_offset, bool):
+            self._update_cos_sin_cache(qkv.shape[1] + max(seqlen_offset, 0), device=qkv.device)
+        elif self._cos_cached is None:
+            self._update_cos_sin_cache(qkv.shape[1], device=qkv.device)
+        cos, sin = self._cos_cached, self._sin_cached
+        xpos = self.scale_base is not None
+        cos_k, sin_k = (self._cos_k_cached, self._sin_k_cached) if xpos else (cos, sin)
+        kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offset, backend=self.backend)
+        if kv is None:
+            return apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, num_heads_q=num_heads_q, **kw)
+        q = apply_rotary_emb(qkv, cos, sin, inplace=True, **kw)
+        return q, apply_rotary_emb_kv_(kv, cos_k, sin_k, **kw)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, scale_base={self.scale_base}"
+        )

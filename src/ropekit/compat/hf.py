@@ -1,7 +1,11 @@
 """Hugging Face's ``apply_rotary_pos_emb`` (transformers 5.x, ``models/llama/modeling_llama.py``) on the core.
 
 Migration: ``from transformers.models.llama.modeling_llama import apply_rotary_pos_emb`` becomes
-``from ropekit.compat.hf import apply_rotary_pos_emb``; the call stays as it is.
+``from ropekit.compat.hf import apply_rotary_pos_emb``; the call stays as it is (plus ropekit's keyword-only
+``backend=``). ``from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, rope_config_validation``
+becomes ``from ropekit.compat.hf import ...``: the rope-init functions
+``ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len) -> (inv_freq, attention_factor)`` computed by
+ropekit's schedules, and the validation of a config's rope parameters.
 
 HF's rotary modules return per-token tables: ``cos, sin = rotary_emb(x, position_ids)``, each
 (B, S, D) with duplicated halves (``cat(freqs, freqs)``, times the schedule's attention scaling), in x's
@@ -26,13 +30,19 @@ layout and dtype. Differences:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ropekit.compat._common import peer_names
+from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
+from ropekit.hf_config import load_hf_config, rope_layer_types
 from ropekit.validation import check_int, describe
 
-__all__ = ["apply_rotary_pos_emb"]
+__all__ = ["ROPE_INIT_FUNCTIONS", "apply_rotary_pos_emb", "rope_config_validation"]
 
 
 def _head_axis(cos: torch.Tensor, unsqueeze_dim: object) -> int:
@@ -67,6 +77,8 @@ def apply_rotary_pos_emb(
     cos: torch.Tensor,
     sin: torch.Tensor,
     unsqueeze_dim: int = 1,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mirrors transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (Llama and most).
 
@@ -76,6 +88,7 @@ def apply_rotary_pos_emb(
         cos, sin: per-token rows (B, S, D) or (1, S, D), full width with duplicated halves, as HF's rotary
             modules return; (S, D) with unsqueeze_dim 0 (bhsd) or 1 (bshd) as HF broadcasts it.
         unsqueeze_dim: where HF unsqueezes cos / sin to broadcast them over the heads axis.
+        backend: ropekit's backend ("auto", "torch", "cpu" or "triton").
 
     Returns:
         (q_embed, k_embed), shaped and laid out like q and k.
@@ -96,7 +109,109 @@ def apply_rotary_pos_emb(
     if axis == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
     with peer_names({"x": "q"}):
-        q_out, k_out = apply_rotary_qk(q, k, cos, sin, per_token=True, full_width=True)
+        q_out, k_out = apply_rotary_qk(q, k, cos, sin, per_token=True, full_width=True, backend=backend)
     if axis == 1:
         q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)  # back to (B, H, S, D)
     return q_out, k_out
+
+
+# -- the rope-init functions (transformers' ``modeling_rope_utils``) --------------------------------------
+
+
+def _rope_init_function(rope_type: str) -> Callable[..., tuple[torch.Tensor, float]]:
+    def compute(
+        config: Any,
+        device: torch.device | str | None = None,
+        seq_len: int | torch.Tensor | None = None,
+        layer_type: str | None = None,
+    ) -> tuple[torch.Tensor, float]:
+        rope = RopeConfig.from_hf(config, layer_type=layer_type, hf_float32_inv_freq=True)
+        if rope.rope_type != rope_type:
+            raise ValueError(
+                f"config: its rope_type is {rope.rope_type!r}; expected {rope_type!r} "
+                f"(ROPE_INIT_FUNCTIONS[{rope_type!r}]); use ROPE_INIT_FUNCTIONS[{rope.rope_type!r}]"
+            )
+        if isinstance(seq_len, torch.Tensor):  # HF's dynamic update passes the longest position as a tensor
+            seq_len = int(seq_len.max())
+        inv_freq = rope.inv_freq(seq_len).to(device=device, dtype=torch.float32)  # (rotary_dim // 2,)
+        return inv_freq, float(rope.attention_scaling(seq_len))
+
+    compute.__name__ = compute.__qualname__ = f"compute_{rope_type}_rope_parameters"
+    compute.__doc__ = (
+        f"transformers' ``ROPE_INIT_FUNCTIONS[{rope_type!r}](config, device=None, seq_len=None, "
+        f"layer_type=None)``: (inv_freq float32 (rotary_dim // 2,) on device, attention_factor), from "
+        f"ropekit's {rope_type!r} schedule with HF's float32 frequencies. Raises ValueError for a config of "
+        f"another rope_type, or anything :meth:`ropekit.RopeConfig.from_hf` rejects."
+    )
+    return compute
+
+
+# transformers 5.24's keys, plus "default" (which transformers 5 moved onto each model's rotary class as
+# ``compute_default_rope_parameters``).
+ROPE_INIT_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, float]]] = {
+    name: _rope_init_function(name)
+    for name in ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+}
+
+
+def rope_config_validation(config: Any, ignore_keys: set[str] | None = None) -> None:
+    """Mirrors ``transformers.modeling_rope_utils.rope_config_validation`` (and ``config.validate_rope()``).
+
+    Every layer type's rope parameters are read as :meth:`ropekit.RopeConfig.from_hf` reads them. What
+    transformers rejects, and what it accepts but cannot work (a factor below 1, a missing required key, an
+    unknown rope_type), is a ValueError naming the key. What transformers accepts with a warning, ropekit
+    accepts with a ``UserWarning`` saying the same:
+
+    - yarn: an explicit ``factor`` that differs from max_position_embeddings /
+      original_max_position_embeddings (when that ratio is not 1); the explicit factor is used.
+    - longrope: no ``factor``, so it is implicit (max_position_embeddings /
+      original_max_position_embeddings).
+    - yarn, llama3, longrope: no ``original_max_position_embeddings``; max_position_embeddings is used.
+
+    ``ignore_keys`` is accepted for transformers' signature (ropekit logs unused keys and ignores them).
+
+    Raises:
+        ValueError: as :meth:`ropekit.RopeConfig.from_hf`, naming the key.
+    """
+    d = load_hf_config(config)
+    for layer_type in rope_layer_types(d) or [None]:
+        rope = RopeConfig.from_hf(d, layer_type=layer_type)
+        _warn_as_transformers(d, layer_type, rope.rope_type)
+
+
+def _raw_rope_parameters(d: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    return params
+
+
+def _warn_as_transformers(d: dict[str, Any], layer_type: str | None, rope_type: str) -> None:
+    params = _raw_rope_parameters(d, layer_type)
+    where = "rope_parameters" if layer_type is None else f"rope_parameters[{layer_type!r}]"
+    original = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    longest = d.get("max_position_embeddings")
+    if rope_type in ("yarn", "llama3", "longrope") and original is None:
+        warnings.warn(
+            f"{where}['original_max_position_embeddings']: missing for rope_type {rope_type!r}; using "
+            f"max_position_embeddings ({longest}), as transformers does",
+            stacklevel=3,
+        )
+        return
+    if original is None or not longest:
+        return
+    implicit = longest / original
+    factor = params.get("factor")
+    if rope_type == "yarn" and factor is not None and implicit not in (1, factor):
+        warnings.warn(
+            f"{where}['factor']: {factor} differs from max_position_embeddings / "
+            f"original_max_position_embeddings = {implicit}; the explicit factor is used, as transformers "
+            f"does",
+            stacklevel=3,
+        )
+    if rope_type == "longrope" and factor is None:
+        warnings.warn(
+            f"{where}['factor']: missing, so it is implicit: max_position_embeddings / "
+            f"original_max_position_embeddings = {implicit}; set it explicitly",
+            stacklevel=3,
+        )

@@ -39,7 +39,12 @@ def _check_t(t: object) -> None:
 
 
 def apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, *, mscale: float = 1.0
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    rotary_interleaved: bool = False,
+    *,
+    mscale: float = 1.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors Megatron-Core's ``apply_rotary_pos_emb`` (its unfused bshd path) for sbhd input.
 
@@ -50,6 +55,7 @@ def apply_rotary_pos_emb(
             Megatron-Core 0.8+ passes its TransformerConfig here instead; any object with a bool
             ``rotary_interleaved`` attribute is read that way.
         mscale: factor on cos and sin (YaRN's attention scaling).
+        backend: ropekit's backend ("auto", "torch", "cpu" or "triton").
 
     Returns:
         The rotated tensor, (S, B, H, D) like t.
@@ -82,12 +88,19 @@ def apply_rotary_pos_emb(
     if mscale != 1.0:
         cos, sin = cos * mscale, sin * mscale
     with peer_names({"x": "t", "cos": "freqs"}):
-        out = apply_rotary(t.transpose(0, 1), cos, sin, per_token=True, interleaved=rotary_interleaved)
+        out = apply_rotary(
+            t.transpose(0, 1), cos, sin, per_token=True, interleaved=rotary_interleaved, backend=backend
+        )
     return out.transpose(0, 1)  # back to (S, B, H, D)
 
 
 def apply_rotary_pos_emb_with_cos_sin(
-    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_interleaved: bool = False
+    t: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_interleaved: bool = False,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors Megatron-Core's ``apply_rotary_pos_emb_with_cos_sin`` (its flash-attn path).
 
@@ -95,6 +108,7 @@ def apply_rotary_pos_emb_with_cos_sin(
         t: (S, B, H, D).
         cos, sin: (L, R/2) tables with L >= S; token s uses row s.
         rotary_interleaved: pairing: False (i, i + R/2), True (2i, 2i+1).
+        backend: ropekit's backend.
 
     Raises:
         ValueError: t not 4-D, cos / sin not (L, R/2) with L >= S and R <= D, or anything
@@ -102,5 +116,5 @@ def apply_rotary_pos_emb_with_cos_sin(
     """
     _check_t(t)
     with peer_names({"x": "t"}):
-        out = apply_rotary(t.transpose(0, 1), cos, sin, interleaved=rotary_interleaved)
+        out = apply_rotary(t.transpose(0, 1), cos, sin, interleaved=rotary_interleaved, backend=backend)
     return out.transpose(0, 1)

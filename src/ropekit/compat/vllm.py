@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C import _increment_version
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.compat._common import peer_names
+from ropekit.compat._common import check_backend_name, renamed
 from ropekit.config import RopeConfig
-from ropekit.functional import apply_rotary, apply_rotary_qk
+from ropekit.functional import apply_resolved
+from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_int, describe
 
 __all__ = [
@@ -46,25 +49,52 @@ _NAMES = {"x": "query", "q": "query", "k": "key"}
 
 def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor:
     """The (1, T, H, D) view of a tensor holding T tokens of H heads of width head_size."""
+    if isinstance(t, torch.Tensor):  # the decode path: a few attribute reads, then the view
+        shape = t.shape
+        if len(shape) >= 2 and not shape[-1] % head_size and not t.numel() % max(tokens * head_size, 1):
+            try:
+                return t.view(1, tokens, -1, head_size)  # (1, T, H, D)
+            except RuntimeError:
+                pass
+    raise _token_heads_error(name, t, tokens, head_size)
+
+
+def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> ValueError:
+    """What is wrong with a tensor :func:`_token_heads` could not view."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+        return ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
     if t.dim() < 2 or t.shape[-1] % head_size or t.numel() % max(tokens * head_size, 1):
-        raise ValueError(
+        return ValueError(
             f"{name}: expected (num_tokens, num_heads * head_size) or (num_tokens, num_heads, head_size) "
             f"with num_tokens = {tokens} (positions) and head_size = {head_size}, got shape {tuple(t.shape)}"
         )
-    try:
-        return t.view(1, tokens, -1, head_size)  # (1, T, H, D)
-    except RuntimeError:
-        raise ValueError(
-            f"{name}: its strides {t.stride()} do not allow a (num_tokens, num_heads, head_size) view, which "
-            f"rotating in place needs; pass a tensor whose token and head axes can be merged"
-        ) from None
+    return ValueError(
+        f"{name}: its strides {t.stride()} do not allow a (num_tokens, num_heads, head_size) view, which "
+        f"rotating in place needs; pass a tensor whose token and head axes can be merged"
+    )
 
 
-def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
-    head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
-    check_bool("is_neox", is_neox)
+def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin): the (P, R/2) halves of a [cos | sin] cache, as views with row stride R.
+
+    A decode step passes the same cache every time, and two slices cost more than all the checks of the
+    call, so the views are kept on the cache tensor itself (they live and die with it), keyed by its data
+    pointer and shape.
+    """
+    key = (cache.data_ptr(), cache.shape)
+    memo = cache.__dict__.get("_ropekit_halves")
+    if memo is None or memo[0] != key:
+        half = cache.shape[1] // 2
+        memo = key, (cache[:, :half], cache[:, half:])
+        cache.__dict__["_ropekit_halves"] = memo
+    return memo[1]
+
+
+def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto"):
+    if type(head_size) is not int:
+        head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
+    if type(is_neox) is not bool:
+        check_bool("is_neox", is_neox)
     if not isinstance(positions, torch.Tensor):
         raise ValueError(f"positions: expected an integer tensor, got {describe(positions)}")
     c = cos_sin_cache
@@ -76,13 +106,50 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
     tokens = positions.numel()
     q = _token_heads("query", query, tokens, head_size)
     k = None if key is None else _token_heads("key", key, tokens, head_size)
-    half = c.shape[1] // 2
-    cos, sin = c[:, :half], c[:, half:]  # (P, R/2) views with row stride R
-    kw = dict(positions=positions.reshape(1, tokens), interleaved=not is_neox, inplace=inplace)
-    with peer_names(_NAMES):
-        if k is None:
-            return apply_rotary(q, cos, sin, **kw), None
-        return apply_rotary_qk(q, k, cos, sin, **kw)
+    cos, sin = _halves(c)
+    rows = positions.view(1, tokens) if positions.is_contiguous() else positions.reshape(1, tokens)
+    try:  # not peer_names: a context manager costs a decode step more than all the checks above
+        # The functional API's own two steps (apply_rotary_qk minus its table forms, which vLLM has none of).
+        pos = resolve(q, positions=rows, name="query")
+        return apply_resolved(q, k, cos, sin, pos, interleaved=not is_neox, inplace=inplace, backend=backend)
+    except ValueError as err:
+        raise renamed(err, _NAMES) from None
+
+
+def _rotary_embedding_op(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    backend: str = "auto",
+) -> None:
+    """The kernel of ``torch.ops.ropekit.rotary_embedding``: every check, then the in-place rotation."""
+    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend)
+
+
+def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_neox, backend="auto"):
+    """Shapes only: the same views as the kernel, so a traced call fails where an eager one would."""
+    head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
+    tokens = positions.numel()
+    _token_heads("query", query, tokens, head_size)
+    if key is not None:
+        _token_heads("key", key, tokens, head_size)
+
+
+# vLLM's op signature (csrc/torch_bindings.cpp: ``rotary_embedding(Tensor positions, Tensor! query,
+# Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()``) plus ropekit's backend choice.
+rotary_embedding_op = torch.library.custom_op(
+    "ropekit::rotary_embedding",
+    _rotary_embedding_op,
+    mutates_args=("query", "key"),
+    schema=(
+        "(Tensor positions, Tensor(a!) query, Tensor(b!)? key, SymInt head_size, Tensor cos_sin_cache, "
+        "bool is_neox, str backend='auto') -> ()"
+    ),
+)
+rotary_embedding_op.register_fake(_rotary_embedding_fake)
 
 
 def rotary_embedding(
@@ -92,15 +159,31 @@ def rotary_embedding(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Mirrors vLLM's ``_custom_ops.rotary_embedding``: rotate query and key in place; returns None.
+
+    The work is ``torch.ops.ropekit.rotary_embedding`` (vLLM's op signature, in-place on query and key, passes
+    ``torch.library.opcheck``). Plain eager tensors call the op's kernel directly and bump query's and key's
+    version counters themselves, as the dispatcher would: the dispatcher's Python layers cost more than the
+    rotation at decode size. Anything that traces (torch.compile, fake tensors, dispatch modes) goes through
+    the registered op.
 
     Raises:
         ValueError: shapes that do not hold ``positions.numel()`` tokens of head_size-wide heads, a cache that
             is not (P, R) with even R <= head_size, positions outside [0, P), a query or key whose strides
             allow no (tokens, heads, head_size) view.
     """
-    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace=True)
+    if torch.compiler.is_compiling() or type(query) is not torch.Tensor or _get_current_dispatch_mode():
+        torch.ops.ropekit.rotary_embedding(
+            positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend
+        )
+        return
+    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend)
+    # What the dispatcher's ADInplaceOrView step does for the op (torch.autograd.graph.increment_version's
+    # own body, without its per-call tuple building).
+    _increment_version([query] if key is None else [query, key])
 
 
 def apply_rope_with_cos_sin_cache_inplace(
@@ -110,9 +193,11 @@ def apply_rope_with_cos_sin_cache_inplace(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Mirrors ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``: as :func:`rotary_embedding`."""
-    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace=True)
+    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend)
 
 
 def apply_rope_with_cos_sin_cache(
@@ -122,12 +207,14 @@ def apply_rope_with_cos_sin_cache(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mirrors ``flashinfer.rope.apply_rope_with_cos_sin_cache``: new rotated tensors, shaped like the inputs.
 
     query and key are not modified. Errors as :func:`rotary_embedding`.
     """
-    q, k = _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace=False)
+    q, k = _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, False, backend)
     return q.reshape(query.shape), None if k is None else k.reshape(key.shape)
 
 
@@ -141,6 +228,7 @@ class RotaryEmbedding(nn.Module):
 
     Args:
         head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype: as in vLLM.
+        backend: ropekit's backend for every call ("auto", "torch", "cpu" or "triton").
     """
 
     def __init__(
@@ -151,20 +239,25 @@ class RotaryEmbedding(nn.Module):
         base: float,
         is_neox_style: bool,
         dtype: torch.dtype,
+        *,
+        backend: str = "auto",
     ) -> None:
         interleaved = not check_bool("is_neox_style", is_neox_style)
         config = RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=interleaved)
-        self.__init_from(config, max_position_embeddings, dtype)
+        self.__init_from(config, max_position_embeddings, dtype, backend)
 
     @classmethod
-    def from_config(cls, config: RopeConfig, max_positions: int, dtype: torch.dtype) -> RotaryEmbedding:
+    def from_config(
+        cls, config: RopeConfig, max_positions: int, dtype: torch.dtype, *, backend: str = "auto"
+    ) -> RotaryEmbedding:
         """A module whose cache holds ``max_positions`` rows of ``config``'s cos and sin, in ``dtype``."""
         module = cls.__new__(cls)
-        module.__init_from(config, max_positions, dtype)
+        module.__init_from(config, max_positions, dtype, backend)
         return module
 
-    def __init_from(self, config: RopeConfig, max_positions: int, dtype: torch.dtype) -> None:
+    def __init_from(self, config: RopeConfig, max_positions: int, dtype: torch.dtype, backend: str) -> None:
         nn.Module.__init__(self)
+        self.backend = check_backend_name(backend)
         rows = check_int("max_position_embeddings", max_positions, minimum=1, expected="a positive int")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
@@ -182,7 +275,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate query and key in place (vLLM's custom-op path) and return them."""
-        rotary_embedding(positions, query, key, self.head_size, self._cache(query), self.is_neox_style)
+        cache, neox = self._cache(query), self.is_neox_style
+        rotary_embedding(positions, query, key, self.head_size, cache, neox, backend=self.backend)
         return query, key
 
     def forward_native(
@@ -190,7 +284,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New rotated tensors, shaped like query and key, which are not modified."""
         cache = self._cache(query)
-        return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+        return apply_rope_with_cos_sin_cache(
+            positions, query, key, self.head_size, cache, self.is_neox_style, backend=self.backend
+        )
 
     def _cache(self, query: torch.Tensor) -> torch.Tensor:
         if isinstance(query, torch.Tensor) and self.cos_sin_cache.device != query.device:
@@ -238,6 +334,7 @@ def get_rope(
     base: float | None = None,
     rope_scaling: Mapping[str, Any] | None = None,
     partial_rotary_factor: float | None = None,
+    backend: str = "auto",
 ) -> RotaryEmbedding:
     """Mirrors vLLM's ``get_rope`` (0.11 signature): one cached module per configuration.
 
@@ -251,6 +348,8 @@ def get_rope(
     rope_scaling=None, dtype=None, partial_rotary_factor=1.0)``, the form most model code still uses. It is
     read too: a call whose third argument is an int rather than a bool, or that names rotary_dim, base,
     rope_scaling or partial_rotary_factor (rotary_dim then becomes int(rotary_dim * partial_rotary_factor)).
+
+    ``backend`` (keyword only, ropekit's) is the module's backend for every call, and part of the cache key.
 
     Raises:
         ValueError: a rope_type other than default, linear, dynamic, yarn and llama3 (vLLM's deepseek_yarn,
@@ -282,7 +381,7 @@ def get_rope(
             rotary_dim = int(rotary_dim * partial_rotary_factor)
     if dual_chunk_attention_config is not None:
         raise ValueError("dual_chunk_attention_config: dual-chunk attention is not supported; expected None")
-    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, rotary_dim)
+    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, rotary_dim, backend)
 
 
 def _cached_rope(
@@ -292,13 +391,14 @@ def _cached_rope(
     rope_parameters: Mapping[str, Any] | None,
     dtype: torch.dtype | None,
     rotary_dim: int | None,
+    backend: str = "auto",
 ) -> RotaryEmbedding:
     """get_rope's work, one argument form: the module for this configuration, built once."""
     if dtype is None:
         dtype = torch.get_default_dtype()
     params = dict(rope_parameters or {})
     items = tuple((k, _hashable(v)) for k, v in params.items())
-    key = (head_size, max_position, is_neox_style, items, dtype, rotary_dim)
+    key = (head_size, max_position, is_neox_style, items, dtype, rotary_dim, backend)
     try:
         hash(key)
     except TypeError:
@@ -330,6 +430,6 @@ def _cached_rope(
         if kind == "yarn":
             length = params.get("original_max_position_embeddings", max_position)
         rows = math.ceil(length * float(factor))
-    module = RotaryEmbedding.from_config(config, rows, dtype)
+    module = RotaryEmbedding.from_config(config, rows, dtype, backend=backend)
     _ROPE_CACHE[key] = module
     return module
