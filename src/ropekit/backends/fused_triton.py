@@ -380,10 +380,10 @@ def _op_forms(head_dim: int):
         q = rot | dict(by_slot=False, kind=kind, heads=32)
         k = rot | dict(by_slot=False, kind=kind, heads=8)
         forms.append(("fp8", {"q": q, "k": k}, {"q": kind, "k": kind}, False, False))
-        nope = dict(
-            rotate=False, by_slot=False, kind=kind, in_place=False, copy_tail=True, width=512, heads=16
-        )
-        forms.append(("fp8 nope", {"v": nope}, {"v": kind}, False, False))
+        # The MLA nope pass: q_nope (16 heads of 512) and k_nope (1 head of 512), scaled and cast only.
+        nope = dict(rotate=False, by_slot=False, kind=kind, in_place=False, copy_tail=True, width=512)
+        nope_qk = {"q": nope | dict(heads=16), "k": nope | dict(heads=1)}
+        forms.append(("fp8 nope", nope_qk, {"q": kind, "k": kind}, False, False))
     shift = rot | dict(by_slot=True, kind=0, in_place=True, copy_tail=False, heads=8)
     for conjugate in (False, True):
         forms.append(("shift", {"k": shift}, {}, True, conjugate))
