@@ -37,30 +37,36 @@ static inline uint16_t bf16_store(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
-/* float32 -> FP8 bits, round to nearest even; kind 1: e4m3fn (bias 7, 3 mantissa bits, max 448), kind 2:
-   e5m2 (bias 15, 2 mantissa bits, max 57344). v is clamped to +-max first (NaN stays NaN). Below the
-   smallest normal, adding 2^14 (e4m3fn) or 2^7 (e5m2) makes the float32 ulp equal the FP8 step, so the
-   hardware's own rounding of that sum rounds the subnormal. */
-static inline uint8_t fp8_store(float v, int kind) {
-    float fmax = kind == 1 ? 448.0f : 57344.0f;
-    v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
-    uint32_t u; memcpy(&u, &v, 4);
-    uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu, r;
-    if (a > 0x7f800000u) return (uint8_t)(0x7fu | sign);
-    if (kind == 1) {
-        if (a < 0x3c800000u) {  /* below 2^-6 */
-            float f; memcpy(&f, &a, 4); f += 16384.0f; memcpy(&r, &f, 4); r -= 0x46800000u;
-        } else {
-            r = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-        }
-    } else {
-        if (a < 0x38800000u) {  /* below 2^-14 */
-            float f; memcpy(&f, &a, 4); f += 128.0f; memcpy(&r, &f, 4); r -= 0x43000000u;
-        } else {
-            r = ((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2);
-        }
+/* float32 -> FP8 bits, round to nearest even, after clamping to +-max (NaN stays NaN): branch-free, so the
+   store loops vectorise. E4M3: float8_e4m3fn (bias 7, 3 mantissa bits, max 448); E5M2: float8_e5m2 (bias 15,
+   2 mantissa bits, max 57344). Below the smallest normal, adding 2^14 (2^7) makes the float32 ulp equal the
+   FP8 step, so the float addition itself rounds the subnormal to nearest even. */
+#define DEFINE_FP8(NAME, FMAX, MIN_NORMAL, MAGIC, MAGIC_BITS, SHIFT, REBIAS) \
+static inline uint32_t NAME(float v) { \
+    v = v > FMAX ? FMAX : (v < -FMAX ? -FMAX : v); \
+    uint32_t u; memcpy(&u, &v, 4); \
+    uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu; \
+    float m; memcpy(&m, &a, 4); m += MAGIC; \
+    uint32_t sub; memcpy(&sub, &m, 4); sub -= MAGIC_BITS; \
+    uint32_t nor = ((a + ((1u << (SHIFT - 1)) - 1u) + ((a >> SHIFT) & 1u)) >> SHIFT) - (REBIAS); \
+    uint32_t r = a < MIN_NORMAL ? sub : nor; \
+    r = a > 0x7f800000u ? 0x7fu : r; \
+    return r | sign; \
+}
+DEFINE_FP8(fp8_e4m3, 448.0f, 0x3c800000u, 16384.0f, 0x46800000u, 20, 120u << 3)
+DEFINE_FP8(fp8_e5m2, 57344.0f, 0x38800000u, 128.0f, 0x43000000u, 21, 112u << 2)
+/* o[j] = FP8 bits of x[j] / scale for j < n. The bits are formed in 32-bit lanes and narrowed in a second
+   loop: narrowing first makes the vectoriser juggle byte masks (measured ~10% slower). */
+static void fp8_row(const float *x, uint8_t *o, int64_t n, float scale, int kind) {
+    uint32_t bits[256];
+    for (int64_t j0 = 0; j0 < n; j0 += 256) {
+        int64_t m = n - j0 < 256 ? n - j0 : 256;
+        if (kind == 1)
+            for (int64_t j = 0; j < m; ++j) bits[j] = fp8_e4m3(x[j0 + j] / scale);
+        else
+            for (int64_t j = 0; j < m; ++j) bits[j] = fp8_e5m2(x[j0 + j] / scale);
+        for (int64_t j = 0; j < m; ++j) o[j0 + j] = (uint8_t)bits[j];
     }
-    return (uint8_t)(r | sign);
 }
 #define F32_LOAD(v) (v)
 #define F32_STORE(v) (v)
@@ -73,9 +79,10 @@ enum { ON, ROTATE, BY_SLOT, KIND, HEADS, WIDTH, SRC_B, SRC_S, SRC_H, PAGE_SIZE, 
 enum { GLOBALS = 11 };
 
 #define DEFINE_FUSED(NAME, T, LOAD, STORE) \
-static void NAME##_head(const T *x, void *out, int64_t width, int64_t half, int rotate, int interleaved, \
-                        const float *c, const float *s, int kind, float scale) { \
-    float buf[width]; \
+/* One head: buf[0 : 2 half] = its rotation (when rotate), in float32; with load_tail, buf[2 half : width] = \
+   the features that pass through. */ \
+static inline void NAME##_rotate(const T *x, float *buf, int64_t width, int64_t half, int rotate, \
+                                 int interleaved, const float *c, const float *s, int load_tail) { \
     int64_t rot = rotate ? 2 * half : 0; \
     if (rotate && interleaved) { \
         for (int64_t i = 0; i < half; ++i) { \
@@ -90,14 +97,29 @@ static void NAME##_head(const T *x, void *out, int64_t width, int64_t half, int 
             buf[i + half] = b * c[i] + a * s[i]; \
         } \
     } \
+    if (load_tail) \
+        for (int64_t j = rot; j < width; ++j) buf[j] = LOAD(x[j]); \
+} \
+/* One token of one channel: its heads rotated and stored in the source dtype, or as FP8 bytes. */ \
+static void NAME##_token(const T *src, int64_t src_h, char *dst, int64_t dst_h, int64_t heads, \
+                         int64_t width, int64_t half, int rotate, int interleaved, const float *c, \
+                         const float *s, int kind, const float *scale, int64_t scale_h) { \
+    int64_t rot = rotate ? 2 * half : 0; \
     if (kind == 0) { \
-        T *o = (T *)out; \
-        for (int64_t j = 0; j < rot; ++j) o[j] = STORE(buf[j]); \
-        if ((const void *)x != out) memcpy(o + rot, x + rot, (size_t)(width - rot) * sizeof(T)); \
-    } else { \
-        uint8_t *o = (uint8_t *)out; \
-        for (int64_t j = 0; j < rot; ++j) o[j] = fp8_store(buf[j] / scale, kind); \
-        for (int64_t j = rot; j < width; ++j) o[j] = fp8_store(LOAD(x[j]) / scale, kind); \
+        float buf[width]; \
+        for (int64_t h = 0; h < heads; ++h) { \
+            const T *x = src + h * src_h; \
+            T *o = (T *)dst + h * dst_h; \
+            NAME##_rotate(x, buf, width, half, rotate, interleaved, c, s, 0); \
+            for (int64_t j = 0; j < rot; ++j) o[j] = STORE(buf[j]); \
+            if ((const void *)x != (void *)o) memcpy(o + rot, x + rot, (size_t)(width - rot) * sizeof(T)); \
+        } \
+        return; \
+    } \
+    float buf[width]; \
+    for (int64_t h = 0; h < heads; ++h) { \
+        NAME##_rotate(src + h * src_h, buf, width, half, rotate, interleaved, c, s, 1); \
+        fp8_row(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
     } \
 } \
 /* p: cos, sin, positions, slots, then (src, dst, scale) per channel. a: GLOBALS, then CH_INTS per channel. \
@@ -120,31 +142,31 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     if (slots) \
         for (int64_t token = 0; token < tokens; ++token) \
             if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
-    for (int64_t token = 0; token < tokens; ++token) { \
-        int64_t b = token / seq, t = token % seq; \
-        int64_t row = pos ? pos[token] : offset + t; \
-        const float *c = cos + row * cos_stride; \
-        float s[half]; \
-        for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
-        for (int ch = 0; ch < 3; ++ch) { \
-            const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
-            if (!ca[ON]) continue; \
+    /* Channel by channel, each one pass over the tokens: one stream read and one written at a time, which
+       the prefetchers follow better than three interleaved streams (measured: ~25% faster at prefill). */ \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        if (!ca[ON]) continue; \
+        const int kind = (int)ca[KIND], rotate = (int)ca[ROTATE]; \
+        const size_t esize = kind ? 1 : sizeof(T); \
+        const float *scale = (const float *)p[6 + 3 * ch]; \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
+        for (int64_t token = 0; token < tokens; ++token) { \
             int64_t slot = ca[BY_SLOT] ? slots[token] : token; \
             if (slot < 0) continue; \
-            int kind = (int)ca[KIND]; \
-            size_t esize = kind ? 1 : sizeof(T); \
+            int64_t b = token / seq, t = token % seq; \
+            int64_t row = pos ? pos[token] : offset + t; \
+            const float *c = cos + row * cos_stride; \
+            float s[half]; \
+            if (rotate) \
+                for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
             char *dst = (char *)p[5 + 3 * ch] + \
                 esize * (size_t)((slot / ca[PAGE_SIZE]) * ca[DST_P] + (slot % ca[PAGE_SIZE]) * ca[DST_I]); \
             const T *src = ca[SRC_IS_DST] ? (const T *)dst \
                                           : (const T *)p[4 + 3 * ch] + b * ca[SRC_B] + t * ca[SRC_S]; \
             int64_t src_h = ca[SRC_IS_DST] ? ca[DST_H] : ca[SRC_H]; \
-            const float *scale = (const float *)p[6 + 3 * ch]; \
-            for (int64_t h = 0; h < ca[HEADS]; ++h) { \
-                float sc = scale ? scale[h * ca[SCALE_H]] : 1.0f; \
-                NAME##_head(src + h * src_h, dst + esize * (size_t)(h * ca[DST_H]), ca[WIDTH], half, \
-                            (int)ca[ROTATE], interleaved, c, s, kind, sc); \
-            } \
+            NAME##_token(src, src_h, dst, ca[DST_H], ca[HEADS], ca[WIDTH], half, rotate, interleaved, c, s, \
+                         kind, scale, ca[SCALE_H]); \
         } \
     } \
     return -1; \
@@ -237,7 +259,7 @@ def launch(plan: FusedLaunch) -> None:
         plan.cos.data_ptr(),
         plan.sin.data_ptr(),
         0 if plan.positions is None else plan.positions.data_ptr(),
-        0 if plan.slots is None else plan.slots.data_ptr(),
+        0 if plan.slots is None or not num_slots else plan.slots.data_ptr(),  # unused: no by-slot channel
         *(ptr for c in chans for ptr in c[1]),
     )
     bad = _function(plan.dtype)(pointers, ints)

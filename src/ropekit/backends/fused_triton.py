@@ -434,14 +434,15 @@ def launch(plan) -> None:
         (c.dst.shape[0] * c.dst.shape[1] for c in plan.channels if c is not None and c.by_slot), 0
     )
     host = cos.device.type == "cpu"
+    slots = plan.slots if any(c is not None and c.by_slot for c in plan.channels) else None
     if plan.positions is None:
         check_offset_rows(plan.offset, plan.batch, plan.seq, table_len)
     elif host:
         lo, hi = torch.stack(torch.aminmax(plan.positions)).tolist()
         if lo < 0 or hi >= table_len:
             raise row_error(lo if lo < 0 else hi, table_len)
-    if plan.slots is not None and host:
-        lo, hi = torch.stack(torch.aminmax(plan.slots)).tolist()
+    if slots is not None and host:
+        lo, hi = torch.stack(torch.aminmax(slots)).tolist()
         if lo < -1 or hi >= num_slots:
             raise slot_error(lo if lo < -1 else hi, num_slots)
     flag = torch.ones(1, dtype=torch.int32, device=cos.device)
@@ -453,14 +454,14 @@ def launch(plan) -> None:
         args += a
         specs[prefix] = spec
     constexprs, num_warps = launch_config(
-        half, plan.positions is not None, plan.slots is not None, plan.interleaved, plan.conjugate,
+        half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
         plan.dtype == torch.bfloat16, specs,
     )  # fmt: skip
     device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
     with device_guard:
         fused_kernel[(tokens,)](
             cos, sin, flag if plan.positions is None else plan.positions,
-            flag if plan.slots is None else plan.slots, flag, plan.offset, table_len, num_slots, plan.seq,
+            flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
             cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     if not host:
