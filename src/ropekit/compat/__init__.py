@@ -10,10 +10,12 @@ and every difference. docs/compat.md has the one-line migration for each.
 - :mod:`ropekit.compat.liger`: ``liger_rotary_pos_emb``
 - :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op), FlashInfer's ``apply_rope_with_cos_sin_cache``
   (and ``_inplace``), ``RotaryEmbedding`` and ``get_rope``
+- :mod:`ropekit.compat.flashinfer`: ``rope_quantize_fp8``, ``mla_rope_quantize_fp8``,
+  ``rope_quantize_fp8_append_paged_kv_cache`` (on :mod:`ropekit.fused`), ``apply_rope_with_cos_sin_cache``
 - :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``
 - :mod:`ropekit.compat.megatron`: ``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_with_cos_sin`` (sbhd)
 """
 
-from ropekit.compat import flash_attn, hf, liger, megatron, torchtune, vllm
+from ropekit.compat import flash_attn, flashinfer, hf, liger, megatron, torchtune, vllm
 
-__all__ = ["flash_attn", "hf", "liger", "megatron", "torchtune", "vllm"]
+__all__ = ["flash_attn", "flashinfer", "hf", "liger", "megatron", "torchtune", "vllm"]

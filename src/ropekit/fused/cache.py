@@ -19,7 +19,7 @@ __all__ = ["apply_rotary_qk_and_cache"]
 
 
 def apply_rotary_qk_and_cache(
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     k: torch.Tensor,
     v: torch.Tensor,
     cos: torch.Tensor,
@@ -37,14 +37,15 @@ def apply_rotary_qk_and_cache(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Rotate q, rotate k into the key cache and copy v into the value cache, in one pass.
 
     Shape notation: T packed tokens, B batch, S sequence, Hq / Hk query / key heads, D head_dim, Dv v's
     head_dim, P pages, N page_size.
 
     Args:
-        q: (T, Hq, D) packed (with cu_seqlens, or positions (T,), or an int offset), or (B, S, Hq, D).
+        q: (T, Hq, D) packed (with cu_seqlens, or positions (T,), or an int offset), or (B, S, Hq, D); or
+            None to write the caches only (then nothing is returned).
         k: (T, Hk, D) or (B, S, Hk, D), like q; read, never modified.
         v: (T, Hk, Dv) or (B, S, Hk, Dv); read, never modified.
         cos, sin: (L, R/2) tables, as in :func:`ropekit.apply_rotary`.
@@ -61,7 +62,7 @@ def apply_rotary_qk_and_cache(
         backend: "auto", "torch", "cpu" or "triton".
 
     Returns:
-        q rotated (q itself when inplace=True).
+        q rotated (q itself when inplace=True); None when q is None.
 
     Raises:
         ValueError: before anything is written, for: inputs that require grad (inference only), shapes that
@@ -72,6 +73,13 @@ def apply_rotary_qk_and_cache(
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
+    cache_only = q is None
+    if cache_only:  # k stands in for q in the shape checks; nothing rotates into q
+        if inplace:
+            raise ValueError("inplace: expected False when q is None (there is no q to rotate in place)")
+        if not isinstance(k, torch.Tensor):
+            raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
+        q = k
     if isinstance(q, torch.Tensor) and q.dim() == 3 and cu_seqlens is None:
         # One packed sequence without cu_seqlens: (T, H, D) -> (1, T, H, D), its positions (T,) -> (1, T).
         if positions is not None and isinstance(positions, torch.Tensor) and positions.dim() == 1:
@@ -131,18 +139,20 @@ def apply_rotary_qk_and_cache(
             check_disjoint("q", q, name, cache)
     name = select(backend, q4, cos)
     sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
-    q_out = q4 if inplace and sources[0] is q4 else torch.empty_like(sources[0])
+    q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
     plan = FusedLaunch(
         batch, seq, cos, sin,
         None if pos.tensor is None else pos.tensor.reshape(-1).contiguous(), pos.offset, slots,
         interleaved, False,
         (
-            Channel(sources[0], q_out, rotate=True, by_slot=False),
+            None if cache_only else Channel(sources[0], q_out, rotate=True, by_slot=False),
             Channel(sources[1], kc, rotate=True, by_slot=True, fp8=fp8_kind(k_cache.dtype), scale=scales[0]),
             Channel(sources[2], vc, rotate=False, by_slot=True, fp8=fp8_kind(v_cache.dtype), scale=scales[1]),
         ),
     )  # fmt: skip
-    run(name, plan, [q_out, k_cache, v_cache])
+    run(name, plan, [k_cache, v_cache] if cache_only else [q_out, k_cache, v_cache])
+    if cache_only:
+        return None
     if inplace:
         if q_out is not q4:  # a strided last axis: rotated in a scratch copy
             q4.copy_(q_out)

@@ -107,10 +107,12 @@ def apply_rotary_qk_fp8(
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()
     outs = []
 
-    def channel(src: torch.Tensor, scale: torch.Tensor, rotate: bool) -> Channel:
+    def channel(src: torch.Tensor, scale: torch.Tensor, rotate: bool) -> Channel | None:
         src = src if src.shape[-1] <= 1 or src.stride(-1) == 1 else src.contiguous()
         out = torch.empty(src.shape, dtype=fp8_dtype, device=src.device)
         outs.append(out)
+        if out.numel() == 0:  # an empty nope part (FlashInfer passes width 0): nothing to write
+            return None
         return Channel(src, out.view(torch.uint8), rotate=rotate, by_slot=False, fp8=kind, scale=scale)
 
     plan = FusedLaunch(batch, seq, cos, sin, rows, pos.offset, None, interleaved, False,
@@ -118,7 +120,8 @@ def apply_rotary_qk_fp8(
     run(name, plan, [])
     if nopes is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
         channels = (channel(nopes[0], scales[0], False), channel(nopes[1], scales[1], False), None)
-        run(name, plan._replace(channels=channels), [])
+        if channels != (None, None, None):
+            run(name, plan._replace(channels=channels), [])
     squeeze = q.dim() == 3
     return tuple(o[0] if squeeze else o for o in outs)
 
