@@ -22,9 +22,20 @@ from ropekit.backends import select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, FusedLaunch, slot_error
 from ropekit.validation import check_writable, describe, is_compiling
 
-__all__ = ["CACHE_LAYOUTS", "cache_view", "check_inference", "check_scale", "check_slots", "run", "select"]
+__all__ = [
+    "CACHE_LAYOUTS",
+    "FUSED_BACKENDS",
+    "cache_view",
+    "check_inference",
+    "check_scale",
+    "check_slots",
+    "run",
+    "select",
+]
 
 CACHE_LAYOUTS = ("flat", "nhd", "hnd")
+# The backends with a fused serving kernel (a registered third-party backend has none).
+FUSED_BACKENDS = ("torch", "cpu", "triton")
 _LAYOUT_SHAPES = {
     "flat": "(num_slots, heads, head_dim)",
     "nhd": "(num_pages, page_size, heads, head_dim)",
@@ -140,7 +151,7 @@ def select(backend: str, x: torch.Tensor, cos: torch.Tensor) -> str:
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     name = select_backend(backend, x, cos).name
-    if name not in ("torch", "cpu", "triton"):
+    if name not in FUSED_BACKENDS:
         raise ValueError(f"backend: {name!r} has no fused serving kernel (use 'torch', 'cpu' or 'triton')")
     if name == "cpu":
         from ropekit.backends import fused_cpu
