@@ -206,6 +206,8 @@ def _function(dtype: torch.dtype):
 
 def unavailable_reason() -> str | None:
     """None when the fused C loop is (or can be) built, else why not."""
+    if _functions:
+        return None
     try:
         _function(torch.float32)
     except ValueError as err:
@@ -232,14 +234,19 @@ def _channel_ints(ch, num_slots_holder: list[int]) -> tuple[bytes, tuple[int, in
     return ints, ptrs
 
 
-def launch(plan: FusedLaunch) -> None:
+def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
     """Run the fused C loop on CPU tensors.
+
+    checked=True: the caller built plan from arguments it checked itself (the :mod:`ropekit.fused` ops), so
+    :func:`~ropekit.backends.fused_launch.check_launch` is not run twice; the C loop still checks every table
+    row and slot before it writes.
 
     Raises:
         ValueError: anything :func:`~ropekit.backends.fused_launch.check_launch` rejects, a table row outside
             the table or a slot outside [-1, num_slots) (both checked before any write).
     """
-    check_launch(plan)
+    if not checked:
+        check_launch(plan)
     if plan.cos.device.type != "cpu":
         raise ValueError(f"q: expected CPU tensors for the C kernel, got tensors on {plan.cos.device}")
     table_len, half = plan.cos.shape
@@ -248,7 +255,7 @@ def launch(plan: FusedLaunch) -> None:
     if len(set(num_slots)) > 1:
         raise ValueError(f"v_cache: expected as many slots as k_cache ({num_slots[0]}), got {num_slots[1]}")
     tokens = plan.batch * plan.seq
-    work = sum(ch.dst[0, 0].numel() for ch in plan.channels if ch is not None) * tokens
+    work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in plan.channels if ch is not None) * tokens
     ints = _GLOBALS.pack(
         plan.batch, plan.seq, half, table_len, plan.offset, plan.cos.stride(0), plan.sin.stride(0),
         plan.interleaved, plan.conjugate,

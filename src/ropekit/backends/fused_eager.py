@@ -43,8 +43,9 @@ def _values(ch: Channel, src: torch.Tensor, launch: FusedLaunch, rows: torch.Ten
     return fp8_quantize(r.float(), ch.scale, _FP8_DTYPES[ch.fp8]).view(torch.uint8)
 
 
-def launch(plan: FusedLaunch) -> None:
-    """Run the launch with torch ops; ValueError for a table row or (host-checked) slot out of range."""
+def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
+    """Run the launch with torch ops; ValueError for a table row or (host-checked) slot out of range.
+    (checked: accepted for the launchers' common signature; torch ops check their own indexing.)"""
     batch, seq = plan.batch, plan.seq
     tokens = batch * seq
     rows = table_rows(

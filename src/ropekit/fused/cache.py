@@ -132,7 +132,7 @@ def apply_rotary_qk_and_cache(
             )
         else:
             scales.append(None)
-    slots = check_slots("slot_mapping", slot_mapping, (batch, seq), kc.shape[0] * kc.shape[1], q.device)
+    slots = check_slots("slot_mapping", slot_mapping, (batch, seq), q.device)
     if inplace:
         check_writable("q", q)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -72,7 +72,7 @@ def shift_cache_(
         if isinstance(slots, torch.Tensor) and slots.dim() != 1:
             raise ValueError(f"slots: expected an int64 (n,) tensor of flat slot ids, got {describe(slots)}")
         n = slots.shape[0] if isinstance(slots, torch.Tensor) else 0
-        flat_slots = check_slots("slots", slots, (n,), num_slots, k_cache.device)
+        flat_slots = check_slots("slots", slots, (n,), k_cache.device)
     else:
         n, flat_slots = num_slots, None
     name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos)
