@@ -95,3 +95,16 @@ def test_shared_k_and_v_cache_is_refused():
         ropekit.apply_rotary_qk_and_cache(
             q, k, v, cos, sin, k_cache=cache, v_cache=cache, slot_mapping=torch.arange(3), cache_layout="flat"
         )
+
+
+def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
+    cos, sin = tables(8)
+    qk = torch.randn(3, 2, 8)
+    before = qk.clone()
+    cache = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="k: inplace=True writes q and k"):
+        ropekit.apply_rotary_qk_and_cache(
+            qk, qk, torch.randn(3, 2, 8), cos, sin, k_cache=cache, v_cache=cache.clone(),
+            slot_mapping=torch.arange(3), cache_layout="flat", positions=torch.arange(3), inplace=True,
+        )  # fmt: skip
+    assert torch.equal(qk, before) and not cache.any()

@@ -133,10 +133,10 @@ def apply_rotary_qk_and_cache(
         else:
             scales.append(None)
     slots = check_slots("slot_mapping", slot_mapping, (batch, seq), q.device)
-    if inplace:
+    if inplace:  # q is written before k and v are read: none of them may share q's memory
         check_writable("q", q)
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check_disjoint("q", q, name, cache)
+        for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_disjoint("q", q, name, t)
     name = select(backend, q4, cos)
     sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
     q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
