@@ -108,3 +108,29 @@ def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
             slot_mapping=torch.arange(3), cache_layout="flat", positions=torch.arange(3), inplace=True,
         )  # fmt: skip
     assert torch.equal(qk, before) and not cache.any()
+
+
+def test_the_c_loop_with_two_threads_writes_the_bytes_of_the_torch_reference():
+    """Big enough for OpenMP (one parallel region, channels without a barrier between them), FP8 caches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(700, h, 64, generator=g) for h in (8, 2, 2))
+        cos, sin = tables(64)
+        slots = torch.randperm(1024, generator=g)[:700]
+        positions = torch.randint(0, 64, (700,), generator=g)
+        out = {}
+        for backend in ("torch", "cpu"):
+            k_cache = torch.zeros(64, 16, 2, 64, dtype=torch.float8_e4m3fn)
+            v_cache = torch.zeros(64, 16, 2, 64, dtype=torch.float8_e5m2)
+            q_work = q.clone()
+            ropekit.apply_rotary_qk_and_cache(
+                q_work, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                positions=positions, inplace=True, k_scale=0.1, v_scale=torch.tensor([0.5, 0.25]),
+                backend=backend,
+            )  # fmt: skip
+            out[backend] = (q_work, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+    finally:
+        torch.set_num_threads(threads)
