@@ -134,3 +134,28 @@ def test_the_c_loop_with_two_threads_writes_the_bytes_of_the_torch_reference():
         assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_loops_specialised_head_shapes_write_the_bytes_of_the_torch_reference(
+    head_dim, interleaved, dtype
+):
+    """head_dim 64 and 128 (and v of 128, FP8 or not) run compile-time specialisations of the C loop."""
+    cos, sin = tables(head_dim)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(6, h, head_dim, generator=g).to(dtype) for h in (4, 2, 2))
+    slots = torch.tensor([3, 0, -1, 9, 4, 7])
+    for cache_dtype, scale in ((dtype, None), (torch.float8_e4m3fn, 0.02)):
+        out = {}
+        for backend in ("torch", "cpu"):
+            k_cache = torch.zeros(3, 4, 2, head_dim, dtype=cache_dtype)
+            v_cache = torch.zeros(3, 4, 2, head_dim, dtype=cache_dtype)
+            q_out = ropekit.apply_rotary_qk_and_cache(
+                q, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                positions=torch.arange(6) * 5, interleaved=interleaved, k_scale=scale, v_scale=scale,
+                backend=backend,
+            )  # fmt: skip
+            out[backend] = (q_out, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))

@@ -61,3 +61,34 @@ def test_fp8_is_inference_only():
     q, k = torch.randn(1, 2, 2, 8, requires_grad=True), torch.randn(1, 2, 1, 8)
     with pytest.raises(ValueError, match="inference only"):
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_specialised_c_shapes_follow_the_contract_deepseek_mla_widths(interleaved):
+    """MLA's widths (rope 64, nope 512) and head_dim 128 run compile-time specialisations of the C loop."""
+    cos, sin = tables(64)
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(5, 4, 64, generator=g) * 30, torch.randn(5, 1, 64, generator=g)
+    q_nope, k_nope = torch.randn(5, 4, 512, generator=g), torch.randn(5, 1, 512, generator=g)
+    kw = dict(q_scale=0.1, k_scale=0.05, q_nope=q_nope, k_nope=k_nope, positions=torch.arange(5) * 7)
+    torch_outs = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="torch", **kw)
+    cpu_outs = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="cpu", **kw)
+    pairs = zip(torch_outs, cpu_outs, strict=True)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+    cos, sin = tables(128)
+    q, k = torch.randn(3, 4, 128, generator=g) * 30, torch.randn(3, 2, 128, generator=g)
+    outs = [
+        ropekit.apply_rotary_qk_fp8(
+            q,
+            k,
+            cos,
+            sin,
+            q_scale=0.1,
+            k_scale=0.05,
+            positions=torch.arange(3),
+            interleaved=interleaved,
+            backend=backend,
+        )
+        for backend in ("torch", "cpu")
+    ]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs, strict=True))
