@@ -2,9 +2,10 @@
 
 Every entry of :data:`FUSED_ROWS` gives two rows, ``fused <name>`` and ``unfused <name>``, timed
 interleaved round by round with the same inputs (in-place ops get their own copies), plus the floor: a
-``copy_`` of the fused op's own bytes (``x_copy``). The ``mb`` column is what each row must read and write at
-least; ``x_unfused`` is the fused time over the unfused time. :func:`ropekit.tools.bench.run_benchmark` calls
-:func:`fused_records` for every shape.
+``copy_`` of the fused op's own bytes (``x_copy``): of q, k and v for the cache write; of one uint8 buffer
+holding as many bytes as the FP8 op reads and writes, whose output differs in dtype from its input. The
+``mb`` column is what each row must read and write at least; ``x_unfused`` is the fused time over the unfused
+time. :func:`ropekit.tools.bench.run_benchmark` calls :func:`fused_records` for every shape.
 
 Adding a fusion is one entry in FUSED_ROWS: a :class:`FusedRow` whose ``setup(case)`` returns a
 :class:`FusedPair`.
@@ -36,6 +37,9 @@ class FusedPair:
     fused_bytes: int
     unfused_bytes: int
     tolerance: float = 1e-5
+    # The tensors whose copy_ into buffers of their own shape is the floor; None: one uint8 buffer of half
+    # fused_bytes (a copy reads and writes it), for fusions whose outputs differ in dtype from their inputs.
+    floor_tensors: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ def _cache_pair(case) -> FusedPair:
         unfused,
         fused_bytes=2 * (q_bytes + kv_bytes),
         unfused_bytes=2 * (q_bytes + k.nbytes) + 2 * kv_bytes,
+        floor_tensors=(q, k, v),  # a copy_ of q, k and v: what the fused op reads, and as much as it writes
     )
 
 
@@ -151,9 +156,16 @@ def fused_records(case, columns, measure, include, min_run_time, repeats, log) -
         log(f"{case.shape.name}: preparing {names[0]}")
         pair = row.setup(case)
         err = _max_err(pair.fused(), pair.unfused())
-        src = torch.empty(pair.fused_bytes // 2, dtype=torch.uint8, device=case.q.device)
-        dst = torch.empty_like(src)
-        tasks = {names[0]: pair.fused, names[1]: pair.unfused, "floor": lambda s=src, d=dst: d.copy_(s)}
+        sources = pair.floor_tensors
+        if sources is None:
+            sources = (torch.empty(pair.fused_bytes // 2, dtype=torch.uint8, device=case.q.device),)
+        buffers = [torch.empty_like(t) for t in sources]
+
+        def floor(sources=sources, buffers=buffers):
+            for src, dst in zip(sources, buffers, strict=True):
+                dst.copy_(src)
+
+        tasks = {names[0]: pair.fused, names[1]: pair.unfused, "floor": floor}
         samples: dict[str, list[float]] = {name: [] for name in tasks}
         for _ in range(repeats):  # interleaved: drift hits every row alike
             for name, fn in tasks.items():
