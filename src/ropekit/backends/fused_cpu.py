@@ -1,8 +1,10 @@
 """The fused serving loop in C: RoPE with the KV-cache write, FP8 quantisation and the cache shift.
 
-It runs a :class:`~ropekit.backends.fused_launch.FusedLaunch` in one pass: one OpenMP chunk of tokens per
-thread, the token's cos/sin row read once, each head of each channel rotated into a float32 scratch row and
-stored once, to its own dtype (round to nearest even, as :mod:`ropekit.backends.cpu`) or to FP8 bytes.
+It runs a :class:`~ropekit.backends.fused_launch.FusedLaunch` channel by channel, each channel one pass over
+the tokens (an OpenMP chunk of tokens per thread, one parallel region per call): each head is rotated into a
+float32 scratch row and stored once, to its own dtype (round to nearest even, as :mod:`ropekit.backends.cpu`)
+or to FP8 bytes. Table rows and slots are all checked before the first write. The common head shapes (128 and
+64 wide) run compile-time specialisations of the per-head loops.
 
 FP8 stores follow the rounding contract of :func:`ropekit.apply_rotary_qk_fp8` bit for bit: the float32
 rotation r (each product and sum rounded, no FMA: ``-ffp-contract=off``), then the float32 quotient

@@ -328,9 +328,6 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
     return constexprs, 4
 
 
-_POINTER_ARGS = ("cos_ptr", "sin_ptr", "pos_ptr", "slots_ptr", "flag_ptr")
-
-
 def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object]) -> dict[str, str]:
     """The argument types of one specialization (Triton's ASTSource signature)."""
     sig = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slots_ptr": "*i64", "flag_ptr": "*i32"}
