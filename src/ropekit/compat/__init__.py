@@ -12,12 +12,32 @@ and every difference. docs/compat.md has the one-line migration for each.
 - :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op, registered as
   ``torch.ops.ropekit.rotary_embedding``), FlashInfer's ``apply_rope_with_cos_sin_cache`` (and ``_inplace``),
   ``RotaryEmbedding`` and ``get_rope``
+- :mod:`ropekit.compat.flashinfer`: ``rope_quantize_fp8``, ``mla_rope_quantize_fp8``,
+  ``rope_quantize_fp8_append_paged_kv_cache`` (on :mod:`ropekit.fused`), ``apply_rope_with_cos_sin_cache``
 - :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``,
   ``Phi3RotaryPositionalEmbeddings``, ``VisionRotaryPositionalEmbeddings``
 - :mod:`ropekit.compat.rotary_embedding_torch`: lucidrains' ``RotaryEmbedding``, ``apply_rotary_emb``
 - :mod:`ropekit.compat.megatron`: ``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_with_cos_sin`` (sbhd)
 """
 
-from ropekit.compat import flash_attn, hf, liger, megatron, rotary_embedding_torch, torchtune, vllm
+from ropekit.compat import (
+    flash_attn,
+    flashinfer,
+    hf,
+    liger,
+    megatron,
+    rotary_embedding_torch,
+    torchtune,
+    vllm,
+)
 
-__all__ = ["flash_attn", "hf", "liger", "megatron", "rotary_embedding_torch", "torchtune", "vllm"]
+__all__ = [
+    "flash_attn",
+    "flashinfer",
+    "hf",
+    "liger",
+    "megatron",
+    "rotary_embedding_torch",
+    "torchtune",
+    "vllm",
+]

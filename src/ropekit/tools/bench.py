@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 import ropekit
 from ropekit.backends import BACKENDS, select_backend
+from ropekit.tools.bench_fused import fused_records
 from ropekit.validation import check_int
 
 __all__ = [
@@ -72,6 +73,8 @@ COLUMNS = [
     "saved_mb",
     "peak_mb",
     "max_err",
+    "mb",
+    "x_unfused",
     "note",
 ]
 # Seconds of calls behind one measurement of one row in one round (torch.utils.benchmark's min_run_time).
@@ -502,6 +505,7 @@ def run_benchmark(
         rows, notes = build_rows(case, include)
         all_notes += [f"{shape_name}: {n}" for n in notes]
         records += _run_case(case, rows, min_run_time, repeats, memory, log)
+        records += fused_records(case, COLUMNS, measure, include, min_run_time, repeats, log)
     return records, sorted(set(all_notes))
 
 
@@ -576,6 +580,8 @@ def _run_case(case, rows, min_run_time, repeats, memory, log) -> list[dict]:
                 "saved_mb": saved_mb,
                 "peak_mb": peak_mb,
                 "max_err": err,
+                "mb": 2 * case.nbytes / 2**20,  # q and k read and written once
+                "x_unfused": math.nan,
                 "note": "MISMATCH vs reference" if err > tol else "",
             }
         )
@@ -601,7 +607,9 @@ TABLE_COLUMNS = ("fwd_ms", "fwd_us", "fwd_bwd_ms", "fwd_gbps", "x_copy", "x_clon
 def format_table(records: list[dict]) -> str:
     """A fixed-width text table, one block per shape."""
     head = f"{'row':<26} {'fwd ms':>9} {'fwd us':>8} {'fwd+bwd ms':>10} {'GB/s':>7} {'x copy_':>7} "
-    head += f"{'x clone':>7} {'saved MB':>8} {'peak MB':>8} {'max err':>8}  note"
+    head += (
+        f"{'x clone':>7} {'saved MB':>8} {'peak MB':>8} {'max err':>8} {'MB r+w':>8} {'x unfused':>9}  note"
+    )
     lines = []
     for shape in dict.fromkeys(r["shape"] for r in records):
         lines += [f"== {shape} ==", head]
@@ -609,7 +617,8 @@ def format_table(records: list[dict]) -> str:
             nums = [r[c] for c in COLUMNS[COLUMNS.index("fwd_ms") : COLUMNS.index("max_err")]]
             widths = (9, 8, 10, 7, 7, 7, 8, 8)
             cells = " ".join(_fmt(v, w) for v, w in zip(nums, widths, strict=True))
-            lines.append(f"{r['row']:<26} {cells} {_fmt(r['max_err'], 8, '.1e')}  {r['note']}")
+            moved = f"{_fmt(r['mb'], 8)} {_fmt(r['x_unfused'], 9, '.2f')}"
+            lines.append(f"{r['row']:<26} {cells} {_fmt(r['max_err'], 8, '.1e')} {moved}  {r['note']}")
     return "\n".join(lines)
 
 

@@ -279,4 +279,10 @@ def run_checks(
             ref.sinusoidal(positions, d, config.base),
         ),
     )
-    return checks + _backend_checks(config, backends, rng, n_positions, max_position)
+    from ropekit.tools.verify_fused import fused_checks
+
+    fused = fused_checks(
+        config, backends, rng, n_positions, max_position, check=Check, bound=backend_error_bound,
+        device_of=backend_device,
+    )  # fmt: skip
+    return checks + _backend_checks(config, backends, rng, n_positions, max_position) + fused

@@ -1,0 +1,468 @@
+"""The fused serving kernel in Triton: one program per token runs the q, k and v channels of a
+:class:`~ropekit.backends.fused_launch.FusedLaunch` (RoPE + KV-cache write, RoPE + FP8, cache shift).
+
+Each channel's switches (present, rotated, addressed by slot, FP8 kind, in place, width) are compile-time
+constants, so each combination compiles to straight-line code. Math runs in float32. Stores round to nearest
+even in integer arithmetic, as the C loop does: bf16 through :func:`_bf16_round_to_nearest_even` (the
+interpreter truncates a plain cast), FP8 through :func:`_fp8_bits`; the quotient ``r / scale`` is
+``div_rn`` (a plain ``/`` compiles to an approximate division on GPUs), and the launch passes
+``enable_fp_fusion=False``, so the rotation's products and sums round separately (no FMA), which the FP8
+rounding contract needs bit for bit.
+
+Values are checked without a host sync: a table row or slot outside its range clears a flag (asserted on the
+device by the launcher), the row is clamped into the table and the slot's writes are skipped.
+
+Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run the interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
+
+__all__ = ["aot_specializations", "fused_kernel", "launch_config"]
+
+CHANNELS = ("q", "k", "v")
+MAX_BLOCK_ELEMENTS = 4096
+
+
+@triton.jit
+def _fp8_bits(v, KIND: tl.constexpr):
+    """float32 -> FP8 bits (uint8), clamped to the format's largest finite value, round to nearest even.
+
+    KIND 1: float8_e4m3fn (bias 7, 3 mantissa bits, max 448); KIND 2: float8_e5m2 (bias 15, 2 bits, max
+    57344). Below the smallest normal, adding 2^14 (2^7) makes the float32 ulp the FP8 step, so the float
+    addition itself rounds the subnormal. NaN stays NaN (0x7f with its sign)."""
+    if KIND == 1:
+        fmax = 448.0
+    else:
+        fmax = 57344.0
+    v = tl.where(v > fmax, fmax, tl.where(v < -fmax, -fmax, v))
+    u = v.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    if KIND == 1:
+        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+        nor = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        r = tl.where(a < 0x3C800000, sub, nor)
+    else:
+        sub = (a.to(tl.float32, bitcast=True) + 128.0).to(tl.uint32, bitcast=True) - 0x43000000
+        nor = ((a + 0xFFFFF + ((a >> 21) & 1)) >> 21) - 448
+        r = tl.where(a < 0x38800000, sub, nor)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return (r | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store(ptr, x, mask, scale, KIND: tl.constexpr, BF16: tl.constexpr):
+    if KIND == 0:
+        if BF16:
+            x = _bf16_round_to_nearest_even(x)
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, _fp8_bits(tl.math.div_rn(x, scale), KIND), mask=mask)
+
+
+@triton.jit
+def _channel(
+    src_ptr,
+    dst_ptr,
+    scale_ptr,
+    slot,
+    ok,
+    b,
+    t,
+    heads,
+    src_sb,
+    src_ss,
+    src_sh,
+    page_size,
+    dst_sp,
+    dst_si,
+    dst_sh,
+    scale_sh,
+    c,
+    s,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,
+    KIND: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """One channel's heads of one token: rotate (ROTATE) and store at dst's slot (see fused_launch)."""
+    dst = dst_ptr + (slot // page_size) * dst_sp + (slot % page_size) * dst_si
+    if IN_PLACE:  # the shift: the source is the destination
+        src = dst
+        src_h = dst_sh
+    else:
+        src = src_ptr + b * src_sb + t * src_ss
+        src_h = src_sh
+    half_idx = tl.arange(0, BLOCK_HALF)
+    half_mask = half_idx < HALF
+    if INTERLEAVED:
+        a_idx = 2 * half_idx  # pair i at (2i, 2i+1): GPT-J / Meta
+        b_idx = 2 * half_idx + 1
+    else:
+        a_idx = half_idx  # pair i at (i, i + R/2): GPT-NeoX / HF
+        b_idx = half_idx + HALF
+    if ROTATE:
+        rot = 2 * HALF
+    else:
+        rot = 0
+    tail_idx = rot + tl.arange(0, BLOCK_TAIL)
+    tail_mask = tl.arange(0, BLOCK_TAIL) < WIDTH - rot
+    n_heads = tl.where(ok, heads, 0)  # a skipped slot (-1) writes no head
+    for h0 in range(0, heads, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < n_heads
+        scale = 1.0
+        if KIND != 0:
+            scale = tl.load(scale_ptr + hs * scale_sh, mask=h_ok, other=1.0)[:, None]
+        x_row = src + hs[:, None] * src_h
+        o_row = dst + hs[:, None] * dst_sh
+        if ROTATE:
+            mask = h_ok[:, None] & half_mask[None, :]  # (BLOCK_H, BLOCK_HALF)
+            xa = tl.load(x_row + a_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            xb = tl.load(x_row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            ra = xa * c - xb * s
+            rb = xb * c + xa * s
+            _store(o_row + a_idx[None, :], ra, mask, scale, KIND, BF16)
+            _store(o_row + b_idx[None, :], rb, mask, scale, KIND, BF16)
+        if COPY_TAIL:
+            tmask = h_ok[:, None] & tail_mask[None, :]  # (BLOCK_H, BLOCK_TAIL)
+            tail = tl.load(x_row + tail_idx[None, :], mask=tmask, other=0.0)
+            if KIND == 0:
+                tl.store(o_row + tail_idx[None, :], tail, mask=tmask)
+            else:
+                _store(o_row + tail_idx[None, :], tail.to(tl.float32), tmask, scale, KIND, BF16)
+
+
+@triton.jit(do_not_specialize=["offset"])
+def fused_kernel(
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slots_ptr,
+    flag_ptr,
+    offset,
+    table_len,
+    num_slots,
+    seq_len,
+    cos_stride,
+    sin_stride,
+    q_src,
+    q_dst,
+    q_scale,
+    q_heads,
+    q_sb,
+    q_ss,
+    q_sh,
+    q_ps,
+    q_dp,
+    q_di,
+    q_dh,
+    q_scale_h,
+    k_src,
+    k_dst,
+    k_scale,
+    k_heads,
+    k_sb,
+    k_ss,
+    k_sh,
+    k_ps,
+    k_dp,
+    k_di,
+    k_dh,
+    k_scale_h,
+    v_src,
+    v_dst,
+    v_scale,
+    v_heads,
+    v_sb,
+    v_ss,
+    v_sh,
+    v_ps,
+    v_dp,
+    v_di,
+    v_dh,
+    v_scale_h,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    BF16: tl.constexpr,
+    Q_ON: tl.constexpr,
+    Q_ROTATE: tl.constexpr,
+    Q_BY_SLOT: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    Q_IN_PLACE: tl.constexpr,
+    Q_COPY_TAIL: tl.constexpr,
+    Q_WIDTH: tl.constexpr,
+    Q_BLOCK_TAIL: tl.constexpr,
+    Q_BLOCK_H: tl.constexpr,
+    K_ON: tl.constexpr,
+    K_ROTATE: tl.constexpr,
+    K_BY_SLOT: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_IN_PLACE: tl.constexpr,
+    K_COPY_TAIL: tl.constexpr,
+    K_WIDTH: tl.constexpr,
+    K_BLOCK_TAIL: tl.constexpr,
+    K_BLOCK_H: tl.constexpr,
+    V_ON: tl.constexpr,
+    V_ROTATE: tl.constexpr,
+    V_BY_SLOT: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_IN_PLACE: tl.constexpr,
+    V_COPY_TAIL: tl.constexpr,
+    V_WIDTH: tl.constexpr,
+    V_BLOCK_TAIL: tl.constexpr,
+    V_BLOCK_H: tl.constexpr,
+):
+    """Token ``program_id(0)``: its row is ``positions[token]`` (HAS_POS) or ``offset + t``; its slot
+    ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token index."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    t = token % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + token)
+    else:
+        pos = offset + t
+    bad = (pos < 0) | (pos >= table_len)
+    tl.store(flag_ptr, 0, mask=bad)
+    pos = tl.where(bad, 0, pos)
+    slot = token
+    write = token >= 0
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + token)
+        bad_slot = (slot < -1) | (slot >= num_slots)
+        tl.store(flag_ptr, 0, mask=bad_slot)
+        write = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(write, slot, 0)
+    half_idx = tl.arange(0, BLOCK_HALF)
+    half_mask = half_idx < HALF
+    c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    if CONJUGATE:
+        s = -s
+    if Q_ON:
+        q_slot, q_ok = token, token >= 0
+        if Q_BY_SLOT:
+            q_slot, q_ok = slot, write
+        _channel(
+                q_src, q_dst, q_scale, q_slot, q_ok, b, t, q_heads, q_sb, q_ss, q_sh, q_ps, q_dp, q_di, q_dh,
+                q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL, Q_BLOCK_H, Q_ROTATE, Q_KIND,
+                Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, BF16,
+            )  # fmt: skip
+    if K_ON:
+        k_slot, k_ok = token, token >= 0
+        if K_BY_SLOT:
+            k_slot, k_ok = slot, write
+        _channel(
+                k_src, k_dst, k_scale, k_slot, k_ok, b, t, k_heads, k_sb, k_ss, k_sh, k_ps, k_dp, k_di, k_dh,
+                k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL, K_BLOCK_H, K_ROTATE, K_KIND,
+                K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, BF16,
+            )  # fmt: skip
+    if V_ON:
+        v_slot, v_ok = token, token >= 0
+        if V_BY_SLOT:
+            v_slot, v_ok = slot, write
+        _channel(
+                v_src, v_dst, v_scale, v_slot, v_ok, b, t, v_heads, v_sb, v_ss, v_sh, v_ps, v_dp, v_di, v_dh,
+                v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL, V_BLOCK_H, V_ROTATE, V_KIND,
+                V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, BF16,
+            )  # fmt: skip
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def channel_constexprs(prefix: str, spec: dict | None, half: int) -> dict[str, object]:
+    """The constexprs of one channel: spec has rotate, by_slot, kind, in_place, copy_tail, width, heads."""
+    on = spec is not None
+    if spec is None:
+        spec = dict(rotate=False, by_slot=False, kind=0, in_place=False, copy_tail=False, width=1, heads=1)
+    rot = 2 * half if spec["rotate"] else 0
+    block_half = _next_pow2(half)
+    block_tail = _next_pow2(max(spec["width"] - rot, 1))
+    widest = max(block_half if spec["rotate"] else 1, block_tail)
+    return {
+        f"{prefix}_ON": on,
+        f"{prefix}_ROTATE": spec["rotate"],
+        f"{prefix}_BY_SLOT": spec["by_slot"],
+        f"{prefix}_KIND": spec["kind"],
+        f"{prefix}_IN_PLACE": spec["in_place"],
+        f"{prefix}_COPY_TAIL": spec["copy_tail"] and spec["width"] > rot,
+        f"{prefix}_WIDTH": spec["width"],
+        f"{prefix}_BLOCK_TAIL": block_tail,
+        f"{prefix}_BLOCK_H": max(1, min(_next_pow2(spec["heads"]), MAX_BLOCK_ELEMENTS // widest)),
+    }
+
+
+def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool, bf16: bool,
+                  channels: dict[str, dict | None]) -> tuple[dict[str, object], int]:  # fmt: skip
+    """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them."""
+    constexprs: dict[str, object] = {
+        "HALF": half,
+        "BLOCK_HALF": _next_pow2(half),
+        "HAS_POS": has_pos,
+        "HAS_SLOTS": has_slots,
+        "INTERLEAVED": interleaved,
+        "CONJUGATE": conjugate,
+        "BF16": bf16,
+    }
+    for prefix in CHANNELS:
+        spec = channels.get(prefix)
+        constexprs |= channel_constexprs(prefix.upper(), spec, half)
+    return constexprs, 4
+
+
+def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object]) -> dict[str, str]:
+    """The argument types of one specialization (Triton's ASTSource signature)."""
+    sig = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slots_ptr": "*i64", "flag_ptr": "*i32"}
+    sig |= {
+        name: "i64" for name in ("offset", "table_len", "num_slots", "seq_len", "cos_stride", "sin_stride")
+    }
+    for prefix in CHANNELS:
+        store = "*u8" if kinds.get(prefix) else f"*{dtype}"
+        sig |= {f"{prefix}_src": f"*{dtype}", f"{prefix}_dst": store, f"{prefix}_scale": "*fp32"}
+        for name in ("heads", "sb", "ss", "sh", "ps", "dp", "di", "dh", "scale_h"):
+            sig[f"{prefix}_{name}"] = "i64"
+    sig |= {name: "constexpr" for name in constexprs}
+    return sig
+
+
+def aot_specializations():
+    """Every specialization the launcher picks for the served shapes: (kernel, signature, constexprs,
+    num_warps) for the cache write (native and FP8 caches), FP8 quantisation (plain and the MLA nope pass) and
+    the shift, in fp32 / fp16 / bf16, both pairings, offset or positions, head_dim 64, 80, 128, 256 (and
+    partial rotary at 128)."""
+    specs = []
+    dtypes = {"fp32": False, "fp16": False, "bf16": True}
+    for dtype, bf16 in dtypes.items():
+        for head_dim, half in ((64, 32), (80, 40), (128, 64), (256, 128), (128, 32)):
+            for interleaved in (False, True):
+                for has_pos in (False, True):
+                    for _op, channels, kinds, has_slots, conjugate in _op_forms(head_dim):
+                        constexprs, warps = launch_config(
+                            half, has_pos, has_slots, interleaved, conjugate, bf16, channels
+                        )
+                        specs.append((fused_kernel, _signature(dtype, kinds, constexprs), constexprs, warps))
+    return specs
+
+
+def _op_forms(head_dim: int):
+    """(name, channel specs, FP8 kinds, has_slots, conjugate) of each fused op's launch at one head_dim."""
+    rot = dict(rotate=True, in_place=False, copy_tail=True, width=head_dim)
+    q_inplace = rot | dict(by_slot=False, kind=0, in_place=True, copy_tail=False, heads=32)
+    forms = []
+    for kind in (0, 1, 2):
+        k = rot | dict(by_slot=True, kind=kind, heads=8)
+        v = dict(
+            rotate=False, by_slot=True, kind=kind, in_place=False, copy_tail=True, width=head_dim, heads=8
+        )
+        forms.append(("cache", {"q": q_inplace, "k": k, "v": v}, {"k": kind, "v": kind}, True, False))
+    for kind in (1, 2):
+        q = rot | dict(by_slot=False, kind=kind, heads=32)
+        k = rot | dict(by_slot=False, kind=kind, heads=8)
+        forms.append(("fp8", {"q": q, "k": k}, {"q": kind, "k": kind}, False, False))
+        # The MLA nope pass: q_nope (16 heads of 512) and k_nope (1 head of 512), scaled and cast only.
+        nope = dict(rotate=False, by_slot=False, kind=kind, in_place=False, copy_tail=True, width=512)
+        nope_qk = {"q": nope | dict(heads=16), "k": nope | dict(heads=1)}
+        forms.append(("fp8 nope", nope_qk, {"q": kind, "k": kind}, False, False))
+    shift = rot | dict(by_slot=True, kind=0, in_place=True, copy_tail=False, heads=8)
+    for conjugate in (False, True):
+        forms.append(("shift", {"k": shift}, {}, True, conjugate))
+    return forms
+
+
+def _channel_args(ch, dummy, scale_dummy) -> tuple[list, dict | None]:
+    if ch is None:
+        return [dummy, dummy, scale_dummy, 0, 0, 0, 0, 1, 0, 0, 0, 0], None
+    dst = ch.dst
+    _, page_size, heads, width = dst.shape
+    src = ch.src
+    sb, ss, sh = (0, 0, 0) if src is None else src.stride()[:3]
+    scale = ch.scale
+    args = [
+        dst if src is None else src, dst, scale_dummy if scale is None else scale, heads, sb, ss, sh,
+        page_size, *dst.stride()[:3], 0 if scale is None or scale.shape[0] == 1 else 1,
+    ]  # fmt: skip
+    in_place = src is None
+    spec = dict(
+        rotate=ch.rotate, by_slot=ch.by_slot, kind=ch.fp8, in_place=in_place, heads=heads, width=width,
+        copy_tail=not in_place and (ch.fp8 or src.data_ptr() != dst.data_ptr()),
+    )  # fmt: skip
+    return args, spec
+
+
+def launch(plan, *, checked: bool = False) -> None:
+    """Run the fused kernel, one program per token (see the module docstring for the value checks).
+
+    Raises:
+        ValueError: anything :func:`~ropekit.backends.fused_launch.check_launch` rejects; with CPU tensors
+            (the interpreter) a table row or slot out of range, checked on the host before the launch.
+    """
+    import contextlib
+
+    import torch
+
+    from ropekit.backends.fused_launch import check_launch, slot_error
+    from ropekit.backends.kernel_op import check_offset_rows, row_error
+
+    if not checked:  # see fused_cpu.launch
+        check_launch(plan)
+    tokens = plan.batch * plan.seq
+    if tokens == 0:
+        return
+    cos, sin = plan.cos, plan.sin
+    table_len, half = cos.shape
+    num_slots = next(
+        (c.dst.shape[0] * c.dst.shape[1] for c in plan.channels if c is not None and c.by_slot), 0
+    )
+    host = cos.device.type == "cpu"
+    slots = plan.slots if any(c is not None and c.by_slot for c in plan.channels) else None
+    if plan.positions is None:
+        check_offset_rows(plan.offset, plan.batch, plan.seq, table_len)
+    elif host:
+        lo, hi = torch.stack(torch.aminmax(plan.positions)).tolist()
+        if lo < 0 or hi >= table_len:
+            raise row_error(lo if lo < 0 else hi, table_len)
+    if slots is not None and host:
+        lo, hi = torch.stack(torch.aminmax(slots)).tolist()
+        if lo < -1 or hi >= num_slots:
+            raise slot_error(lo if lo < -1 else hi, num_slots)
+    flag = torch.ones(1, dtype=torch.int32, device=cos.device)
+    dummy = flag
+    scale_dummy = cos
+    args, specs = [], {}
+    for prefix, ch in zip(CHANNELS, plan.channels, strict=True):
+        a, spec = _channel_args(ch, dummy, scale_dummy)
+        args += a
+        specs[prefix] = spec
+    constexprs, num_warps = launch_config(
+        half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
+        plan.dtype == torch.bfloat16, specs,
+    )  # fmt: skip
+    device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
+    with device_guard:
+        fused_kernel[(tokens,)](
+            cos, sin, flag if plan.positions is None else plan.positions,
+            flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
+            cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    if not host:
+        torch._assert_async(
+            flag, "ropekit: a position is outside the cos/sin table or a slot outside the cache"
+        )

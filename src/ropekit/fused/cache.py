@@ -1,0 +1,160 @@
+"""RoPE fused with the KV-cache write: :func:`apply_rotary_qk_and_cache`.
+
+A serving step rotates q and k, then copies k and v into the paged cache. Unfused that is a read and write of
+q and k (RoPE) and another read of k and v and write into the cache (``index_copy_``); fused, k is read once
+and its rotation lands straight in the cache, so k's round trip through memory disappears (docs/serving.md
+counts the bytes). Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
+from ropekit.fused.plan import cache_view, check_inference, check_scale, check_slots, run, select
+from ropekit.positions import resolve
+from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, describe
+
+__all__ = ["apply_rotary_qk_and_cache"]
+
+
+def apply_rotary_qk_and_cache(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_layout: str = "nhd",
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor | None:
+    """Rotate q, rotate k into the key cache and copy v into the value cache, in one pass.
+
+    Shape notation: T packed tokens, B batch, S sequence, Hq / Hk query / key heads, D head_dim, Dv v's
+    head_dim, P pages, N page_size.
+
+    Args:
+        q: (T, Hq, D) packed (with cu_seqlens, or positions (T,), or an int offset), or (B, S, Hq, D); or
+            None to write the caches only (then nothing is returned).
+        k: (T, Hk, D) or (B, S, Hk, D), like q; read, never modified.
+        v: (T, Hk, Dv) or (B, S, Hk, Dv); read, never modified.
+        cos, sin: (L, R/2) tables, as in :func:`ropekit.apply_rotary`.
+        k_cache, v_cache: written in place at the slots, in ``cache_layout``: "flat" (P*N, Hk, D), "nhd"
+            (P, N, Hk, D) or "hnd" (P, Hk, N, D) (v_cache with Dv). Their dtype is q's, or an FP8 dtype
+            (``torch.float8_e4m3fn`` / ``float8_e5m2``) with k_scale / v_scale.
+        slot_mapping: int64 (T,) or (B, S): each token's flat slot ``page * page_size + index_in_page``;
+            -1 skips the token (padding), as in vLLM.
+        cache_layout: "flat", "nhd" or "hnd"; always explicit, never guessed from the shapes.
+        positions, offsets, cu_seqlens, interleaved: as in :func:`ropekit.apply_rotary`.
+        inplace: rotate q in place and return it; otherwise q is untouched and a new tensor is returned.
+        k_scale, v_scale: FP8 caches only: stored = value / scale (dequantise by multiplying), a float, a 0-d
+            tensor or one per head (Hk,); see :func:`ropekit.apply_rotary_qk_fp8` for the rounding contract.
+        backend: "auto", "torch", "cpu" or "triton".
+
+    Returns:
+        q rotated (q itself when inplace=True); None when q is None.
+
+    Raises:
+        ValueError: before anything is written, for: inputs that require grad (inference only), shapes that
+            disagree, a cache of the wrong layout, shape, dtype or device, a slot outside [-1, num_slots)
+            (on the host for CPU tensors; a device-side assert otherwise), a missing, misshaped or
+            non-positive scale, or a backend that cannot serve the inputs.
+    """
+    check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
+    check_bool("interleaved", interleaved)
+    check_bool("inplace", inplace)
+    cache_only = q is None
+    if cache_only:  # k stands in for q in the shape checks; nothing rotates into q
+        if inplace:
+            raise ValueError("inplace: expected False when q is None (there is no q to rotate in place)")
+        if not isinstance(k, torch.Tensor):
+            raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
+        q = k
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and cu_seqlens is None:
+        # One packed sequence without cu_seqlens: (T, H, D) -> (1, T, H, D), its positions (T,) -> (1, T).
+        if positions is not None and isinstance(positions, torch.Tensor) and positions.dim() == 1:
+            positions = positions[None]
+        views = [t[None] if isinstance(t, torch.Tensor) else t for t in (q, k, v)]
+        slot_mapping = slot_mapping[None] if isinstance(slot_mapping, torch.Tensor) else slot_mapping
+    else:
+        views = [q, k, v]
+    q4, k4, v4 = views
+    pos = resolve(q4, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
+    if q4.dim() == 3:  # packed with cu_seqlens: the kernels see (1, T, H, D)
+        q4, k4, v4 = (t[None] if isinstance(t, torch.Tensor) else t for t in (q4, k4, v4))
+        slot_mapping = slot_mapping[None] if isinstance(slot_mapping, torch.Tensor) else slot_mapping
+    batch, seq, _, head_dim = q4.shape
+    for name, t in (("k", k4), ("v", v4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != (batch, seq):
+            raise ValueError(
+                f"{name}: expected the same leading axes as q {tuple(q.shape)}, got {describe(t)}"
+            )
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name}: expected q's dtype {q.dtype} on {q.device}, got {t.dtype} on {t.device}"
+            )
+    if k4.shape[3] != head_dim:
+        raise ValueError(f"k: expected q's head_dim {head_dim}, got shape {tuple(k.shape)}")
+    k_heads = k4.shape[2]
+    if v4.shape[2] != k_heads:
+        raise ValueError(f"v: expected k's {k_heads} heads, got shape {tuple(v.shape)}")
+    check_tables(cos, sin, head_dim)
+    if cos.device != q.device:
+        cos, sin = cos.to(q.device), sin.to(q.device)
+    pos.check_table(cos.shape[0])
+    kc = cache_view("k_cache", k_cache, cache_layout, k_heads, head_dim, q.dtype, q.device)
+    vc = cache_view("v_cache", v_cache, cache_layout, k_heads, v4.shape[3], q.dtype, q.device)
+    if kc.shape[:2] != vc.shape[:2]:
+        raise ValueError(
+            f"v_cache: expected k_cache's pages and page size {tuple(kc.shape[:2])}, got shape "
+            f"{tuple(v_cache.shape)}"
+        )
+    check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    scales = []
+    for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
+        if fp8_kind(cache.dtype):
+            if scale is None:
+                raise ValueError(f"{name}: expected a scale for the {cache.dtype} cache, got None")
+            scales.append(check_scale(name, scale, k_heads, q.device))
+        elif scale is not None:
+            raise ValueError(
+                f"{name}: expected None for a {cache.dtype} cache (scales are for FP8), got {describe(scale)}"
+            )
+        else:
+            scales.append(None)
+    slots = check_slots("slot_mapping", slot_mapping, (batch, seq), q.device)
+    if inplace:  # q is written before k and v are read: none of them may share q's memory
+        check_writable("q", q)
+        for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_disjoint("q", q, name, t)
+    name = select(backend, q4, cos)
+    sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
+    q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
+    plan = FusedLaunch(
+        batch, seq, cos, sin,
+        None if pos.tensor is None else pos.tensor.reshape(-1).contiguous(), pos.offset, slots,
+        interleaved, False,
+        (
+            None if cache_only else Channel(sources[0], q_out, rotate=True, by_slot=False),
+            Channel(sources[1], kc, rotate=True, by_slot=True, fp8=fp8_kind(k_cache.dtype), scale=scales[0]),
+            Channel(sources[2], vc, rotate=False, by_slot=True, fp8=fp8_kind(v_cache.dtype), scale=scales[1]),
+        ),
+    )  # fmt: skip
+    run(name, plan, [k_cache, v_cache] if cache_only else [q_out, k_cache, v_cache])
+    if cache_only:
+        return None
+    if inplace:
+        if q_out is not q4:  # a strided last axis: rotated in a scratch copy
+            q4.copy_(q_out)
+        return q
+    return q_out[0] if q.dim() == 3 else q_out

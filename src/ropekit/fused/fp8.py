@@ -1,0 +1,140 @@
+"""RoPE fused with FP8 quantisation: :func:`apply_rotary_qk_fp8`, including DeepSeek's MLA form.
+
+An FP8 attention kernel wants q and k as FP8. Unfused, a model rotates q and k (a read and write in the
+input dtype), then scales and casts them (another read, and an FP8 write); fused, each is read once and
+written once as FP8 bytes, which for float32 inputs removes about 60% of the traffic (docs/serving.md).
+Inference only.
+
+Rounding contract: each output byte equals ``(r / scale).clamp(-fmax, fmax).to(fp8_dtype)``, where r is the
+float32 rotation (each product and sum rounded to float32, as the torch backend computes it) and fmax the
+format's largest finite value, so float8_e5m2 saturates too, unlike a bare cast. Every backend meets it bit
+for bit (tests/fused/test_fp8.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
+from ropekit.fused.plan import check_inference, check_scale, run, select
+from ropekit.positions import resolve
+from ropekit.validation import check_bool, check_tables, describe
+
+__all__ = ["apply_rotary_qk_fp8"]
+
+
+def apply_rotary_qk_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    q_scale: float | torch.Tensor,
+    k_scale: float | torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    q_nope: torch.Tensor | None = None,
+    k_nope: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    interleaved: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, ...]:
+    """Rotate q and k and quantise them to FP8 in one pass.
+
+    Shape notation: T packed tokens, B batch, S sequence, Hq / Hk heads, D head_dim, Dn the nope width.
+
+    Args:
+        q: (T, Hq, D) with cu_seqlens (or positions (T,)), or (B, S, Hq, D); never modified.
+        k: (T, Hk, D) or (B, S, Hk, D); never modified.
+        cos, sin, positions, offsets, cu_seqlens, interleaved: as in :func:`ropekit.apply_rotary`.
+        q_scale, k_scale: stored = value / scale (dequantise by multiplying, as torch's scaled FP8 and vLLM):
+            a float, a 0-d tensor (per tensor) or an (H,) tensor (per head), every value finite and > 0.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        q_nope, k_nope: the MLA form (DeepSeek): q and k are then the rope parts, and q_nope (.., Hq, Dn) and
+            k_nope (.., Hk, Dn') the parts that are not rotated, only scaled (by q_scale / k_scale) and cast,
+            as FlashInfer's ``mla_rope_quantize_fp8`` does. Give both or neither.
+        backend: "auto", "torch", "cpu" or "triton".
+
+    Returns:
+        (q_fp8, k_fp8), or with q_nope / k_nope (q_rope_fp8, k_rope_fp8, q_nope_fp8, k_nope_fp8); new
+        contiguous tensors of fp8_dtype shaped like their inputs.
+
+    Raises:
+        ValueError: inputs that require grad (inference only), shapes or dtypes that disagree, an fp8_dtype
+            that is not one of the two, a scale of the wrong shape or not > 0, or a backend that cannot serve
+            the inputs.
+    """
+    check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
+    check_bool("interleaved", interleaved)
+    if fp8_dtype not in FP8_KINDS:
+        raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
+    if (q_nope is None) != (k_nope is None):
+        raise ValueError(
+            f"q_nope, k_nope: expected both (the MLA form) or neither, got {describe(q_nope)} and "
+            f"{describe(k_nope)}"
+        )
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {describe(q)}")
+    ropes = _as_4d([q, k])
+    if isinstance(positions, torch.Tensor) and q.dim() == 3 and cu_seqlens is None and positions.dim() == 1:
+        positions = positions[None]
+    q4, k4 = ropes
+    x = q4 if cu_seqlens is None else q
+    pos = resolve(x, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
+    batch, seq, q_heads, head_dim = q4.shape
+    _check_like("k", k4, q4, q, head_dim)
+    k_heads = k4.shape[2]
+    check_tables(cos, sin, head_dim)
+    if cos.device != q.device:
+        cos, sin = cos.to(q.device), sin.to(q.device)
+    pos.check_table(cos.shape[0])
+    scales = [
+        check_scale("q_scale", q_scale, q_heads, q.device),
+        check_scale("k_scale", k_scale, k_heads, q.device),
+    ]
+    nopes = None
+    if q_nope is not None:
+        nopes = _as_4d([q_nope, k_nope])
+        for name, t, heads in (("q_nope", nopes[0], q_heads), ("k_nope", nopes[1], k_heads)):
+            _check_like(name, t, q4, q, None)
+            if t.shape[2] != heads:
+                raise ValueError(
+                    f"{name}: expected {heads} heads (as its rope part), got shape {tuple(t.shape)}"
+                )
+    name = select(backend, q4, cos)
+    kind = FP8_KINDS[fp8_dtype]
+    rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()
+    outs = []
+
+    def channel(src: torch.Tensor, scale: torch.Tensor, rotate: bool) -> Channel | None:
+        src = src if src.shape[-1] <= 1 or src.stride(-1) == 1 else src.contiguous()
+        out = torch.empty(src.shape, dtype=fp8_dtype, device=src.device)
+        outs.append(out)
+        if out.numel() == 0:  # an empty nope part (FlashInfer passes width 0): nothing to write
+            return None
+        return Channel(src, out.view(torch.uint8), rotate=rotate, by_slot=False, fp8=kind, scale=scale)
+
+    plan = FusedLaunch(batch, seq, cos, sin, rows, pos.offset, None, interleaved, False,
+                       (channel(q4, scales[0], True), channel(k4, scales[1], True), None))  # fmt: skip
+    run(name, plan, [])
+    if nopes is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
+        channels = (channel(nopes[0], scales[0], False), channel(nopes[1], scales[1], False), None)
+        if channels != (None, None, None):
+            run(name, plan._replace(channels=channels), [])
+    squeeze = q.dim() == 3
+    return tuple(o[0] if squeeze else o for o in outs)
+
+
+def _as_4d(tensors: list) -> list:
+    """Packed (T, H, D) inputs as (1, T, H, D) views (the kernels' (batch, seq) axes); others as they are."""
+    return [t[None] if isinstance(t, torch.Tensor) and t.dim() == 3 else t for t in tensors]
+
+
+def _check_like(name: str, t: object, q4: torch.Tensor, q: torch.Tensor, head_dim: int | None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[:2] != q4.shape[:2]:
+        raise ValueError(f"{name}: expected the same leading axes as q {tuple(q.shape)}, got {describe(t)}")
+    if t.dtype != q.dtype or t.device != q.device:
+        raise ValueError(f"{name}: expected q's dtype {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    if head_dim is not None and t.shape[3] != head_dim:
+        raise ValueError(f"{name}: expected q's head_dim {head_dim}, got shape {tuple(t.shape)}")

@@ -1,0 +1,91 @@
+"""Re-rotating cached keys by delta positions, in place: :func:`shift_cache_`.
+
+Rotations compose: R(p + delta) = R(delta) R(p) (docs/math.md), so keys cached at positions p move to
+p + delta by one more rotation by delta, with the table row |delta| (its conjugate when delta < 0).
+llama.cpp's context shift and attention sinks (StreamingLLM) evict the oldest tokens this way and keep the
+rest without recomputing their keys. Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropekit.backends.fused_launch import Channel, FusedLaunch
+from ropekit.fused.plan import cache_view, check_slots, run, select
+from ropekit.validation import check_bool, check_int, check_tables, describe
+
+__all__ = ["shift_cache_"]
+
+
+def shift_cache_(
+    k_cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    delta: int,
+    *,
+    cache_layout: str = "nhd",
+    slots: torch.Tensor | None = None,
+    interleaved: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Rotate the keys in k_cache by delta positions, in place (the version counter moves).
+
+    Args:
+        k_cache: a "flat" (num_slots, H, D), "nhd" (P, N, H, D) or "hnd" (P, H, N, D) key cache of float32,
+            float16, bfloat16 (or float64 on the torch backend). An FP8 cache is refused: re-rotating its
+            bytes would need its scale and a second rounding.
+        cos, sin: (L, R/2) tables, as in :func:`ropekit.apply_rotary`; row |delta| must exist.
+        delta: positions to move by; may be negative (towards 0).
+        cache_layout: "flat", "nhd" or "hnd", as in :func:`ropekit.apply_rotary_qk_and_cache`.
+        slots: None (every slot), or an int64 (n,) tensor of distinct flat slot ids (-1 entries skipped).
+        interleaved: the pair layout the keys were rotated with.
+        backend: "auto", "torch", "cpu" or "triton".
+
+    Returns:
+        k_cache.
+
+    Raises:
+        ValueError: before anything is written, for a cache of the wrong layout, rank or dtype, |delta| past
+            the table, slots that are not int64 (n,) or outside [-1, num_slots), or an unusable backend.
+    """
+    check_bool("interleaved", interleaved)
+    delta = check_int("delta", delta, minimum=-(1 << 62), expected="an int (positions to move by)")
+    if not isinstance(k_cache, torch.Tensor) or not k_cache.is_floating_point() or k_cache.dtype.itemsize < 2:
+        raise ValueError(
+            f"k_cache: expected a float32, float16, bfloat16 or float64 cache (FP8 caches cannot be shifted "
+            f"in place), got {describe(k_cache)}"
+        )
+    if k_cache.dim() not in (3, 4):
+        raise ValueError(f"k_cache: expected a 3-D or 4-D cache, got {describe(k_cache)}")
+    heads_axis = 1 if cache_layout in ("flat", "hnd") else 2
+    heads, width = k_cache.shape[heads_axis], k_cache.shape[-1]
+    view = cache_view("k_cache", k_cache, cache_layout, heads, width, k_cache.dtype, k_cache.device)
+    check_tables(cos, sin, width)
+    row = abs(delta)
+    if row >= cos.shape[0]:
+        raise ValueError(
+            f"delta: |delta| = {row} is past the cos/sin table (table_len {cos.shape[0]}); expected a table "
+            f"with at least {row + 1} rows"
+        )
+    num_slots = view.shape[0] * view.shape[1]
+    if slots is not None:
+        if isinstance(slots, torch.Tensor) and slots.dim() != 1:
+            raise ValueError(f"slots: expected an int64 (n,) tensor of flat slot ids, got {describe(slots)}")
+        n = slots.shape[0] if isinstance(slots, torch.Tensor) else 0
+        flat_slots = check_slots("slots", slots, (n,), k_cache.device)
+    else:
+        n, flat_slots = num_slots, None
+    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos)
+    # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
+    half = cos.shape[1]
+    if cos.device != k_cache.device:
+        cos, sin = cos.to(k_cache.device), sin.to(k_cache.device)
+    row_cos, row_sin = cos[row : row + 1].expand(max(n, 1), half), sin[row : row + 1].expand(max(n, 1), half)
+    if name != "torch":
+        row_cos, row_sin = (t.float().contiguous()[:1].expand(max(n, 1), half) for t in (row_cos, row_sin))
+    channel = Channel(None, view, rotate=True, by_slot=slots is not None)
+    plan = FusedLaunch(
+        1, n, row_cos, row_sin, None, 0, flat_slots, interleaved, delta < 0, (None, channel, None)
+    )
+    run(name, plan, [k_cache])
+    return k_cache

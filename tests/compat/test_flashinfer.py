@@ -1,0 +1,163 @@
+"""ropekit.compat.flashinfer against FlashInfer's documented semantics (flashinfer/rope.py, pos_enc.cuh):
+stored = fp8(value * quant_scale) saturated, [cos | sin] caches, MLA 2-D keys, the page-table append.
+
+FlashInfer itself needs a GPU, so the expected values are its formulas written with torch ops; power-of-two
+scales make ``r * s`` and ropekit's ``r / (1 / s)`` the same float32 number, so the bytes must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ropekit.backends import BACKENDS
+from ropekit.compat import flashinfer, vllm
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cache(rope_dim: int = 8, length: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    angle = torch.rand(length, rope_dim // 2, generator=g) * 6.0
+    return torch.cat([angle.cos(), angle.sin()], dim=-1)  # (max_seq_len, rope_dim): [cos | sin]
+
+
+def _rotated(x: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """The float32 rotation of x (nnz, H, D) at pos, as ropekit's torch backend computes it."""
+    half = cache.shape[1] // 2
+    out, _ = BACKENDS["torch"].rotate_qk(
+        x.float(), None, cache[:, :half], cache[:, half:], pos, interleaved=not is_neox, conjugate=False,
+        inplace=False,
+    )  # fmt: skip
+    return out
+
+
+def _fp8(x: torch.Tensor, quant_scale: float, dtype=FP8) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    return (x.float() * quant_scale).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rope_quantize_fp8_multiplies_by_the_quant_scale(is_neox, dtype):
+    g = torch.Generator().manual_seed(1)
+    q_rope, k_rope = torch.randn(5, 4, 8, generator=g) * 50, torch.randn(5, 2, 8, generator=g)
+    q_nope, k_nope = torch.randn(5, 4, 6, generator=g), torch.randn(5, 2, 6, generator=g)
+    cache, pos = _cache(), torch.tensor([0, 3, 9, 40, 63])
+    outs = flashinfer.rope_quantize_fp8(
+        q_rope, k_rope, q_nope, k_nope, cache, pos, is_neox=is_neox, quantize_dtype=dtype, quant_scale_q=4.0,
+        quant_scale_kv=0.5,
+    )  # fmt: skip
+    want = [
+        _fp8(_rotated(q_rope, cache, pos, is_neox), 4.0, dtype),
+        _fp8(_rotated(k_rope, cache, pos, is_neox), 0.5, dtype),
+        _fp8(q_nope, 4.0, dtype),
+        _fp8(k_nope, 0.5, dtype),
+    ]
+    assert all(o.dtype == dtype for o in outs)
+    for got, w in zip(outs, want, strict=True):
+        assert torch.equal(got.view(torch.uint8), w)
+
+
+def test_mla_keys_are_2d_and_preallocated_outputs_are_filled():
+    g = torch.Generator().manual_seed(2)
+    q_rope, k_rope = torch.randn(3, 4, 8, generator=g), torch.randn(3, 8, generator=g)
+    q_nope, k_nope = torch.randn(3, 4, 16, generator=g), torch.randn(3, 16, generator=g)
+    cache, pos = _cache(), torch.tensor([1, 2, 30])
+    k_out = torch.empty(3, 8, dtype=FP8)
+    outs = flashinfer.mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, k_rope_out=k_out)
+    assert outs[1] is k_out and outs[1].shape == (3, 8) and outs[3].shape == (3, 16)
+    assert torch.equal(k_out.view(torch.uint8), _fp8(_rotated(k_rope[:, None], cache, pos, True), 1.0)[:, 0])
+    with pytest.raises(ValueError, match="k_rope: expected the MLA layout"):
+        flashinfer.mla_rope_quantize_fp8(q_rope, k_rope[:, None], q_nope, k_nope, cache, pos)
+
+
+def test_none_nope_parts_are_empty_and_bad_scales_are_refused():
+    q_rope, k_rope = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    outs = flashinfer.rope_quantize_fp8(q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]))
+    assert outs[2].shape == (2, 2, 0) and outs[3].shape == (2, 1, 0)
+    with pytest.raises(ValueError, match="quant_scale_q"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), quant_scale_q=0.0
+        )
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        flashinfer.rope_quantize_fp8(q_rope, k_rope, None, None, _cache().double(), torch.tensor([0, 1]))
+
+
+def _page_table():
+    """Two requests: 3 tokens at positions 0-2 (pages [4]) and 2 tokens at positions 17-18 (pages [1, 6])."""
+    kv_indices = torch.tensor([4, 1, 6], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 1, 3], dtype=torch.int32)
+    batch_indices = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 17, 18], dtype=torch.int32)
+    slots = torch.tensor([4 * 16 + 0, 4 * 16 + 1, 4 * 16 + 2, 6 * 16 + 1, 6 * 16 + 2])
+    return kv_indices, kv_indptr, batch_indices, positions, slots
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_append_writes_the_full_key_and_v_at_the_page_table_slots(kv_layout):
+    g = torch.Generator().manual_seed(3)
+    q_rope, k_rope, k_nope = (torch.randn(5, h, d, generator=g) for h, d in ((4, 8), (2, 8), (2, 4)))
+    v = torch.randn(5, 2, 12, generator=g)
+    cache, pos = _cache(), torch.tensor([0, 1, 2, 17, 18])
+    shape = (8, 16, 2, 12) if kv_layout == "NHD" else (8, 2, 16, 12)
+    k_cache, v_cache = torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8)
+    kv_indices, kv_indptr, batch_indices, positions, slots = _page_table()
+    q8, q_nope8 = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, None, k_nope, v, cache, pos, (k_cache, v_cache), kv_indices, kv_indptr, batch_indices,
+        positions, quant_scale_q=2.0, quant_scale_kv=0.25, kv_layout=kv_layout,
+    )  # fmt: skip
+    assert torch.equal(q8.view(torch.uint8), _fp8(_rotated(q_rope, cache, pos, True), 2.0))
+    assert q_nope8.shape == (5, 4, 0)
+    flat = (lambda c: c.flatten(0, 1)) if kv_layout == "NHD" else (lambda c: c.transpose(1, 2).flatten(0, 1))
+    k_full = torch.cat([_rotated(k_rope, cache, pos, True), k_nope], dim=-1)
+    assert torch.equal(flat(k_cache).view(torch.uint8)[slots], _fp8(k_full, 0.25))
+    assert torch.equal(flat(v_cache).view(torch.uint8)[slots], _fp8(v, 0.25))
+    others = torch.ones(8 * 16, dtype=torch.bool)
+    others[slots] = False
+    assert not flat(k_cache).view(torch.uint8)[others].any()
+
+
+def test_mla_append_fills_kpe_and_ckv_caches():
+    g = torch.Generator().manual_seed(4)
+    q_rope, q_nope = torch.randn(5, 4, 8, generator=g), torch.randn(5, 4, 16, generator=g)
+    k_rope, k_nope = torch.randn(5, 8, generator=g), torch.randn(5, 16, generator=g)
+    cache, pos = _cache(), torch.tensor([0, 1, 2, 17, 18])
+    ckv, kpe = torch.zeros(8, 16, 16, dtype=FP8), torch.zeros(8, 16, 8, dtype=FP8)
+    kv_indices, kv_indptr, batch_indices, positions, slots = _page_table()
+    flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, None, cache, pos, (ckv, kpe), kv_indices, kv_indptr, batch_indices,
+        positions,
+    )  # fmt: skip
+    assert torch.equal(
+        kpe.flatten(0, 1).view(torch.uint8)[slots],
+        _fp8(_rotated(k_rope[:, None], cache, pos, True), 1.0)[:, 0],
+    )
+    assert torch.equal(ckv.flatten(0, 1).view(torch.uint8)[slots], _fp8(k_nope, 1.0))
+
+
+def test_append_refuses_bad_input_and_leaves_the_caches_alone():
+    q_rope, k_rope, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    cache, pos = _cache(), torch.tensor([0, 1, 2, 17, 18])
+    k_cache, v_cache = torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8)
+    kv_indices, kv_indptr, batch_indices, positions, _ = _page_table()
+    args = (cache, pos, (k_cache, v_cache), kv_indices, kv_indptr, batch_indices, positions)
+    with pytest.raises(ValueError, match="kv_layout"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, None, None, v, *args, kv_layout="NDH"
+        )
+    with pytest.raises(ValueError, match="v: expected"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, None, None, None, *args)
+    with pytest.raises(ValueError, match="paged_kv_cache"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, None, None, v, *args, quantize_dtype=torch.float8_e5m2
+        )
+    with pytest.raises(ValueError, match="slot_mapping"):  # a page index past the cache's 8 pages
+        bad = (cache, pos, (k_cache, v_cache), torch.tensor([4, 1, 9]), kv_indptr, batch_indices, positions)
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, None, None, v, *bad)
+    assert not k_cache.view(torch.uint8).any() and not v_cache.view(torch.uint8).any()
+
+
+def test_apply_rope_with_cos_sin_cache_is_the_vllm_module_s():
+    assert flashinfer.apply_rope_with_cos_sin_cache is vllm.apply_rope_with_cos_sin_cache
+    assert flashinfer.apply_rope_with_cos_sin_cache_inplace is vllm.apply_rope_with_cos_sin_cache_inplace

@@ -1,0 +1,62 @@
+"""The fused serving kernel under Triton's interpreter: the same checks as the torch and cpu backends.
+
+Run only by test_fused_triton.py, in a subprocess with TRITON_INTERPRET=1 (see tests/triton_interpreter.py).
+The interpreter is slow, so the grid covers each switch of the kernel once rather than every product.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_cases import (
+    FP8,
+    LAYOUTS,
+    check_cache_write,
+    check_cache_write_fp8,
+    check_errors_write_nothing,
+    check_fp8,
+    check_fp8_mla,
+    check_shift,
+)
+
+from ropekit.backends.triton import interpreter_enabled
+
+pytestmark = pytest.mark.skipif(
+    not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_fused_triton.py)"
+)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["offsets", "cu_seqlens", "positions"])
+def test_triton_cache_write_matches_the_reference(layout, mode):
+    check_cache_write("triton", mode, layout, torch.float32, interleaved=mode == "positions", inplace=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_cache_write_half_precision_partial(dtype):
+    check_cache_write("triton", "offsets_per_seq", "nhd", dtype, True, False, partial=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_triton_fp8_cache(fp8_dtype):
+    check_cache_write_fp8("triton", "hnd", fp8_dtype, per_head=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_fp8_contract_bit_for_bit(fp8_dtype, interleaved):
+    check_fp8("triton", "positions", fp8_dtype, interleaved, per_head=interleaved, partial=not interleaved)
+
+
+def test_triton_fp8_mla():
+    check_fp8_mla("triton", torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_triton_shift(layout, with_slots):
+    check_shift("triton", layout, torch.float32, -9, interleaved=False, with_slots=with_slots)
+
+
+def test_triton_errors_write_nothing():
+    check_errors_write_nothing("triton")

@@ -1,0 +1,161 @@
+"""ropekit.fused.cache: RoPE + KV-cache write on the torch and cpu backends (Triton: test_fused_triton.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_cases import (
+    FP8,
+    LAYOUTS,
+    check_cache_write,
+    check_cache_write_fp8,
+    check_errors_write_nothing,
+    tables,
+)
+
+import ropekit
+
+BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["offsets", "offsets_per_seq", "cu_seqlens", "positions"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cache_write_matches_the_float64_reference(backend, layout, mode, interleaved):
+    check_cache_write(backend, mode, layout, torch.float32, interleaved, inplace=mode != "offsets")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cache_write_in_half_precision_and_partial_rotary(backend, dtype, inplace):
+    check_cache_write(backend, "positions", "hnd", dtype, False, inplace, partial=True)
+
+
+def test_cache_write_float64_on_the_torch_backend():
+    check_cache_write("torch", "cu_seqlens", "nhd", torch.float64, True, True, partial=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_holds_the_contract_bytes(backend, layout, fp8_dtype, per_head):
+    check_cache_write_fp8(backend, layout, fp8_dtype, per_head)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_one_value_error_and_writes_nothing(backend):
+    check_errors_write_nothing(backend)
+
+
+def test_cpu_and_torch_write_identical_bytes():
+    """The C loop rounds as the torch reference does: the same caches bit for bit (bf16, both pairings)."""
+    cos, sin = tables(16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    slots = torch.randperm(20, generator=g)[:9]
+    out = {}
+    for backend in ("torch", "cpu"):
+        k_cache, v_cache = (
+            torch.zeros(5, 2, 4, 16, dtype=torch.bfloat16),
+            torch.zeros(5, 2, 4, 16, dtype=torch.bfloat16),
+        )
+        q_out = ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, cache_layout="hnd",
+            positions=torch.arange(9) * 3, interleaved=True, backend=backend,
+        )  # fmt: skip
+        out[backend] = (q_out, k_cache, v_cache)
+    assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+
+
+def test_cache_write_refuses_tensors_that_require_grad():
+    cos, sin = tables(8)
+    q = torch.randn(3, 2, 8, requires_grad=True)
+    k = v = torch.randn(3, 1, 8)
+    cache = torch.zeros(4, 1, 8)
+    with pytest.raises(ValueError, match="q: apply_rotary_qk_and_cache is inference only"):
+        ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=cache, v_cache=cache.clone(), slot_mapping=torch.arange(3),
+            cache_layout="flat",
+        )  # fmt: skip
+    with torch.no_grad():
+        ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=cache, v_cache=cache.clone(), slot_mapping=torch.arange(3),
+            cache_layout="flat",
+        )  # fmt: skip
+
+
+def test_shared_k_and_v_cache_is_refused():
+    cos, sin = tables(8)
+    q, k, v = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    cache = torch.zeros(4, 1, 8)
+    with pytest.raises(ValueError, match="v_cache"):
+        ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=cache, v_cache=cache, slot_mapping=torch.arange(3), cache_layout="flat"
+        )
+
+
+def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
+    cos, sin = tables(8)
+    qk = torch.randn(3, 2, 8)
+    before = qk.clone()
+    cache = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="k: inplace=True writes q and k"):
+        ropekit.apply_rotary_qk_and_cache(
+            qk, qk, torch.randn(3, 2, 8), cos, sin, k_cache=cache, v_cache=cache.clone(),
+            slot_mapping=torch.arange(3), cache_layout="flat", positions=torch.arange(3), inplace=True,
+        )  # fmt: skip
+    assert torch.equal(qk, before) and not cache.any()
+
+
+def test_the_c_loop_with_two_threads_writes_the_bytes_of_the_torch_reference():
+    """Big enough for OpenMP (one parallel region, channels without a barrier between them), FP8 caches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(700, h, 64, generator=g) for h in (8, 2, 2))
+        cos, sin = tables(64)
+        slots = torch.randperm(1024, generator=g)[:700]
+        positions = torch.randint(0, 64, (700,), generator=g)
+        out = {}
+        for backend in ("torch", "cpu"):
+            k_cache = torch.zeros(64, 16, 2, 64, dtype=torch.float8_e4m3fn)
+            v_cache = torch.zeros(64, 16, 2, 64, dtype=torch.float8_e5m2)
+            q_work = q.clone()
+            ropekit.apply_rotary_qk_and_cache(
+                q_work, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                positions=positions, inplace=True, k_scale=0.1, v_scale=torch.tensor([0.5, 0.25]),
+                backend=backend,
+            )  # fmt: skip
+            out[backend] = (q_work, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_loops_specialised_head_shapes_write_the_bytes_of_the_torch_reference(
+    head_dim, interleaved, dtype
+):
+    """head_dim 64 and 128 (and v of 128, FP8 or not) run compile-time specialisations of the C loop."""
+    cos, sin = tables(head_dim)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(6, h, head_dim, generator=g).to(dtype) for h in (4, 2, 2))
+    slots = torch.tensor([3, 0, -1, 9, 4, 7])
+    for cache_dtype, scale in ((dtype, None), (torch.float8_e4m3fn, 0.02)):
+        out = {}
+        for backend in ("torch", "cpu"):
+            k_cache = torch.zeros(3, 4, 2, head_dim, dtype=cache_dtype)
+            v_cache = torch.zeros(3, 4, 2, head_dim, dtype=cache_dtype)
+            q_out = ropekit.apply_rotary_qk_and_cache(
+                q, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                positions=torch.arange(6) * 5, interleaved=interleaved, k_scale=scale, v_scale=scale,
+                backend=backend,
+            )  # fmt: skip
+            out[backend] = (q_out, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+        assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))

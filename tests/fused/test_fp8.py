@@ -1,0 +1,94 @@
+"""ropekit.fused.fp8: RoPE + FP8 on the torch and cpu backends, bit for bit to the rounding contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_cases import FP8, check_fp8, check_fp8_mla, tables
+
+import ropekit
+
+BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("mode", ["offsets", "offsets_per_seq", "cu_seqlens", "positions"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fp8_outputs_follow_the_rounding_contract_bit_for_bit(backend, fp8_dtype, mode, interleaved):
+    check_fp8(backend, mode, fp8_dtype, interleaved, per_head=mode == "positions")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_fp8_partial_rotary_scales_the_tail(backend, fp8_dtype):
+    check_fp8(backend, "cu_seqlens", fp8_dtype, False, per_head=True, partial=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_mla_form_returns_four_tensors_with_nope_parts_only_cast(backend, fp8_dtype):
+    check_fp8_mla(backend, fp8_dtype)
+
+
+def test_fp8_refuses_a_backend_that_cannot_serve_it():
+    cos, sin = tables(8)
+    q, k = torch.randn(1, 2, 2, 8).double(), torch.randn(1, 2, 1, 8).double()
+    with pytest.raises(ValueError, match="backend: 'cpu' cannot serve"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, backend="cpu")
+
+
+def test_fp8_mla_needs_both_nope_parts_and_matching_heads():
+    cos, sin = tables(8)
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="q_nope, k_nope"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, q_nope=torch.randn(1, 2, 2, 4))
+    with pytest.raises(ValueError, match="k_nope"):
+        ropekit.apply_rotary_qk_fp8(
+            q,
+            k,
+            cos,
+            sin,
+            q_scale=1.0,
+            k_scale=1.0,
+            q_nope=torch.randn(1, 2, 2, 4),
+            k_nope=torch.randn(1, 2, 3, 4),
+        )
+
+
+def test_fp8_is_inference_only():
+    cos, sin = tables(8)
+    q, k = torch.randn(1, 2, 2, 8, requires_grad=True), torch.randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="inference only"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_specialised_c_shapes_follow_the_contract_deepseek_mla_widths(interleaved):
+    """MLA's widths (rope 64, nope 512) and head_dim 128 run compile-time specialisations of the C loop."""
+    cos, sin = tables(64)
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(5, 4, 64, generator=g) * 30, torch.randn(5, 1, 64, generator=g)
+    q_nope, k_nope = torch.randn(5, 4, 512, generator=g), torch.randn(5, 1, 512, generator=g)
+    kw = dict(q_scale=0.1, k_scale=0.05, q_nope=q_nope, k_nope=k_nope, positions=torch.arange(5) * 7)
+    torch_outs = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="torch", **kw)
+    cpu_outs = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="cpu", **kw)
+    pairs = zip(torch_outs, cpu_outs, strict=True)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+    cos, sin = tables(128)
+    q, k = torch.randn(3, 4, 128, generator=g) * 30, torch.randn(3, 2, 128, generator=g)
+    outs = [
+        ropekit.apply_rotary_qk_fp8(
+            q,
+            k,
+            cos,
+            sin,
+            q_scale=0.1,
+            k_scale=0.05,
+            positions=torch.arange(3),
+            interleaved=interleaved,
+            backend=backend,
+        )
+        for backend in ("torch", "cpu")
+    ]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs, strict=True))

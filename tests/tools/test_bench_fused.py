@@ -1,0 +1,44 @@
+"""ropekit.tools.bench_fused: the fused rows beside their unfused sequences, with the bytes each moves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ropekit.tools import bench
+from ropekit.tools.bench_fused import FUSED_ROWS, fused_records
+
+
+@pytest.fixture(scope="module")
+def records():
+    case = bench.make_case(bench.Shape("llama-heads", 1, 8, 32, 8, 16), torch.float32, torch.device("cpu"))
+    fast = lambda fn, min_run_time: (fn(), 1e-3)[1]  # noqa: E731 - one call, a fixed time: no timing here
+    return fused_records(case, bench.COLUMNS, fast, None, 0.01, 1, lambda msg: None)
+
+
+def test_every_fusion_gives_a_fused_and_an_unfused_row_that_agree(records):
+    names = [r["row"] for r in records]
+    for row in FUSED_ROWS:
+        assert f"fused {row.name}" in names and f"unfused {row.name}" in names
+    for r in records:
+        assert list(r) == bench.COLUMNS
+        assert r["note"] == "" and r["max_err"] <= (1e-5 if "cache" in r["row"] else 32.0)
+        if r["row"].startswith("unfused"):
+            assert r["x_unfused"] == 1.0
+
+
+def test_bytes_column_gives_the_savings_of_each_fusion_with_32_query_and_8_key_heads(records):
+    mb = {r["row"]: r["mb"] for r in records}
+    # cache: 2 (q + k + v) against 2 (q + k) + 2 (k + v); with Hq = 4 Hk, 96 against 112 units: saves 1/7
+    assert 1 - mb["fused rope+cache"] / mb["unfused rope+cache"] == pytest.approx(1 / 7)
+    # fp8 from float32: read 4 + write 1 bytes against rotate (4 + 4) then scale and cast (4 + 1): saves 8/13
+    assert 1 - mb["fused rope+fp8"] / mb["unfused rope+fp8"] == pytest.approx(8 / 13)
+
+
+def test_run_benchmark_includes_the_fused_rows_by_name():
+    recs, _ = bench.run_benchmark(["tiny"], repeats=1, include=["rope+cache"], min_run_time=0.01)
+    rows = {r["row"] for r in recs}
+    assert {"fused rope+cache", "unfused rope+cache"} <= rows and "fused rope+fp8" not in rows
+    assert all(not math.isnan(r["mb"]) for r in recs)
