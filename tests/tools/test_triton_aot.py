@@ -77,3 +77,17 @@ def test_every_rotary_specialization_compiles_and_passes_the_machine_code_checks
         assert all(bits and min(bits) >= 128 for bits in r.vector_bits.values()), r.vector_bits
         assert r.rounding == ([] if dtype == "fp32" else sorted(r.vector_bits))
     print(collections.Counter(r.registers for r in results))
+
+
+OTHER_MODULES = [m for m in triton_aot.kernel_modules() if m != KERNEL]
+
+
+@pytest.mark.skipif(not OTHER_MODULES, reason="no Triton kernel module besides the rotary kernel yet")
+@pytest.mark.parametrize("module", OTHER_MODULES or ["none"])
+def test_every_other_kernel_module_compiles_and_passes_the_machine_code_checks(module, triton_cache):
+    """Kernels added later (the fused serving kernels) get the same compile and checks, for every target."""
+    specs = triton_aot.specs(module)
+    assert specs, f"{module} has no aot_specializations()"
+    results = [triton_aot.compile_and_check(spec, arch) for spec in specs for arch in triton_aot.ARCHES]
+    failed = [f"sm_{r.arch} {r.spec.label}: {r.findings}" for r in results if r.findings]
+    assert not failed, "\n".join(failed[:20])

@@ -13,22 +13,19 @@ occupancy).
 
 Results are cached by Triton's own cache, keyed on the kernel's source (and every function it calls), the
 Triton and ptxas versions, the target, the signature, constexprs and options, in
-``$ROPEKIT_CACHE_DIR/triton-aot``. Compiling runs in worker processes started without ``TRITON_INTERPRET``
-(under the interpreter ``@triton.jit`` yields functions that cannot be compiled).
+``$ROPEKIT_CACHE_DIR/triton-aot`` (the tests point ``TRITON_CACHE_DIR`` there). Compiling needs Triton's JIT:
+under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be compiled.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 import re
 import tempfile
 import time
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
 import ropekit
@@ -41,7 +38,6 @@ __all__ = [
     "compile_and_check",
     "kernel_modules",
     "module_spec",
-    "run_all",
     "specs",
     "uncovered",
 ]
@@ -229,33 +225,3 @@ def compile_and_check(spec: Spec, arch: int, fn=None) -> Result:
     result.findings = [str(f) for f in findings]
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _init_worker(cache_dir: str) -> None:
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["TRITON_CACHE_DIR"] = cache_dir
-
-
-def _run_chunk(jobs: list[tuple[Spec, int]]) -> list[Result]:
-    return [compile_and_check(spec, arch) for spec, arch in jobs]
-
-
-def run_all(
-    modules: Iterable[str] | None = None, arches: Iterable[int] = ARCHES, workers: int | None = None
-) -> list[Result]:
-    """Compile and check every spec of every kernel module for every arch, in ``workers`` processes
-    (default: the CPUs this process may use, at most 4)."""
-    jobs = [
-        (s, arch)
-        for m in (kernel_modules() if modules is None else modules)
-        for s in specs(m)
-        for arch in arches
-    ]
-    if workers is None:
-        workers = max(1, min(4, len(os.sched_getaffinity(0))))
-    chunks = [jobs[i :: workers * 4] for i in range(workers * 4)]
-    context = get_context("spawn")  # a fresh interpreter: no TRITON_INTERPRET, no inherited Triton state
-    with ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(str(_cache_dir()),)
-    ) as pool:
-        return [r for chunk in pool.map(_run_chunk, [c for c in chunks if c]) for r in chunk]
