@@ -119,3 +119,25 @@ def test_spills_are_read_from_local_and_stack_bytes():
     assert ptx_check.check_spills({"REG": 40, "LOCAL": 0, "STACK": 0}, "") == []
     assert ptx_check.check_spills({"REG": 32, "LOCAL": 8, "STACK": 0}, "")[0].check == "spills"
     assert ptx_check.check_spills({"REG": 32, "LOCAL": 0, "STACK": 0}, "st.local.b32 [%rd1], %r1;")
+
+
+def test_a_head_that_is_not_16_byte_aligned_is_reported_as_narrower_not_passed(tmp_path, monkeypatch):
+    """head_dim 72 in bf16: the second half starts 72 bytes in (8-byte aligned), and the JIT hints a stride's
+    alignment only when it is a multiple of 16 elements (72 is not), so the compiler cannot prove any vector
+    aligned and falls back to 16-bit accesses; the check must say so (the 128-bit result is measured, not
+    assumed). Such a head also spills at the register cap (8 bytes a thread on sm_90)."""
+    pytest.importorskip("triton")
+    from ropekit.backends import triton_kernel
+    from ropekit.tools import triton_aot
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    constexprs, warps = triton_kernel.kernel_config(
+        "bf16", 36, 0, interleaved=False, conjugate=False, has_pos=False, copy_tail=False
+    )
+    signature = triton_kernel.signature("bf16", 72, 36, constexprs)
+    assert signature["q_stride_h"] == "i32"  # 72 is not a multiple of 16: the JIT gives no hint
+    spec = triton_aot.module_spec(triton_kernel, triton_kernel.rotary_kernel, signature, constexprs, warps)
+    result = triton_aot.compile_and_check(spec, 90)
+    narrow = [f for f in result.findings if f.startswith("vectorised")]
+    assert [f.split(":")[1].strip() for f in narrow] == ["q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr"], narrow
+    assert all(max(bits) < 128 for bits in result.vector_bits.values()), result.vector_bits
