@@ -11,15 +11,20 @@ the launcher passes them), ``VECTORISED_ARGS`` (pointer arguments whose loads an
 by default every 16-byte-aligned fp16/bf16 pointer) and ``OCCUPANCY_TARGET`` (default 1.0: full
 occupancy).
 
-Results are cached by Triton's own cache, keyed on the kernel's source (and every function it calls), the
-Triton and ptxas versions, the target, the signature, constexprs and options, in
-``$ROPEKIT_CACHE_DIR/triton-aot`` (the tests point ``TRITON_CACHE_DIR`` there). Compiling needs Triton's JIT:
-under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be compiled.
+Checked results (registers, spills, access widths, findings: a few hundred bytes each) are cached in
+``$ROPEKIT_CACHE_DIR/triton-aot``, keyed on the kernel's source (and every function it calls), the Triton
+(and ptxas) version, the spec, the target and the checks' own source; Triton's compiled artifacts (about
+190 KB a specialization) go wherever ``TRITON_CACHE_DIR`` points (the tests: a temporary directory).
+Compiling needs Triton's JIT: under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be
+compiled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
+import os
 import pkgutil
 import re
 import tempfile
@@ -189,8 +194,38 @@ def _pointer_params(spec: Spec) -> dict[str, tuple[int, str]]:
     return params
 
 
+_FIELDS = ("registers", "local_bytes", "budget", "vector_bits", "rounding", "findings")
+
+
+def _result_path(spec: Spec, arch: int) -> Path:
+    """Where the checked result of (spec, arch) is cached: keyed on the kernel's Triton cache key (its source
+    and every @triton.jit function it calls), the Triton version (and with it ptxas), the spec, the target,
+    and the source of the checks themselves."""
+    import triton
+
+    fn = getattr(importlib.import_module(spec.module), spec.kernel)
+    checks = Path(ptx_check.__file__).read_bytes() + Path(__file__).read_bytes()
+    key = f"{fn.cache_key}|{triton.__version__}|{spec!r}|{arch}|{hashlib.sha256(checks).hexdigest()}"
+    return _cache_dir() / f"{spec.kernel}-sm{arch}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
 def compile_and_check(spec: Spec, arch: int, fn=None) -> Result:
-    """Compile one spec for sm_<arch> and run every check of :mod:`ropekit.tools.ptx_check` on it."""
+    """Compile one spec for sm_<arch> and run every check of :mod:`ropekit.tools.ptx_check` on it.
+
+    The result of a module's own kernel is cached (:func:`_result_path`), so a second run compiles nothing;
+    ``fn`` (a test's planted copy of a kernel) is always compiled."""
+    path = None if fn is not None else _result_path(spec, arch)
+    if path is not None and path.is_file():
+        return Result(spec, arch, **json.loads(path.read_text()))
+    result = _compile_and_check(spec, arch, fn)
+    if path is not None:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({name: getattr(result, name) for name in _FIELDS}))
+        tmp.replace(path)  # atomic: concurrent test workers never read half a file
+    return result
+
+
+def _compile_and_check(spec: Spec, arch: int, fn) -> Result:
     start = time.perf_counter()
     compiled = _compile(spec, arch, fn)
     ptx = compiled.asm["ptx"]
