@@ -16,7 +16,8 @@ step of apply_rotary_qk and of RotaryEmbedding in a ``torch.cuda.CUDAGraph``, re
 offsets written into the captured buffers, and compares each replay with the eager result.
 Step 3 runs the benchmark in bfloat16 and writes gpu_bench.csv and gpu_bench.png to --out, then checks the
 targets of issue 4: forward at >= 85% of the measured copy bandwidth (x_copy <= 1/0.85) and fwd+bwd faster
-than flash-attn and Liger where they are installed.
+than flash-attn and Liger where they are installed, and compares each row's forward time with the roofline
+(``ropekit bench --roofline``): the % of the GPU's published HBM bandwidth it reached.
 """
 
 from __future__ import annotations
@@ -218,6 +219,32 @@ def check_targets(records: list[dict]) -> list[str]:
     return lines
 
 
+def roofline_lines(records: list[dict], device_name: str) -> list[str]:
+    """Each measured forward time against the roofline (ropekit.tools.roofline) at the GPU's published HBM
+    bandwidth: the share of that bandwidth the row reached (its bytes over its time, over the peak)."""
+    from ropekit.tools import roofline
+
+    key = next((k for k in roofline.GPUS if k in device_name.lower()), None)
+    if key is None:
+        return [f"roofline: no published bandwidth for {device_name!r} (known: {', '.join(roofline.GPUS)})"]
+    gpu = roofline.GPUS[key]
+    lines = [f"roofline: {gpu.name}, {gpu.bandwidth / 1e12:.3g} TB/s ({gpu.source})"]
+    for r in records:
+        if not r.get("fwd_us") or r["fwd_us"] != r["fwd_us"]:  # skipped rows carry NaN
+            continue
+        rows = {t.row: t for t in roofline.traffic(bench.SHAPES[r["shape"]], getattr(torch, r["dtype"]))}
+        t = rows.get(r["row"].removesuffix(" in-place"))
+        if t is None:
+            continue
+        predicted = t.seconds(gpu) * 1e6
+        share = t.total / (r["fwd_us"] * 1e-6) / gpu.bandwidth
+        lines.append(
+            f"{r['shape']} {r['row']}: {r['fwd_us']:.2f} us measured, {predicted:.2f} us predicted "
+            f"({t.total / 1e6:.3g} MB): {share:.0%} of peak bandwidth"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the CSV and the plot")
@@ -251,6 +278,7 @@ def main() -> int:
     bench.write_csv(records, str(out / "gpu_bench.csv"))
     bench.plot(records, str(out / "gpu_bench.png"))
     print("\n".join(check_targets(records)))
+    print("\n".join(roofline_lines(records, torch.cuda.get_device_name())))
     print(f"total {time.time() - start:.0f} s")
     return 1 if serving_failures else 0
 

@@ -78,8 +78,8 @@ def test_triton_runs_inside_torch_compile_fullgraph_with_gradients():
 def test_triton_outputs_equal_the_torch_backend_bit_for_bit(dtype, interleaved):
     """The rounding contract under the interpreter: float32 math, one round-to-nearest-even store, so the
     output equals the torch backend's bit for bit (a truncating store differs on about half the elements).
-    On a GPU, Triton may contract a * c - b * s into a fused multiply-add: a float32 result one ulp apart can
-    round to a neighbouring fp16/bf16 value, so there the bound is one ulp of the output dtype."""
+    Compiled, the same holds by construction: no FMA (enable_fp_fusion=False at launch) and cvt.rn stores,
+    both checked in the PTX by tests/tools/test_triton_aot.py."""
     g = torch.Generator().manual_seed(7)
     cos, sin = tables(8)
     x = (torch.randn(1, 6, 3, 12, generator=g) * 4).to(dtype)
@@ -127,3 +127,54 @@ def test_triton_in_place_keeps_the_tail_of_a_strided_k_next_to_a_dense_q():
     want = apply_rotary_qk(q, k, cos, sin, positions=pos, backend="torch")
     torch.ops.ropekit.triton_rotary_(q, k, cos, sin, pos, False, False)
     assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_triton_int_offset_past_the_table_fails_on_the_device_even_if_the_host_bound_is_off_by_one(
+    monkeypatch, inplace
+):
+    """Issue 17, repro 5: the kernel's own row check guards an int offset too. With the host check's bound
+    off by one (it lets offset + seq == table_len + 1 through), offset 3, seq 2 on a 4-row table must fail,
+    not rotate the last token by row 0."""
+    from ropekit.backends import kernel_op
+    from ropekit.backends import triton as triton_backend
+
+    def off_by_one(offset, batch, seq, table_len):
+        if batch and seq and offset + seq > table_len + 1:
+            raise kernel_op.row_error(offset + seq - 1, table_len)
+
+    monkeypatch.setattr(triton_backend, "check_offset_rows", off_by_one)
+    cos, sin = (t[:4] for t in tables(4))  # a 4-row table
+    q = torch.randn(1, 2, 2, 4)
+    op = torch.ops.ropekit.triton_rotary_ if inplace else torch.ops.ropekit.triton_rotary
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        op(q, None, cos, sin, None, False, False, 3)
+    # The rows in range still work through the same patched bound.
+    op(q, None, cos, sin, None, False, False, 2)
+
+
+def test_triton_launch_passes_the_kernel_config_and_the_explicit_compile_options(monkeypatch):
+    """The launch uses kernel_config (the function the ahead-of-time tests enumerate) and passes
+    COMPILE_OPTIONS, so FP fusion is never left to Triton's default."""
+    from ropekit.backends import triton_kernel
+
+    seen = {}
+    real = triton_kernel.rotary_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.update(kwargs)
+                return real[grid](*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(triton_kernel, "rotary_kernel", Recorder())
+    cos, sin = tables(8)
+    apply_rotary_qk(torch.randn(1, 3, 2, 20).bfloat16(), torch.randn(1, 3, 1, 20).bfloat16(), cos, sin,
+                    offsets=1, backend="triton")  # fmt: skip
+    constexprs, warps = triton_kernel.kernel_config(
+        "bf16", 4, 12, interleaved=False, conjugate=False, has_pos=False, copy_tail=True, interpret=True
+    )
+    assert seen == {**constexprs, "num_warps": warps, **triton_kernel.COMPILE_OPTIONS}
+    assert seen["enable_fp_fusion"] is False and seen["ROUND_BF16_IN_INTEGERS"] is True

@@ -48,3 +48,34 @@ def test_decode_steps_at_the_same_position_agree(gpu_check):
     ]:
         got = steps[name]()
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
+
+
+def test_roofline_lines_give_the_share_of_published_bandwidth_each_measured_row_reached(gpu_check):
+    from ropekit.tools import roofline
+
+    ours = next(
+        t
+        for t in roofline.traffic(gpu_check.bench.SHAPES["prefill-4k"], torch.bfloat16)
+        if t.row == "ropekit[triton]"
+    )
+    at_half_bandwidth = ours.total / 3.35e12 * 2 * 1e6  # microseconds
+    records = [
+        {"shape": "prefill-4k", "row": "ropekit[triton]", "dtype": "bfloat16", "fwd_us": at_half_bandwidth},
+        {
+            "shape": "prefill-4k",
+            "row": "ropekit[triton] in-place",
+            "dtype": "bfloat16",
+            "fwd_us": at_half_bandwidth,
+        },
+        {
+            "shape": "prefill-4k",
+            "row": "torchtune",
+            "dtype": "bfloat16",
+            "fwd_us": 10.0,
+        },  # no model: left out
+        {"shape": "prefill-4k", "row": "Liger", "dtype": "bfloat16", "fwd_us": float("nan")},  # skipped row
+    ]
+    lines = gpu_check.roofline_lines(records, "NVIDIA H100 80GB HBM3")
+    assert lines[0].startswith("roofline: H100 SXM, 3.35 TB/s") and len(lines) == 3
+    assert all(line.endswith("50% of peak bandwidth") for line in lines[1:])
+    assert "no published bandwidth" in gpu_check.roofline_lines(records, "NVIDIA L4")[0]

@@ -34,3 +34,11 @@ def test_bench_min_run_time_is_passed_on_and_checked(capsys):
     assert "min_run_time=0.01s" in out and "== decode-1 ==" in out
     assert main([*argv, "--min-run-time", "0"]) == 2
     assert "min_run_time: expected a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_bench_roofline_prints_bytes_and_predicted_time_naming_the_bandwidth_source(capsys):
+    assert main(["bench", "--roofline", "--gpu", "h200", "--shapes", "decode-1", "prefill-4k"]) == 0
+    out = capsys.readouterr().out
+    assert "H200 SXM, 4.8 TB/s" in out and "datasheet" in out and "torch.bfloat16" in out
+    for row in ("ropekit[triton]", "flash-attn", "Liger", "HF eager", "Meta complex"):
+        assert out.count(row) == 2, row

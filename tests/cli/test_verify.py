@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ropekit.cli.verify
 from ropekit.cli import main
@@ -123,7 +124,27 @@ def test_backends_triton_without_a_gpu_runs_the_kernel_in_the_interpreter():
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )
     assert done.returncode in (0, 1), done.stderr
-    rows = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    out = json.loads(done.stdout)
+    rows = {c["name"]: c for c in out["checks"]}
     for layout in ("half", "interleaved"):
         assert rows[f"backend triton float32 ({layout}) = float64 reference (error / bound)"]["passed"]
         assert f"backend triton bfloat16 ({layout}) = float64 reference (error / bound)" in rows
+    if not torch.cuda.is_available():
+        assert out["triton_mode"]["mode"] == "interpreter"
+        assert "nothing about the compiled code" in out["triton_mode"]["proves"]
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiling needs the JIT"
+)
+def test_backends_triton_compile_only_compiles_for_three_gpus_and_says_so(capsys):
+    pytest.importorskip("triton")
+    argv = ["verify", "--head-dim", "64", "--rotary-dim", "32", "--backends", "triton", "--compile-only"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "triton: compile-only: compiled this configuration's kernels" in out
+    for arch in (80, 90, 100):
+        assert f"triton sm_{arch} bf16 backward, positions: machine-code findings" in out
+    assert "backend triton" not in out  # nothing was run
+    assert main(["verify", "--backends", "torch", "--compile-only"]) == 2
+    assert "compile_only: expected --backends to include 'triton'" in capsys.readouterr().err

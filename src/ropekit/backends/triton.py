@@ -19,8 +19,8 @@ from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, ch
 __all__ = ["TritonBackend", "interpreter_enabled", "launch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Heads rotated per inner step: enough to keep the loads wide, small enough to keep registers.
-MAX_BLOCK_ELEMENTS = 4096
+_TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ROW_MESSAGE = "ropekit: a position is outside the cos/sin table (positions >= table_len)"
 
 
 def interpreter_enabled() -> bool:
@@ -28,55 +28,71 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _head_block(heads: int, block_half: int) -> int:
-    return max(1, min(_next_pow2(heads), MAX_BLOCK_ELEMENTS // block_half))
-
-
 def _rows_on_host(positions: torch.Tensor) -> bool:
     """Whether to check the rows on the host: CPU tensors (the interpreter); never CUDA ones (a sync)."""
     return positions.device.type == "cpu"
 
 
+# device -> a 1 that the kernel clears on a bad row. A cleared flag fails the device-side assert, which ends
+# the CUDA context, so a flag that reached 0 is never read again; CPU (interpreter) flags are fresh per call.
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _error_flag(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.ones(1, dtype=torch.int32)
+    flag = _FLAGS.get(device)
+    if flag is None:
+        flag = torch.ones(1, dtype=torch.int32, device=device)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's pool would free it with the graph
+            _FLAGS[device] = flag
+    return flag
+
+
 def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
     """Run the kernel: one program per token; see :data:`ropekit.backends.kernel_op.Launch`.
 
-    Table rows are checked without a host sync: an int offset with integer arithmetic here; a positions
-    tensor on the host when it is a CPU tensor (the interpreter), and on the device otherwise: the kernel
-    clamps a row outside the table into it (it never reads outside the table) and clears an error flag, which
-    ``torch._assert_async`` then asserts on the device, so the bad call fails with a device-side assert
-    instead of returning a result.
+    Table rows are checked twice, without a host sync. First on the host: an int offset with integer
+    arithmetic; a positions tensor when it is a CPU tensor (the interpreter). Then in the kernel, for every
+    call: a row outside the table is clamped into it (the kernel never reads outside the table) and clears an
+    error flag, which ``torch._assert_async`` asserts on the device, so a bad call fails with a device-side
+    assert instead of returning a result, whatever the host check let through.
+
+    The specialization (constexprs, ``num_warps``) is :func:`ropekit.backends.triton_kernel.kernel_config`,
+    the same function the ahead-of-time compile tests enumerate; the compile options
+    (``COMPILE_OPTIONS``: no FP contraction, the register cap) are passed explicitly at every launch.
 
     Raises:
         ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, or (host-checked
             rows) a table row outside the table.
     """
-    from ropekit.backends.triton_kernel import rotary_kernel
+    from ropekit.backends.triton_kernel import COMPILE_OPTIONS, kernel_config, rotary_kernel
 
     check_launch(q, k, q_out, k_out, cos, sin, positions, offset, SUPPORTED_DTYPES)
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
     table_len, half = cos.shape  # (table_len, rotary_dim // 2)
-    tail = head_dim - 2 * half
-    has_k = k is not None
-    k_heads = k.shape[2] if has_k else 0
-    block_half = _next_pow2(half)
-    k_args = (k, k_out) if has_k else (q, q_out)  # unused pointers when HAS_K is False
     grid = (batch * seq,)
     if grid[0] == 0:
         return
-    device_check = False
     if positions is None:
         check_offset_rows(offset, batch, seq, table_len)
     elif _rows_on_host(positions):
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= table_len:
             raise row_error(lo if lo < 0 else hi, table_len)
-    else:
-        device_check = True
-    flag = torch.ones(1, dtype=torch.int32, device=q.device)  # cleared by a program that meets a bad row
+    has_k = k is not None
+    k_args = (k, k_out) if has_k else (q, q_out)  # with k_heads 0 the kernel never touches them
+    constexprs, num_warps = kernel_config(
+        _TRITON_DTYPE[q.dtype],
+        half,
+        head_dim - 2 * half,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        has_pos=positions is not None,
+        copy_tail=q_out.data_ptr() != q.data_ptr() or (has_k and k_out.data_ptr() != k.data_ptr()),
+        interpret=interpreter_enabled(),
+    )
+    flag = _error_flag(q.device)  # cleared by a program that meets a bad row
     # Triton launches on the current CUDA device; make it q's (multi-GPU).
     device_guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with device_guard:
@@ -93,29 +109,18 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             table_len,
             seq,
             q_heads,
-            k_heads,
+            k.shape[2] if has_k else 0,
             *q.stride()[:3],
             *k_args[0].stride()[:3],
             *q_out.stride()[:3],
             *k_args[1].stride()[:3],
             cos.stride(0),
             sin.stride(0),
-            HALF=half,
-            TAIL=tail,
-            BLOCK_HALF=block_half,
-            BLOCK_TAIL=_next_pow2(max(tail, 1)),
-            BLOCK_HQ=_head_block(q_heads, block_half),
-            BLOCK_HK=_head_block(max(k_heads, 1), block_half),
-            HAS_K=has_k,
-            HAS_POS=positions is not None,
-            INTERLEAVED=interleaved,
-            CONJUGATE=conjugate,
-            COPY_TAIL_Q=tail > 0 and q_out.data_ptr() != q.data_ptr(),
-            COPY_TAIL_K=tail > 0 and has_k and k_out.data_ptr() != k.data_ptr(),
-            BF16=q.dtype == torch.bfloat16,
+            **constexprs,
+            num_warps=num_warps,
+            **COMPILE_OPTIONS,
         )
-    if device_check:
-        torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")
+    torch._assert_async(flag, _ROW_MESSAGE)
 
 
 class TritonBackend(KernelBackend):

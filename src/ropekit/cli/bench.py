@@ -33,10 +33,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plot", default=None, metavar="FILE", help="also draw forward time / copy_ as a bar chart"
     )
+    p.add_argument(
+        "--roofline", action="store_true",
+        help="time nothing: print the bytes each row moves and its predicted time at --gpu's HBM bandwidth",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu", choices=["a100", "h100", "h200", "b200"], default="h100",
+        help="the GPU whose published bandwidth --roofline uses (default h100)",
+    )  # fmt: skip
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.roofline:
+        return _roofline(args)
     from ropekit.tools import bench
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -59,4 +69,15 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot(records, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    import torch
+
+    from ropekit.tools import roofline
+
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    gpu = roofline.GPUS[args.gpu]
+    print(roofline.format_roofline(roofline.roofline(args.shapes, dtype, gpu), dtype, gpu))
     return 0

@@ -25,6 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="backends to check in float32 and bfloat16 against the float64 reference (default: those "
         "available here; 'triton' without a GPU runs in Triton's CPU interpreter)",
     )  # fmt: skip
+    p.add_argument(
+        "--compile-only", action="store_true",
+        help="with --backends triton: compile the kernels for sm_80/90/100 and check their machine code "
+        "instead of running them (no GPU needed)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
 
@@ -41,12 +46,16 @@ def format_table(checks: Sequence[Check]) -> str:
     return "\n".join(lines)
 
 
-def _use_triton_interpreter_without_a_gpu(backends: list[str] | None) -> None:
+def _use_triton_interpreter_without_a_gpu(backends: list[str] | None, compile_only: bool = False) -> None:
     """`--backends triton` on a machine without CUDA: run the kernel in Triton's CPU interpreter, which Triton
     reads from TRITON_INTERPRET when it is first imported."""
     import torch
 
     if not backends or "triton" not in backends or torch.cuda.is_available():
+        return
+    if compile_only:  # compiling needs Triton's JIT: the interpreter must stay off
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            raise ValueError("compile_only: expected TRITON_INTERPRET unset (compiling needs Triton's JIT)")
         return
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError(
@@ -58,14 +67,27 @@ def _use_triton_interpreter_without_a_gpu(backends: list[str] | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ropekit.config import RopeConfig
-    from ropekit.tools.verify import run_checks
+    from ropekit.tools.verify import TRITON_MODES, run_checks, triton_compile_checks, triton_mode
 
     config = RopeConfig(args.head_dim, args.base, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
-    _use_triton_interpreter_without_a_gpu(args.backends)
-    checks = run_checks(config, backends=args.backends)
+    triton = bool(args.backends) and "triton" in args.backends
+    if args.compile_only and not triton:
+        raise ValueError("compile_only: expected --backends to include 'triton', the kernel it compiles")
+    compile_only = args.compile_only
+    _use_triton_interpreter_without_a_gpu(args.backends, compile_only)
+    backends = [b for b in args.backends if b != "triton"] if compile_only else args.backends
+    checks = run_checks(config, backends=backends)
+    if compile_only:
+        checks += triton_compile_checks(config)
+    mode = triton_mode(compile_only) if triton else None
     if args.json:
-        print(json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2))
+        out = {"checks": [c.as_dict() for c in checks]}
+        if mode:
+            out["triton_mode"] = {"mode": mode, "proves": TRITON_MODES[mode]}
+        print(json.dumps(out, indent=2))
     else:
+        if mode:
+            print(f"triton: {mode}: {TRITON_MODES[mode]}")
         pairing = "interleaved (GPT-J / Meta)" if config.interleaved else "half (GPT-NeoX / HF)"
         print(
             f"ropekit verify: head_dim={config.head_dim} base={config.base:g} "

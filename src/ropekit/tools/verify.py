@@ -24,7 +24,17 @@ from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary
 from ropekit.sinusoidal import sinusoidal_embedding
 
-__all__ = ["MAX_HEAD_DIM", "TOL", "Check", "available_backends", "backend_error_bound", "run_checks"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "TOL",
+    "TRITON_MODES",
+    "Check",
+    "available_backends",
+    "backend_error_bound",
+    "run_checks",
+    "triton_compile_checks",
+    "triton_mode",
+]
 
 # float64 round-off grows with the angle m*theta (about 1e-16 * m); positions below a few thousand keep every
 # error near 1e-12, so 1e-9 leaves a wide margin while still catching any real mistake (those are O(1)).
@@ -286,3 +296,57 @@ def run_checks(
         device_of=backend_device,
     )  # fmt: skip
     return checks + _backend_checks(config, backends, rng, n_positions, max_position) + fused
+
+
+# How `verify --backends triton` ran the Triton kernel, and what that proves.
+TRITON_MODES = {
+    "gpu": "ran the compiled kernel on this GPU: its outputs on this device match the float64 reference",
+    "interpreter": (
+        "ran the kernel's source in Triton's CPU interpreter (no GPU here): its math, indexing and masks are "
+        "right; it proves nothing about the compiled code (the interpreter is laxer about types, constexprs "
+        "and bf16 conversion) nor about speed"
+    ),
+    "compile-only": (
+        "compiled this configuration's kernels (float32 and bfloat16, forward and backward, int offset and "
+        "positions) for sm_80, sm_90 and sm_100 and checked their PTX: no spills, registers within budget, "
+        "128-bit q/k accesses, round-to-nearest-even stores, no FMA; no output was computed"
+    ),
+}
+
+
+def triton_mode(compile_only: bool) -> str:
+    """ "compile-only" when asked, else "gpu" with CUDA, else "interpreter"."""
+    if compile_only:
+        return "compile-only"
+    return "gpu" if torch.cuda.is_available() else "interpreter"
+
+
+def triton_compile_checks(config: RopeConfig) -> list[Check]:
+    """One check a (target, dtype, direction, position kind): the number of machine-code findings of the
+    kernel the launcher picks for this configuration (tolerance 0), compiled ahead of time with no GPU."""
+    from ropekit.backends import triton_kernel
+    from ropekit.tools import triton_aot
+
+    half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
+    checks = []
+    for dtype in ("fp32", "bf16"):
+        for conjugate in (False, True):
+            for has_pos in (False, True):
+                constexprs, warps = triton_kernel.kernel_config(
+                    dtype, half, tail, interleaved=config.interleaved, conjugate=conjugate,
+                    has_pos=has_pos, copy_tail=tail > 0,
+                )  # fmt: skip
+                signature = triton_kernel.signature(dtype, config.head_dim, half, constexprs)
+                spec = triton_aot.module_spec(
+                    triton_kernel, triton_kernel.rotary_kernel, signature, constexprs, warps
+                )
+                for arch in triton_aot.ARCHES:
+                    result = triton_aot.compile_and_check(spec, arch)
+                    direction = "backward" if conjugate else "forward"
+                    what = f"{direction}, {'positions' if has_pos else 'int offset'}"
+                    checks.append(
+                        Check(
+                            f"triton sm_{arch} {dtype} {what}: machine-code findings", len(result.findings), 0
+                        )
+                    )
+    return checks

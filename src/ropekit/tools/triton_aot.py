@@ -1,0 +1,262 @@
+"""Compile every Triton kernel in ropekit ahead of time for sm_80, sm_90 and sm_100, with no GPU, and check
+the machine code (:mod:`ropekit.tools.ptx_check`).
+
+``triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` runs the
+whole pipeline (ttir, ttgir, llir, PTX, and a cubin from the ptxas that ships in the Triton wheel) on any
+machine. Each module that defines ``@triton.jit`` functions lists what its launcher can launch in
+``aot_specializations()``: ``(kernel, signature, constexprs, num_warps)`` tuples, signatures in Triton's
+ahead-of-time notation (``"*bf16:16"``: a pointer the JIT specializes as 16-byte aligned; ``"i32:16"``: an
+int divisible by 16). Optional module attributes: ``COMPILE_OPTIONS`` (passed to every compile, as
+the launcher passes them), ``VECTORISED_ARGS`` (pointer arguments whose loads and stores must be 128-bit;
+by default every 16-byte-aligned fp16/bf16 pointer) and ``OCCUPANCY_TARGET`` (default 1.0: full
+occupancy).
+
+Checked results (registers, spills, access widths, findings: a few hundred bytes each) are cached in
+``$ROPEKIT_CACHE_DIR/triton-aot``, keyed on the kernel's source (and every function it calls), the Triton
+(and ptxas) version, the spec, the target and the checks' own source; Triton's compiled artifacts (about
+190 KB a specialization) go wherever ``TRITON_CACHE_DIR`` points (the tests: a temporary directory).
+Compiling needs Triton's JIT: under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be
+compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import re
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ropekit
+from ropekit.tools import ptx_check
+
+__all__ = [
+    "ARCHES",
+    "Result",
+    "Spec",
+    "compile_and_check",
+    "kernel_modules",
+    "module_spec",
+    "specs",
+    "uncovered",
+]
+
+ARCHES = (80, 90, 100)  # A100, H100 / H200, B200
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One specialization: a kernel (module and name), its signature, constexprs, warps and options."""
+
+    module: str
+    kernel: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, object], ...]
+    num_warps: int
+    options: tuple[tuple[str, object], ...] = ()
+    vectorised: tuple[str, ...] | None = None
+    occupancy: float = 1.0
+
+    @property
+    def label(self) -> str:
+        consts = " ".join(f"{k}={v}" for k, v in self.constexprs)
+        dtypes = sorted({v.split(":")[0] for _, v in self.signature if v.startswith("*")})
+        return f"{self.kernel}[{','.join(dtypes)}] {consts} warps={self.num_warps}"
+
+
+@dataclass
+class Result:
+    """What one compile of one spec for one arch produced and what the checks found."""
+
+    spec: Spec
+    arch: int
+    registers: int = 0
+    local_bytes: int = 0
+    budget: int = 0
+    vector_bits: dict[str, list[int]] = field(default_factory=dict)  # pointer -> widths of its accesses
+    rounding: list[str] = field(default_factory=list)  # 16-bit pointers whose stores were checked
+    findings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _is_jit(obj) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(obj, JITFunction)
+
+
+def kernel_modules() -> list[str]:
+    """Names of the ropekit modules whose source defines a ``@triton.jit`` function (found by reading the
+    files, so a module nobody imports is found too)."""
+    root = Path(ropekit.__file__).parent
+    names = []
+    for info in pkgutil.walk_packages([str(root)], prefix="ropekit."):
+        path = root.joinpath(*info.name.split(".")[1:])
+        file = path / "__init__.py" if info.ispkg else path.with_suffix(".py")
+        if file.is_file() and re.search(r"^\s*@triton\.jit\b", file.read_text(), re.MULTILINE):
+            names.append(info.name)
+    return sorted(names)
+
+
+def _jit_functions(module) -> dict[str, object]:
+    return {
+        name: obj for name, obj in vars(module).items() if _is_jit(obj) and obj.__module__ == module.__name__
+    }
+
+
+def module_spec(module, kernel, signature: dict, constexprs: dict, num_warps: int) -> Spec:
+    """A :class:`Spec` for one specialization of a kernel of ``module``, with the module's options."""
+    vectorised = getattr(module, "VECTORISED_ARGS", None)
+    return Spec(
+        module.__name__,
+        kernel.__name__,
+        tuple(signature.items()),
+        tuple(constexprs.items()),
+        num_warps,
+        tuple(sorted(getattr(module, "COMPILE_OPTIONS", {}).items())),
+        None if vectorised is None else tuple(vectorised),
+        getattr(module, "OCCUPANCY_TARGET", 1.0),
+    )
+
+
+def specs(module_name: str) -> list[Spec]:
+    """The module's ``aot_specializations()`` as :class:`Spec` s (an empty list if it has none)."""
+    module = importlib.import_module(module_name)
+    listing = getattr(module, "aot_specializations", None)
+    if listing is None:
+        return []
+    return [module_spec(module, *spec) for spec in listing()]
+
+
+def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:
+    """``@triton.jit`` functions of the module that no specialization launches and no launched function
+    calls (directly or through others): kernels nobody compiles ahead of time."""
+    functions = _jit_functions(importlib.import_module(module_name))
+    reached = {s.kernel for s in module_specs}
+    todo = list(reached)
+    while todo:
+        fn = functions.get(todo.pop())
+        if fn is None:
+            continue
+        for name in functions:
+            if name not in reached and re.search(rf"\b{re.escape(name)}\s*\(", fn.src):
+                reached.add(name)
+                todo.append(name)
+    return sorted(set(functions) - reached)
+
+
+def _cache_dir() -> Path:
+    from ropekit.backends.cpu import _cache_dir as ropekit_cache
+    from ropekit.backends.cpu import _private_dir
+
+    return _private_dir(ropekit_cache() / "triton-aot")
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def _compile(spec: Spec, arch: int, fn=None):
+    """triton.compile of one spec for sm_<arch>; ``fn`` overrides the kernel (a test's planted copy)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if fn is None:
+        fn = getattr(importlib.import_module(spec.module), spec.kernel)
+    names = fn.arg_names
+    signature = {name: kind.split(":")[0] for name, kind in spec.signature}
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]] for n, kind in spec.signature if kind.endswith(":16")
+    }
+    source = ASTSource(fn, signature, dict(spec.constexprs), attrs)
+    options = {"num_warps": spec.num_warps, **dict(spec.options)}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _pointer_params(spec: Spec) -> dict[str, tuple[int, str]]:
+    """Pointer argument name -> (its PTX parameter index, its signature type); constexprs are not params."""
+    params, index = {}, 0
+    for name, kind in spec.signature:
+        if kind == "constexpr":
+            continue
+        if kind.startswith("*"):
+            params[name] = (index, kind)
+        index += 1
+    return params
+
+
+_FIELDS = ("registers", "local_bytes", "budget", "vector_bits", "rounding", "findings")
+
+
+def _result_path(spec: Spec, arch: int) -> Path:
+    """Where the checked result of (spec, arch) is cached: keyed on the kernel's Triton cache key (its source
+    and every @triton.jit function it calls), the Triton version (and with it ptxas), the spec, the target,
+    and the source of the checks themselves."""
+    import triton
+
+    fn = getattr(importlib.import_module(spec.module), spec.kernel)
+    checks = Path(ptx_check.__file__).read_bytes() + Path(__file__).read_bytes()
+    key = f"{fn.cache_key}|{triton.__version__}|{spec!r}|{arch}|{hashlib.sha256(checks).hexdigest()}"
+    return _cache_dir() / f"{spec.kernel}-sm{arch}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def compile_and_check(spec: Spec, arch: int, fn=None) -> Result:
+    """Compile one spec for sm_<arch> and run every check of :mod:`ropekit.tools.ptx_check` on it.
+
+    The result of a module's own kernel is cached (:func:`_result_path`), so a second run compiles nothing;
+    ``fn`` (a test's planted copy of a kernel) is always compiled."""
+    path = None if fn is not None else _result_path(spec, arch)
+    if path is not None and path.is_file():
+        return Result(spec, arch, **json.loads(path.read_text()))
+    result = _compile_and_check(spec, arch, fn)
+    if path is not None:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({name: getattr(result, name) for name in _FIELDS}))
+        tmp.replace(path)  # atomic: concurrent test workers never read half a file
+    return result
+
+
+def _compile_and_check(spec: Spec, arch: int, fn) -> Result:
+    start = time.perf_counter()
+    compiled = _compile(spec, arch, fn)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = ptx_check.resource_usage(cubin.name, _cuobjdump())
+    instructions = ptx_check.parse_ptx(ptx)
+    options = dict(spec.options)
+    budget = ptx_check.register_budget(spec.num_warps, spec.occupancy)
+    result = Result(spec, arch, usage["REG"], usage.get("LOCAL", 0) + usage.get("STACK", 0), budget)
+    findings = ptx_check.check_spills(usage, ptx)
+    findings += ptx_check.check_registers(usage, spec.num_warps, spec.occupancy)
+    params = _pointer_params(spec)
+    if spec.vectorised is not None:
+        vector = {params[n][0]: n for n in spec.vectorised if params[n][1].endswith(":16")}
+    else:
+        vector = {i: n for n, (i, kind) in params.items() if re.match(r"\*(bf16|fp16):16$", kind)}
+    findings += ptx_check.check_vectorised(instructions, vector)
+    for index, name in vector.items():
+        accesses = ptx_check.pointer_accesses(instructions, {index})
+        result.vector_bits[name] = sorted({ptx_check.access_bits(a.opcode) for a in accesses})
+    half = {i: n for n, (i, kind) in params.items() if re.match(r"\*(bf16|fp16)\b", kind)}
+    findings += ptx_check.check_rounding(instructions, half)
+    result.rounding = sorted(half.values())
+    if options.get("enable_fp_fusion") is False:
+        findings += ptx_check.check_no_fma(instructions)
+    elif "enable_fp_fusion" not in options:
+        findings.append(ptx_check.Finding("fp fusion", "COMPILE_OPTIONS does not set enable_fp_fusion"))
+    if compiled.metadata.enable_fp_fusion != options.get("enable_fp_fusion"):
+        findings.append(ptx_check.Finding("fp fusion", f"compiled with {compiled.metadata.enable_fp_fusion}"))
+    result.findings = [str(f) for f in findings]
+    result.seconds = time.perf_counter() - start
+    return result
