@@ -28,7 +28,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("autograd", ("ropekit.autograd",)),
     ("functional", ("ropekit.functional",)),
     ("fused", ("ropekit.fused",)),
-    ("module", ("ropekit.module", "ropekit.multiaxis", "ropekit.sinusoidal", "ropekit.convert")),
+    (
+        "module",
+        (
+            "ropekit.table_cache",
+            "ropekit.module",
+            "ropekit.multiaxis",
+            "ropekit.sinusoidal",
+            "ropekit.convert",
+        ),
+    ),
     ("public API", ("ropekit._moved", "ropekit")),  # the package root: only the exact name "ropekit"
     ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations")),
     ("tools", ("ropekit.tools",)),

@@ -29,6 +29,8 @@ __all__ = ["FrozenScaling", "RopeConfig"]
 
 # cos_sin forms at most this many float64 angles at once (2 MB): tables are built in chunks of rows.
 COS_SIN_CHUNK_ELEMENTS = 1 << 18
+# Where the rotary features sit in a head under partial rotary: its leading or its trailing rotary_dim.
+ROTARY_POSITIONS = ("first", "last")
 
 
 @dataclass(frozen=True, init=False)
@@ -48,6 +50,9 @@ class RopeConfig:
         hf_float32_inv_freq: compute inv_freq in float32 with Hugging Face's order of operations, reproducing
             its rounding bit for bit (for comparison with models trained that way). Angles are still formed in
             float64 from those frequencies. Default False: float64 frequencies.
+        rotary_position: which features rotate under partial rotary (rotary_dim < head_dim): "first" (the
+            leading rotary_dim features: GPT-NeoX, Phi, HF) or "last" (the trailing ones: a rope part
+            appended after the position-free part, as in DeepSeek's MLA heads). Default "first".
 
     The scaling dict may also carry the keys HF keeps inside ``rope_parameters``: ``rope_theta`` (must equal
     base), ``partial_rotary_factor`` (sets rotary_dim = int(head_dim * factor) when rotary_dim is None), and
@@ -68,6 +73,7 @@ class RopeConfig:
     scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int | None = None
     hf_float32_inv_freq: bool = False
+    rotary_position: str = "first"  # the common case: the leading rotary_dim features rotate
     _schedule: Schedule = field(init=False, repr=False, compare=False)
     _mrope: tuple[tuple[int, ...], bool] | None = field(init=False, repr=False, compare=False)
     _spec: RopeSpec = field(init=False, repr=False, compare=False)
@@ -82,6 +88,7 @@ class RopeConfig:
         scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
         hf_float32_inv_freq: bool = False,
+        rotary_position: str = "first",
     ) -> None:
         head_dim = check_head_dim(head_dim)
         base = check_base(base)
@@ -98,6 +105,10 @@ class RopeConfig:
             )
         check_bool("interleaved", interleaved)
         check_bool("hf_float32_inv_freq", hf_float32_inv_freq)
+        if rotary_position not in ROTARY_POSITIONS:
+            raise ValueError(
+                f"rotary_position: expected one of {ROTARY_POSITIONS}, got {describe(rotary_position)}"
+            )
         if scaling is not None and not isinstance(scaling, Mapping):
             raise ValueError(
                 f"scaling: expected a dict like HF's rope_scaling or None, got {describe(scaling)}"
@@ -110,6 +121,7 @@ class RopeConfig:
         object.__setattr__(self, "scaling", scaling)
         object.__setattr__(self, "max_position_embeddings", max_position_embeddings)
         object.__setattr__(self, "hf_float32_inv_freq", hf_float32_inv_freq)
+        object.__setattr__(self, "rotary_position", rotary_position)
         sched, params = split_scaling(scaling)
         dtype = torch.float32 if hf_float32_inv_freq else torch.float64
         spec = RopeSpec(base, rotary_dim, head_dim, max_position_embeddings, params, dtype)
