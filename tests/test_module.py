@@ -4,12 +4,15 @@ Its table policy is tested in test_table_cache.py."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from ropekit import RopeConfig, RotaryEmbedding
+from ropekit.functional import apply_resolved
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 HEAD_DIM = 8
@@ -207,3 +210,71 @@ def test_inplace_must_be_a_bool():
         RotaryEmbedding(head_dim=HEAD_DIM)(torch.randn(1, 2, 1, HEAD_DIM), inplace=1)
     with pytest.raises(ValueError, match=r"^layout: expected one of \('bshd', 'bhsd', 'sbhd', 'thd'\)"):
         RotaryEmbedding(head_dim=HEAD_DIM, layout="hbsd")
+
+
+# inverse= and rotary_position= reach the kernels through functional.apply_resolved (the boundary branch adds
+# both keywords there); until it has them these tests skip, and run by themselves once it does.
+_APPLY_TAKES_FLAGS = {"inverse", "rotary_position"} <= set(inspect.signature(apply_resolved).parameters)
+needs_flags = pytest.mark.skipif(
+    not _APPLY_TAKES_FLAGS, reason="functional.apply_resolved has no inverse / rotary_position keywords yet"
+)
+
+
+@needs_flags
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_inverse_undoes_the_rotation(layout):
+    g = torch.Generator().manual_seed(8)
+    shape = (7, 3, HEAD_DIM) if layout == "thd" else (2, 5, 3, HEAD_DIM)
+    q, k = (
+        torch.randn(shape, generator=g, dtype=torch.float64),
+        torch.randn(shape, generator=g, dtype=torch.float64),
+    )
+    kw = {"cu_seqlens": torch.tensor([0, 3, 7])} if layout == "thd" else {"offsets": 11}
+    rope = RotaryEmbedding(head_dim=HEAD_DIM, layout=layout)
+    rotated = rope(q, k, **kw)
+    back = rope(*rotated, inverse=True, **kw)
+    for got, want, r in zip(back, (q, k), rotated, strict=True):
+        assert not torch.allclose(r, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@needs_flags
+def test_inverse_is_the_rotation_by_negative_angles():
+    from ropekit import reference as ref
+
+    x = torch.randn(1, 4, 2, HEAD_DIM, dtype=torch.float64)
+    got = RotaryEmbedding(head_dim=HEAD_DIM)(x, offsets=3, inverse=True)
+    positions = np.arange(3, 7)[None, :, None]  # (B, S, 1)
+    want = ref.rotate_half(x.numpy(), -positions, ref.inv_freq(HEAD_DIM, 10000.0))
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+
+
+@needs_flags
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_position_last_rotates_the_trailing_features_and_keeps_the_leading_ones(interleaved):
+    """A rope part appended after the position-free part of each head (DeepSeek's MLA layout)."""
+    rotary = 4
+    x = torch.randn(2, 5, 3, HEAD_DIM, dtype=torch.float64)
+    rope = RotaryEmbedding(
+        head_dim=HEAD_DIM, rotary_dim=rotary, interleaved=interleaved, rotary_position="last"
+    )
+    got = rope(x, offsets=2)
+    whole = RotaryEmbedding(head_dim=rotary, interleaved=interleaved)(
+        x[..., -rotary:].contiguous(), offsets=2
+    )
+    assert torch.equal(got[..., :-rotary], x[..., :-rotary])
+    torch.testing.assert_close(got[..., -rotary:], whole, rtol=0, atol=1e-12)
+
+
+def test_inverse_must_be_a_bool():
+    x = torch.randn(1, 2, 1, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"^inverse: expected a bool, got 1"):
+        RotaryEmbedding(head_dim=HEAD_DIM)(x, inverse=1)
+
+
+def test_rotary_position_must_be_first_or_last():
+    with pytest.raises(
+        ValueError, match=r"^rotary_position: expected one of \('first', 'last'\), got 'middle'"
+    ):
+        RotaryEmbedding(head_dim=HEAD_DIM, rotary_position="middle")
+    assert RopeConfig(HEAD_DIM).rotary_position == "first"

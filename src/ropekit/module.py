@@ -49,13 +49,9 @@ class RotaryEmbedding(nn.Module):
     a call the table does not serve gets rows computed for its own tokens. A module built on ``meta`` is
     exact after ``to_empty`` (or :meth:`reset_parameters`). The full policy: :mod:`ropekit.table_cache`.
 
-    Length-dependent schedules (dynamic NTK, LongRoPE) pick their frequencies per call from
-    seq_len = (largest position in the call) + 1, exactly as Hugging Face's ``dynamic_rope_update`` does:
-    LongRoPE uses its long factors once seq_len exceeds original_max_position_embeddings; dynamic NTK keeps
-    the frequencies of the longest sequence seen and returns to the original ones when a sequence shorter than
-    max_position_embeddings arrives. With a KV cache that means keys cached under one base meet queries
-    rotated under another; :meth:`freeze` fixes the frequencies for a whole generation (docs/scaling.md,
-    "KV-cache hazard"). Under torch.compile they keep the frequencies the table was built with.
+    Length-dependent schedules (dynamic NTK, LongRoPE) follow each call's largest position as HF's
+    ``dynamic_rope_update`` does, so cached keys and later queries may differ in base: :meth:`freeze` fixes
+    it for a generation (docs/scaling.md, "KV-cache hazard"). Compiled calls keep the table's frequencies.
 
     M-RoPE configs (``mrope_section``) accept positions of shape (3, B, S) (temporal, height, width), or
     (3, T) for "thd"; each token's cos/sin row is then built for that call.
@@ -92,6 +88,7 @@ class RotaryEmbedding(nn.Module):
         self.cache = CosSinCache(config)
         self._swap = _TO_BSHD.get(layout)
         self._rank = 3 if layout == "thd" else 4
+        self._mrope = config.mrope_section is not None  # read every call: a plain attribute
 
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")
@@ -99,11 +96,10 @@ class RotaryEmbedding(nn.Module):
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
 
-        Length-dependent schedules (dynamic NTK, LongRoPE) otherwise change their frequencies with the largest
-        position of each call, so keys cached early in a generation were rotated under a different base than
-        later queries. Freeze at the generation's final length (prompt + new tokens) and every key and query
-        uses one base. Returns a context manager that restores the previous state on exit, so both
-        ``rope.freeze(n)`` and ``with rope.freeze(n): ...`` work. A no-op for other schedules.
+        Freeze a length-dependent schedule (dynamic NTK, LongRoPE) at the generation's final length (prompt +
+        new tokens) and every cached key and every query use one base. Returns a context manager that restores
+        the previous state on exit: both ``rope.freeze(n)`` and ``with rope.freeze(n): ...`` work. A no-op
+        for other schedules.
 
         Raises:
             ValueError: if seq_len is not a positive integer.
@@ -119,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         self.cache.reset_parameters()
 
     def extra_repr(self) -> str:
-        return f"{self.config}, layout={self.layout!r}"
+        return f"{self.config}, layout={self.layout!r}"  # the table's length: the child cache's line
 
     def forward(
         self,
@@ -165,9 +161,9 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError("cu_seqlens: layout 'thd' needs cu_seqlens or positions, got None")
             q_view, k_view = q[None], None if k is None else k[None]  # (1, T, H, D)
             if isinstance(positions, torch.Tensor):
-                mrope = self.config.mrope_section is not None and positions.dim() == 2
+                mrope = self._mrope and positions.dim() == 2
                 positions = positions[:, None] if mrope else positions[None]  # (axes, 1, T) or (1, T)
-        if self.config.mrope_section is not None and self._is_mrope(positions, q_view):
+        if self._mrope and self._is_mrope(positions, q_view):
             cos, sin, pos = self._mrope_rows(q_view, positions, cu_seqlens)
         else:
             pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")

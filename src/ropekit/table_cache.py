@@ -13,6 +13,11 @@ The policy (docs/benchmarks.md, "Tables"):
   max_position_embeddings rows (2048 when the config names none) and the kernels check each row.
   Length-dependent schedules read the exact largest position (a sync on a GPU, as Hugging Face's
   ``dynamic_rope_update`` does) unless :meth:`CosSinCache.freeze` fixes their length.
+- **Length-dependent schedules** take seq_len = (largest position in the call) + 1: LongRoPE uses its long
+  factors once seq_len exceeds original_max_position_embeddings; dynamic NTK keeps the frequencies of the
+  longest sequence seen and returns to the original ones when a sequence shorter than
+  max_position_embeddings arrives (Hugging Face's ``dynamic_rope_update``). A change of frequencies
+  rebuilds every row.
 - **Far positions.** The table stops growing at max(max_position_embeddings, 2^20) rows; a call reaching
   past that gets cos/sin rows computed for its own tokens.
 - **torch.compile.** Resizing a buffer is not graph code, so a compiled call that the table does not serve
@@ -66,6 +71,7 @@ class CosSinCache(nn.Module):
         self._table_seq_len: int | None = None
         self._longest: int | None = config.max_position_embeddings
         self._frozen_seq_len: int | None = None
+        self._length_dependent = config.length_dependent  # read every call: a plain attribute, not a property
 
     @property
     def _covered_rows(self) -> int:
@@ -112,14 +118,13 @@ class CosSinCache(nn.Module):
         Returns the cached table and pos itself, or (far positions, compiled calls the table does not
         serve) rows computed for the call's own tokens and the positions that index them.
         """
-        largest = pos.largest
-        cos = self.cos
+        largest, cos = pos.largest, self.cos
         if (  # the steady state: a host-known row inside a table of the right device and precision
             largest is not None
             and largest < cos.shape[0]
             and cos.device == x.device
-            and cos.dtype == _table_dtype(x)
-            and not self.config.length_dependent
+            and cos.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
+            and not self._length_dependent
         ):
             return cos, self.sin, pos
         return self._serve(pos, x)
