@@ -157,11 +157,24 @@ class RopeConfig:
             ValueError: naming the key, for an unreadable config, a ``rope_scaling`` / ``rope_parameters``
                 that is not a dict, an unknown rope_type, a missing required key, a scaling factor below 1
                 (linear, dynamic, yarn, llama3, longrope: transformers only warns, then shrinks the context),
-                or any other bad value.
+                a schedule that needs the pre-training context length (yarn, longrope) in a config that
+                names no length at all, or any other bad value.
         """
-        from ropekit.hf_config import rope_kwargs
+        from ropekit.hf_config import USES_ORIGINAL_LENGTH, rope_kwargs
 
-        return cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        rope = cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        if (
+            rope.rope_type in USES_ORIGINAL_LENGTH
+            and rope._spec.get("original_max_position_embeddings", rope.max_position_embeddings) is None
+        ):  # transformers fills it from its config class's default max_position_embeddings
+            raise ValueError(
+                f"config['max_position_embeddings']: rope_type {rope.rope_type!r} needs the pre-training "
+                "context length, and the config names neither max_position_embeddings nor rope_scaling's "
+                "original_max_position_embeddings (transformers would take its model class's default "
+                "max_position_embeddings, which a plain dict does not carry); add one of them, or pass "
+                "max_position_embeddings=..."
+            )
+        return rope
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> RopeConfig:
