@@ -451,3 +451,18 @@ def test_patched_layer_reads_no_tensor_data_on_the_host(monkeypatch):
     out, _ = layer(hidden, position_embeddings=rotary(hidden, positions), attention_mask=None)
     assert out.device.type == "meta" and out.shape == (2, 1, 64)
     assert seen  # ropekit rotated: HF's own function would have raised
+
+
+def test_patching_a_model_built_on_meta_is_a_value_error_and_changes_nothing():
+    """Issue 17, repro 7: a RuntimeError from .item() deep inside the proof."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"^model: LlamaForCausalLM has tensors on the meta device \('model\."
+    ):
+        hf.patch(model)
+    assert hf.patched_layers(model) == {}
