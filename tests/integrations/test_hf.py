@@ -12,7 +12,8 @@ import torch
 import transformers
 
 from ropekit import RopeConfig
-from ropekit.integrations import hf, hf_coverage, hf_probe
+from ropekit.integrations import hf, hf_probe
+from ropekit.tools import hf_coverage
 
 VOCAB, MAX_POS, SEQ = 128, 32, 40
 HEAD_DIM = 16  # 64 hidden / 4 heads
