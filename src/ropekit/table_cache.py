@@ -63,7 +63,9 @@ class CosSinCache(nn.Module):
     def __init__(self, config: RopeConfig) -> None:
         super().__init__()
         self.config = config
-        cos, sin = config.cos_sin(min(self._covered_rows, DEFAULT_TABLE_LEN))
+        # Rows the table holds when a call's largest position is unknown on the host.
+        self._covered = config.max_position_embeddings or DEFAULT_TABLE_LEN
+        cos, sin = config.cos_sin(min(self._covered, DEFAULT_TABLE_LEN))
         self.register_buffer("cos", cos, persistent=False)  # (L, R/2)
         self.register_buffer("sin", sin, persistent=False)
         # Length-dependent schedules: the seq_len the table was built for, HF's "max_seq_len_cached" for
@@ -72,11 +74,6 @@ class CosSinCache(nn.Module):
         self._longest: int | None = config.max_position_embeddings
         self._frozen_seq_len: int | None = None
         self._length_dependent = config.length_dependent  # read every call: a plain attribute, not a property
-
-    @property
-    def _covered_rows(self) -> int:
-        """Rows the table holds when a call's largest position is unknown on the host."""
-        return self.config.max_position_embeddings or DEFAULT_TABLE_LEN
 
     def extra_repr(self) -> str:
         return f"table_len={self.cos.shape[0]}"
@@ -119,12 +116,15 @@ class CosSinCache(nn.Module):
         serve) rows computed for the call's own tokens and the positions that index them.
         """
         largest, cos = pos.largest, self.cos
-        if (  # the steady state: a host-known row inside a table of the right device and precision
-            largest is not None
-            and largest < cos.shape[0]
-            and cos.device == x.device
+        if (  # the steady state: a table of the right device and precision that holds the rows
+            cos.device == x.device
             and cos.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
             and not self._length_dependent
+            and (
+                largest < cos.shape[0]
+                if largest is not None  # a host-known bound
+                else pos.tensor is not None and cos.shape[0] >= self._covered  # rows the kernels check
+            )
         ):
             return cos, self.sin, pos
         return self._serve(pos, x)
@@ -135,7 +135,7 @@ class CosSinCache(nn.Module):
             needed = max(pos.largest + 1, 1)
         elif pos.tensor is None:  # an int offset under compile: offset + seq, maybe symbolic
             needed = pos.offset + max(x.shape[1], 1)
-        elif self.config.length_dependent and self._frozen_seq_len is None and not compiling:
+        elif self._length_dependent and self._frozen_seq_len is None and not compiling and not x.is_meta:
             # The exact length picks the frequencies: read it (a device sync, as HF's dynamic update).
             needed = int(pos.tensor.max()) + 1 if pos.tensor.numel() else 1
         else:
@@ -152,7 +152,7 @@ class CosSinCache(nn.Module):
         return self.cos, self.sin, pos
 
     def _serves(self, needed: int | None, x: torch.Tensor) -> bool:
-        rows = self._covered_rows if needed is None else needed
+        rows = self._covered if needed is None else needed
         return self.cos.shape[0] >= rows and self.cos.device == x.device and self.cos.dtype == _table_dtype(x)
 
     def rows_at(
@@ -201,7 +201,7 @@ class CosSinCache(nn.Module):
             self._table_seq_len = seq_len
         elif self.cos.device != x.device:
             self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)  # the same values
-        rows = self._covered_rows if needed is None else needed
+        rows = self._covered if needed is None else needed
         if self.cos.shape[0] < rows:
             length = 1 << (rows - 1).bit_length()  # grow geometrically: amortised O(1) regrowth
             covered = self.config.max_position_embeddings
