@@ -130,6 +130,8 @@ class CosSinCache(nn.Module):
         return self._serve(pos, x)
 
     def _serve(self, pos: Positions, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Positions]:
+        """:meth:`lookup` past the steady state: find the rows the call needs, then keep the table (eager)
+        or compute the call's own rows (compiled, or far positions)."""
         compiling = is_compiling()
         if pos.largest is not None:
             needed = max(pos.largest + 1, 1)
@@ -152,6 +154,7 @@ class CosSinCache(nn.Module):
         return self.cos, self.sin, pos
 
     def _serves(self, needed: int | None, x: torch.Tensor) -> bool:
+        """Whether the table holds needed rows (None: the covered rows) on x's device and precision."""
         rows = self._covered if needed is None else needed
         return self.cos.shape[0] >= rows and self.cos.device == x.device and self.cos.dtype == _table_dtype(x)
 
