@@ -12,7 +12,7 @@ from torch import nn
 
 from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
-from ropekit.functional import apply_resolved
+from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
 from ropekit.validation import check_bool, describe
@@ -40,14 +40,11 @@ class RotaryEmbedding(nn.Module):
             Every layout is read through a view: nothing is copied to reorder it.
         backend: forwarded to :func:`ropekit.apply_rotary_qk`.
 
-    The cos/sin table lives in ``self.cache``, a :class:`ropekit.table_cache.CosSinCache` (non-persistent
-    buffers, never in a state_dict); ``rope.cos`` / ``rope.sin`` read it. It follows the inputs' device;
-    float64 inputs get a float64 table (float32 otherwise: math runs in float32). It is lazy (2048 rows at
-    first, grown as positions arrive), covers max_position_embeddings rows when a call's largest position is
-    unknown on the host (tensor positions on a GPU: set max_position_embeddings to the longest context you
-    serve), computes rows per call for far-away positions, and under torch.compile never breaks the graph:
-    a call the table does not serve gets rows computed for its own tokens. A module built on ``meta`` is
-    exact after ``to_empty`` (or :meth:`reset_parameters`). The full policy: :mod:`ropekit.table_cache`.
+    The cos/sin table is ``self.cache``, a :class:`ropekit.table_cache.CosSinCache` (non-persistent buffers;
+    ``rope.cos`` / ``rope.sin`` read them), which follows the inputs' device and precision (float64 stays
+    float64, math runs in float32 otherwise), grows as positions arrive, covers max_position_embeddings rows
+    for positions unknown on the host (set it to the longest context you serve), never breaks a compiled
+    graph, and is exact after ``to_empty`` of a meta-built module. Its policy: :mod:`ropekit.table_cache`.
 
     Length-dependent schedules (dynamic NTK, LongRoPE) follow each call's largest position as HF's
     ``dynamic_rope_update`` does, so cached keys and later queries may differ in base: :meth:`freeze` fixes
@@ -89,6 +86,9 @@ class RotaryEmbedding(nn.Module):
         self._swap = _TO_BSHD.get(layout)
         self._rank = 3 if layout == "thd" else 4
         self._mrope = config.mrope_section is not None  # read every call: a plain attribute
+        # Rows depend on positions only (no M-RoPE, no length-dependent frequencies): an int offset's steady
+        # step can go straight to the functional API once the table holds its rows.
+        self._plain = not self._mrope and not config.length_dependent
 
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")
@@ -96,10 +96,9 @@ class RotaryEmbedding(nn.Module):
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
 
-        Freeze a length-dependent schedule (dynamic NTK, LongRoPE) at the generation's final length (prompt +
-        new tokens) and every cached key and every query use one base. Returns a context manager that restores
-        the previous state on exit: both ``rope.freeze(n)`` and ``with rope.freeze(n): ...`` work. A no-op
-        for other schedules.
+        Freeze a length-dependent schedule at the final length of a generation (prompt + new tokens): every
+        cached key and query then use one base. Returns a context manager restoring the previous state (both
+        ``rope.freeze(n)`` and ``with rope.freeze(n): ...`` work). A no-op for other schedules.
 
         Raises:
             ValueError: if seq_len is not a positive integer.
@@ -143,14 +142,11 @@ class RotaryEmbedding(nn.Module):
             ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
+        rank, head_dim = self._rank, self.config.head_dim
         for name, t in (("q", q), ("k", k)):
             if t is None and name == "k":
                 continue  # one tensor
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.dim() != self._rank
-                or t.shape[-1] != self.config.head_dim
-            ):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[-1] != head_dim:
                 self._reject(name, t)
         swap = self._swap
         q_view = q if swap is None else q.transpose(*swap)  # (B, S, H, D) views
@@ -163,16 +159,27 @@ class RotaryEmbedding(nn.Module):
             if isinstance(positions, torch.Tensor):
                 mrope = self._mrope and positions.dim() == 2
                 positions = positions[:, None] if mrope else positions[None]  # (axes, 1, T) or (1, T)
-        if self._mrope and self._is_mrope(positions, q_view):
-            cos, sin, pos = self._mrope_rows(q_view, positions, cu_seqlens)
+        flags, where = {}, self.config.rotary_position  # keywords past the defaults: passed only when set
+        if inverse is not False or where != "first":
+            flags = {"inverse": check_bool("inverse", inverse), "rotary_position": where}
+        kw = dict(interleaved=self.config.interleaved, inplace=inplace, backend=self.backend, **flags)
+        cos = self.cache.cos
+        if (  # a steady decode / prefill step whose rows the table holds: the functional API's planned path
+            type(offsets) is int and positions is None and cu_seqlens is None and self._plain
+            and 0 <= offsets and offsets + q_view.shape[1] <= cos.shape[0] and cos.device == q.device
+            and cos.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+        ):  # fmt: skip
+            if k is None:
+                out_q, out_k = apply_rotary(q_view, cos, self.cache.sin, offsets=offsets, **kw), None
+            else:
+                out_q, out_k = apply_rotary_qk(q_view, k_view, cos, self.cache.sin, offsets=offsets, **kw)
         else:
-            pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
-            cos, sin, pos = self.cache.lookup(pos, q_view)
-        flags = {} if inverse is False and self.config.rotary_position == "first" else self._flags(inverse)
-        out_q, out_k = apply_resolved(
-            q_view, k_view, cos, sin, pos, interleaved=self.config.interleaved, inplace=inplace,
-            backend=self.backend, **flags,
-        )  # fmt: skip
+            if self._mrope and self._is_mrope(positions, q_view):
+                cos, sin, pos = self._mrope_rows(q_view, positions, cu_seqlens)
+            else:
+                pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
+                cos, sin, pos = self.cache.lookup(pos, q_view)
+            out_q, out_k = apply_resolved(q_view, k_view, cos, sin, pos, **kw)
         if inplace:
             return q if k is None else (q, k)  # the caller's own tensors, whatever view the layout needed
         if alone:
@@ -192,18 +199,10 @@ class RotaryEmbedding(nn.Module):
             f"{t.shape[-1]} in shape {tuple(t.shape)}"
         )
 
-    def _flags(self, inverse: object) -> dict[str, object]:
-        """The keywords past the defaults, passed only when set (the steady state passes none)."""
-        return {"inverse": check_bool("inverse", inverse), "rotary_position": self.config.rotary_position}
-
     def _is_mrope(self, positions: object, q: torch.Tensor) -> bool:
         """(axes, B, S) positions for this config's M-RoPE sections ((axes, T) with cu_seqlens)."""
-        sections = self.config.mrope_section
-        return (
-            isinstance(positions, torch.Tensor)
-            and positions.dim() == q.dim() - 1
-            and positions.shape[0] == len(sections)
-        )
+        shape = positions.shape if isinstance(positions, torch.Tensor) else ()
+        return len(shape) == q.dim() - 1 and shape[0] == len(self.config.mrope_section)
 
     def _mrope_rows(self, q: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None):
         """M-RoPE: per-token cos/sin rows for (axes, B, S) or (axes, T) positions, applied as a table."""
