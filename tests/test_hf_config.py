@@ -284,3 +284,50 @@ def test_qwen_vl_configs_without_sections_get_hf_module_defaults():
     )
     assert (qwen2.mrope_section, qwen2.mrope_interleaved) == ((16, 24, 24), False)
     assert (qwen3.mrope_section, qwen3.mrope_interleaved) == ((24, 20, 20), True)  # HF always interleaves it
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "longrope"])
+def test_a_config_naming_no_context_length_fails_at_from_hf_naming_the_key(rope_type):
+    """Issue 17, repro 6: yarn was accepted at from_hf and failed only when a table was built. transformers
+    fills the length from its config class's default max_position_embeddings, which a dict does not carry."""
+    scaling = {
+        "yarn": {"rope_type": "yarn", "factor": 4.0},
+        "longrope": {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [2.0] * 4,
+            "factor": 2.0,
+        },
+    }[rope_type]
+    kwargs = {"hidden_size": 32, "num_attention_heads": 4, "rope_scaling": scaling}
+    with pytest.raises(ValueError, match=r"max_position_embeddings'\]: .*(needs|expected) the pre-training"):
+        RopeConfig.from_hf(kwargs)
+    # Given the length another way, it builds tables at once.
+    RopeConfig.from_hf(kwargs, max_position_embeddings=1024).cos_sin(4)
+    RopeConfig.from_hf({**kwargs, "max_position_embeddings": 1024}).cos_sin(4)
+
+
+def test_a_transformers_config_without_a_length_gets_its_class_default_as_transformers_does():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2Config(
+        hidden_size=32, num_attention_heads=4, rope_scaling={"rope_type": "yarn", "factor": 4.0}
+    )
+    config = RopeConfig.from_hf(hf)
+    want = hf.rope_parameters["original_max_position_embeddings"]  # the class default max_position_embeddings
+    assert config.scaling["original_max_position_embeddings"] == want == hf.max_position_embeddings
+
+
+def test_from_hf_rope_theta_defaults_to_10000_as_transformers_llama_does():
+    """A config with no rope_theta: HF's default base. Changing ropekit's default (to 1e6, say) fails here."""
+    transformers = pytest.importorskip("transformers")
+    kwargs = {"hidden_size": 32, "num_attention_heads": 4}
+    assert RopeConfig.from_hf(kwargs).base == 10000.0
+    hf = transformers.LlamaConfig(**kwargs)
+    assert hf.rope_parameters["rope_theta"] == 10000.0
+    assert RopeConfig.from_hf(kwargs).base == RopeConfig.from_hf(hf).base
+    torch.testing.assert_close(
+        RopeConfig.from_hf(kwargs).inv_freq(),
+        transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf).inv_freq.double(),
+        rtol=1e-7,
+        atol=0,
+    )

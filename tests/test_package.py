@@ -195,11 +195,26 @@ def test_public_names_are_exported():
         assert name in ropekit.__all__ and hasattr(ropekit, name)
 
 
-@pytest.mark.parametrize("section", ["Usage"])
-def test_readme_examples_run(section):
+def _readme_python_blocks() -> list[tuple[str, str]]:
+    """(section title, code) for every ```python block of the README, in order."""
     readme = (ROOT / "README.md").read_text()
-    body = readme.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", body, flags=re.DOTALL)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, f"README.md ({section})", "exec"), {})
+    found = []
+    for section in readme.split("\n## ")[1:]:
+        title = section.split("\n", 1)[0]
+        found += [(title, block) for block in re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)]
+    return found
+
+
+README_BLOCKS = _readme_python_blocks()
+
+
+def test_readme_has_runnable_examples_in_the_sections_users_copy_from():
+    assert {"Usage", "Scaling", "Coming from another library"} <= {title for title, _ in README_BLOCKS}
+
+
+@pytest.mark.parametrize(
+    ("section", "block"), README_BLOCKS, ids=[f"{t}-{i}" for i, (t, _) in enumerate(README_BLOCKS)]
+)
+def test_readme_examples_run(section, block):
+    """Every Python block of the README runs as written, in a fresh namespace."""
+    exec(compile(block, f"README.md ({section})", "exec"), {})

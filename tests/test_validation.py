@@ -478,3 +478,34 @@ def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed,
     marks.as_strided(shape, strides, starts[0]).fill_(True)
     want = bool(marks.as_strided(shape, other, starts[1]).any())
     assert _share_elements(a, b) == want
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+_X = torch.randn(1, 4, 2, 16)  # (B, S, H, D) on the CPU
+_TABLE = torch.randn(8, 8)
+META_ARGUMENTS = {
+    "per-token cos": ("cos", lambda: apply_rotary(_X, _meta(1, 4, 8), _meta(1, 4, 8), per_token=True)),
+    "table": ("cos", lambda: apply_rotary(_X, _meta(8, 8), _meta(8, 8))),
+    "positions": (
+        "positions",
+        lambda: apply_rotary(_X, _TABLE, _TABLE, positions=_meta(1, 4, dtype=torch.long)),
+    ),
+    "offsets": ("offsets", lambda: apply_rotary(_X, _TABLE, _TABLE, offsets=_meta(1, dtype=torch.long))),
+    "cu_seqlens": (
+        "cu_seqlens",
+        lambda: apply_rotary(_X[0], _TABLE, _TABLE, cu_seqlens=_meta(2, dtype=torch.long)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(META_ARGUMENTS))
+def test_a_meta_argument_for_an_input_with_values_is_a_value_error_naming_it(case):
+    """Issue 17, repro 7: these raised NotImplementedError ("Cannot copy out of meta tensor")."""
+    name, call = META_ARGUMENTS[case]
+    with pytest.raises(
+        ValueError, match=rf"^{name}: expected a tensor with values for an input on cpu, got a meta"
+    ):
+        call()

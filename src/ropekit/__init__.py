@@ -5,7 +5,6 @@ autograd -> functional -> module; on them compat, nn and integrations; on top th
 ARCHITECTURE.md draws the picture.
 """
 
-from ropekit import _moved
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8, shift_cache_
@@ -16,8 +15,6 @@ from ropekit.schedules import register_schedule
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding, sinusoidal_embedding
 
 __version__ = "0.1.0"
-
-_moved.install()  # ropekit.models, ropekit.demo, ... keep importing, with a DeprecationWarning
 
 __all__ = [
     "RopeConfig",

@@ -31,6 +31,8 @@ __all__ = ["FrozenScaling", "RopeConfig"]
 
 # cos_sin forms at most this many float64 angles at once (2 MB): tables are built in chunks of rows.
 COS_SIN_CHUNK_ELEMENTS = 1 << 18
+# Where the rotary features sit in a head under partial rotary: its leading or its trailing rotary_dim.
+ROTARY_POSITIONS = ("first", "last")
 
 
 @dataclass(frozen=True, init=False)
@@ -50,6 +52,9 @@ class RopeConfig:
         hf_float32_inv_freq: compute inv_freq in float32 with Hugging Face's order of operations, reproducing
             its rounding bit for bit (for comparison with models trained that way). Angles are still formed in
             float64 from those frequencies. Default False: float64 frequencies.
+        rotary_position: which features rotate under partial rotary (rotary_dim < head_dim): "first" (the
+            leading rotary_dim features: GPT-NeoX, Phi, HF) or "last" (the trailing ones: a rope part
+            appended after the position-free part, as in DeepSeek's MLA heads). Default "first".
 
     The scaling dict may also carry the keys HF keeps inside ``rope_parameters``: ``rope_theta`` (must equal
     base), ``partial_rotary_factor`` (sets rotary_dim = int(head_dim * factor) when rotary_dim is None), and
@@ -70,6 +75,7 @@ class RopeConfig:
     scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int | None = None
     hf_float32_inv_freq: bool = False
+    rotary_position: str = "first"  # the common case: the leading rotary_dim features rotate
     _schedule: Schedule = field(init=False, repr=False, compare=False)
     _mrope: tuple[tuple[int, ...], str] | None = field(init=False, repr=False, compare=False)
     _spec: RopeSpec = field(init=False, repr=False, compare=False)
@@ -84,6 +90,7 @@ class RopeConfig:
         scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
         hf_float32_inv_freq: bool = False,
+        rotary_position: str = "first",
     ) -> None:
         head_dim = check_head_dim(head_dim)
         base = check_base(base)
@@ -100,6 +107,10 @@ class RopeConfig:
             )
         check_bool("interleaved", interleaved)
         check_bool("hf_float32_inv_freq", hf_float32_inv_freq)
+        if rotary_position not in ROTARY_POSITIONS:
+            raise ValueError(
+                f"rotary_position: expected one of {ROTARY_POSITIONS}, got {describe(rotary_position)}"
+            )
         if scaling is not None and not isinstance(scaling, Mapping):
             raise ValueError(
                 f"scaling: expected a dict like HF's rope_scaling or None, got {describe(scaling)}"
@@ -112,6 +123,7 @@ class RopeConfig:
         object.__setattr__(self, "scaling", scaling)
         object.__setattr__(self, "max_position_embeddings", max_position_embeddings)
         object.__setattr__(self, "hf_float32_inv_freq", hf_float32_inv_freq)
+        object.__setattr__(self, "rotary_position", rotary_position)
         sched, params = split_scaling(scaling)
         dtype = torch.float32 if hf_float32_inv_freq else torch.float64
         spec = RopeSpec(base, rotary_dim, head_dim, max_position_embeddings, params, dtype)
@@ -148,11 +160,24 @@ class RopeConfig:
             ValueError: naming the key, for an unreadable config, a ``rope_scaling`` / ``rope_parameters``
                 that is not a dict, an unknown rope_type, a missing required key, a scaling factor below 1
                 (linear, dynamic, yarn, llama3, longrope: transformers only warns, then shrinks the context),
-                or any other bad value.
+                a schedule that needs the pre-training context length (yarn, longrope) in a config that
+                names no length at all, or any other bad value.
         """
-        from ropekit.hf_config import rope_kwargs
+        from ropekit.hf_config import USES_ORIGINAL_LENGTH, rope_kwargs
 
-        return cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        rope = cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        if (
+            rope.rope_type in USES_ORIGINAL_LENGTH
+            and rope._spec.get("original_max_position_embeddings", rope.max_position_embeddings) is None
+        ):  # transformers fills it from its config class's default max_position_embeddings
+            raise ValueError(
+                f"config['max_position_embeddings']: rope_type {rope.rope_type!r} needs the pre-training "
+                "context length, and the config names neither max_position_embeddings nor rope_scaling's "
+                "original_max_position_embeddings (transformers would take its model class's default "
+                "max_position_embeddings, which a plain dict does not carry); add one of them, or pass "
+                "max_position_embeddings=..."
+            )
+        return rope
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> RopeConfig:

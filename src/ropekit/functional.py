@@ -20,7 +20,15 @@ from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
-from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, check_x, describe
+from ropekit.validation import (
+    check_bool,
+    check_disjoint,
+    check_has_values,
+    check_tables,
+    check_writable,
+    check_x,
+    describe,
+)
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
 
@@ -158,6 +166,8 @@ def apply_resolved(
     if inplace:
         _check_inplace(q, k)
     if cos.device != q.device:
+        check_has_values("cos", cos, q.device)
+        check_has_values("sin", sin, q.device)
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])
     impl = select_backend(backend, q, cos)

@@ -17,6 +17,7 @@ __all__ = [
     "check_disjoint",
     "check_even",
     "check_fraction",
+    "check_has_values",
     "check_head_dim",
     "check_int",
     "check_number",
@@ -190,6 +191,19 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
             f"sin {sin.dtype} on {sin.device}"
         )
     return rotary_dim
+
+
+def check_has_values(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """t is about to be moved to device (another device than its own): a meta tensor holds no values to move.
+
+    Callers check this only where the devices differ, so a call whose tensors share a device pays nothing.
+    """
+    if t.is_meta and device.type != "meta":
+        raise ValueError(
+            f"{name}: expected a tensor with values for an input on {device}, got a meta tensor of shape "
+            f"{tuple(t.shape)} (shapes only, no values); build it on a real device, or materialise the "
+            "module that owns it (to_empty, then reset_parameters or load_state_dict)"
+        )
 
 
 def check_writable(name: str, x: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ kv_channels 128 -> 32.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,21 @@ def test_a_transformer_config_in_third_place_is_read_for_its_rotary_interleaved(
     Config.rotary_interleaved = "yes"
     with pytest.raises(ValueError, match=r"^rotary_interleaved: expected a bool"):
         apply_rotary_pos_emb(t, freqs, Config())
+
+
+def test_float64_angles_take_cos_and_sin_in_float64_before_the_cast():
+    """Issue 17, repro 1: float64 freqs were cast to float32 before cos/sin, a 0.03 error at position 1e6.
+    Megatron takes cos/sin in the angles' dtype, then casts; the float64 reference bounds the result."""
+    from ropekit import reference as ref
+
+    rotary = 16
+    theta = ref.inv_freq(rotary)  # float64 (R/2,)
+    positions = np.array([1e6, 1e6 + 1, 3e6 + 7])  # (S,)
+    angles = torch.from_numpy(positions[:, None] * theta)  # (S, R/2) float64
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # (S, 1, 1, R) float64
+    t = torch.randn(3, 1, 2, rotary)  # (S, B, H, D) float32
+    got = apply_rotary_pos_emb(t, freqs)
+    want = ref.rotate_half(
+        t.double().transpose(0, 1).numpy(), positions[None, :, None], theta
+    )  # (B, S, H, D)
+    np.testing.assert_allclose(got.transpose(0, 1).numpy(), want, rtol=0, atol=1e-5)  # float32's rounding

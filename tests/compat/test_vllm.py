@@ -248,27 +248,19 @@ def test_signatures_are_vllms_and_flashinfers():
     ]
 
 
-def test_get_rope_also_reads_vllms_older_signature():
-    """Before 0.11: get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
-    partial_rotary_factor), positional or by keyword. Same configuration, same module."""
-    new = get_rope(
-        80,
-        2048,
-        False,
-        {"rope_theta": 5000.0, "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.4},
-    )
-    positional = get_rope(80, 32, 2048, 5000.0, False, {"rope_type": "linear", "factor": 2.0})
-    keywords = get_rope(80, rotary_dim=32, max_position=2048, base=5000.0, is_neox_style=False,
-                        rope_scaling={"rope_type": "linear", "factor": 2.0})  # fmt: skip
-    assert positional is keywords
-    assert positional.rotary_dim == new.rotary_dim == 32 and not positional.is_neox_style
-    assert torch.equal(positional.cos_sin_cache, new.cos_sin_cache)
-    halved = get_rope(120, 120, 64, 10000, True, None, torch.bfloat16, 0.5)
-    assert halved.rotary_dim == 60 and halved.cos_sin_cache.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"^rope_parameters: pass it or the older rotary_dim"):
-        get_rope(64, 2048, True, {"rope_theta": 1e4}, rotary_dim=32)
-    with pytest.raises(ValueError, match=r"^rope_scaling: expected a dict or None"):
-        get_rope(64, 64, 2048, 10000.0, True, "linear")
+def test_get_rope_reads_one_form_and_an_int_in_third_place_is_a_value_error():
+    """Issue 17, repro 7: get_rope(64, 256, 1, {...}) was read as vLLM's pre-0.11 form (rotary_dim,
+    max_position, base). One form now, vLLM >= 0.11's; an int is_neox_style names the argument, even when the
+    module for True is already cached (1 == True as a cache key)."""
+    params = {"rope_theta": 10000.0}
+    get_rope(64, 256, True, params)
+    for legacy in (1, 256):
+        with pytest.raises(ValueError, match=rf"^is_neox_style: expected a bool, got {legacy} \(the third"):
+            get_rope(64, 256, legacy, params)
+    with pytest.raises(TypeError):
+        get_rope(80, 32, 2048, 5000.0, False, None, torch.float32)  # the old 7-argument form
+    with pytest.raises(TypeError):
+        get_rope(80, 2048, rotary_dim=32)
 
 
 def test_module_forward_compiles_with_fullgraph_and_still_writes_in_place():
@@ -365,3 +357,25 @@ def test_rotary_embedding_adds_few_python_calls_to_the_core_in_place_call():
     core = count(lambda: apply_rotary_qk(q4, k4, cos, sin, positions=rows, inplace=True))
     compat = count(lambda: rotary_embedding(positions, query, key, 128, cache, True))
     assert compat - core <= 20, (compat, core)  # 19 when this was written
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (0, 2, 16), (2, 0, 32)], ids=str)
+def test_no_tokens_is_a_no_op_in_place_and_empty_tensors_out_of_place(shape):
+    """Issue 17, repro 7: an empty input failed with a message about strides."""
+    cache = get_rope(16, 32, True, {"rope_theta": 10000.0}).cos_sin_cache
+    query, key = torch.randn(shape), torch.randn(shape)
+    assert rotary_embedding(torch.arange(0), query, key, 16, cache, True) is None
+    q, k = apply_rope_with_cos_sin_cache(torch.arange(0), query, key, 16, cache, True)
+    assert q.shape == query.shape and k.shape == key.shape
+    with pytest.raises(ValueError, match=r"^query: expected .* with num_tokens = 0"):
+        rotary_embedding(
+            torch.arange(0), torch.randn(4, 32), None, 16, cache, True
+        )  # tokens but no positions
+
+
+def test_positions_on_meta_for_a_query_with_values_is_a_value_error():
+    """Issue 17, repro 7: vLLM positions on meta with the query on the CPU raised NotImplementedError."""
+    cache = get_rope(16, 32, True, {"rope_theta": 10000.0}).cos_sin_cache
+    positions = torch.zeros(4, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"^positions: expected a tensor with values .* got a meta tensor"):
+        rotary_embedding(positions, torch.randn(4, 32), None, 16, cache, True)

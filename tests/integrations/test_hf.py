@@ -12,7 +12,8 @@ import torch
 import transformers
 
 from ropekit import RopeConfig
-from ropekit.integrations import hf, hf_coverage, hf_probe
+from ropekit.integrations import hf, hf_probe
+from ropekit.tools import hf_coverage
 
 VOCAB, MAX_POS, SEQ = 128, 32, 40
 HEAD_DIM = 16  # 64 hidden / 4 heads
@@ -451,3 +452,18 @@ def test_patched_layer_reads_no_tensor_data_on_the_host(monkeypatch):
     out, _ = layer(hidden, position_embeddings=rotary(hidden, positions), attention_mask=None)
     assert out.device.type == "meta" and out.shape == (2, 1, 64)
     assert seen  # ropekit rotated: HF's own function would have raised
+
+
+def test_patching_a_model_built_on_meta_is_a_value_error_and_changes_nothing():
+    """Issue 17, repro 7: a RuntimeError from .item() deep inside the proof."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"^model: LlamaForCausalLM has tensors on the meta device \('model\."
+    ):
+        hf.patch(model)
+    assert hf.patched_layers(model) == {}

@@ -1,4 +1,4 @@
-"""run_checks: every claim of the seeds passes for valid configurations, and a broken implementation fails."""
+"""run_checks: every property docs/math.md derives passes for valid configurations; a broken one fails."""
 
 from __future__ import annotations
 

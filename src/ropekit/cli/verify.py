@@ -1,5 +1,6 @@
-"""`ropekit verify`: check every claim of the seed documents numerically for one configuration, and the
-production backends in float32 and bfloat16 against the float64 reference."""
+"""`ropekit verify`: check numerically, for one configuration, every property of RoPE that docs/math.md
+derives (RoFormer, Su et al. 2021), and the production backends in float32 and bfloat16 against the float64
+reference."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ and sin form an (S, R/2) table, 1/(B H D / R) of t's size; t itself is read and 
 transposed view, no copy).
 
 Same semantics as Megatron: pairs (i, i + R/2), or (2i, 2i+1) with rotary_interleaved; features past R pass
-through; ``mscale`` multiplies cos and sin; t is not modified. Differences: math runs in float32 and rounds
+through; cos and sin are taken in freqs' own dtype (float64 angles stay float64), ``mscale`` multiplies
+them; t is not modified. Differences: math runs in float32 and rounds
 once to t's dtype (Megatron casts cos and sin to t's dtype first and multiplies in it, so bfloat16 results
 differ by about one ulp); freqs that do not match t's sequence and batch are a ValueError; the packed (thd)
 form with cu_seqlens and context parallelism is not mapped (use :func:`ropekit.apply_rotary` with cu_seqlens).
@@ -82,11 +83,14 @@ def apply_rotary_pos_emb(
         rotary_interleaved = rotary_interleaved.rotary_interleaved  # a TransformerConfig
     check_bool("rotary_interleaved", rotary_interleaved)
     angles, _ = half_width(freqs, freqs, interleaved=rotary_interleaved)  # (S, B', 1, R/2) view
-    compute = torch.float64 if t.dtype == torch.float64 else torch.float32
-    angles = angles[:, :, 0].transpose(0, 1).to(compute)  # (B', S, R/2)
+    angles = angles[:, :, 0].transpose(0, 1)  # (B', S, R/2)
+    # As Megatron: cos and sin in the angles' own dtype (float64 angles at position 1e6 lose ~0.03 rad if
+    # cast to float32 first), then cast, here to the math dtype (float32, or float64 for float64 t).
     cos, sin = torch.cos(angles), torch.sin(angles)
     if mscale != 1.0:
         cos, sin = cos * mscale, sin * mscale
+    compute = torch.float64 if t.dtype == torch.float64 else torch.float32
+    cos, sin = cos.to(compute), sin.to(compute)
     with peer_names({"x": "t", "cos": "freqs"}):
         out = apply_rotary(
             t.transpose(0, 1), cos, sin, per_token=True, interleaved=rotary_interleaved, backend=backend

@@ -51,9 +51,11 @@ def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> tor
     """The (1, T, H, D) view of a tensor holding T tokens of H heads of width head_size."""
     if isinstance(t, torch.Tensor):  # the decode path: a few attribute reads, then the view
         shape = t.shape
-        if len(shape) >= 2 and not shape[-1] % head_size and not t.numel() % max(tokens * head_size, 1):
+        if len(shape) >= 2 and not shape[-1] % head_size and not _leftover(t, tokens, head_size):
+            # No tokens: -1 cannot be inferred from 0 elements; any head count views an empty tensor.
+            heads = -1 if tokens else max(shape[-1] // head_size, 1)
             try:
-                return t.view(1, tokens, -1, head_size)  # (1, T, H, D)
+                return t.view(1, tokens, heads, head_size)  # (1, T, H, D)
             except RuntimeError:
                 pass
     raise _token_heads_error(name, t, tokens, head_size)
@@ -63,7 +65,7 @@ def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> Val
     """What is wrong with a tensor :func:`_token_heads` could not view."""
     if not isinstance(t, torch.Tensor):
         return ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
-    if t.dim() < 2 or t.shape[-1] % head_size or t.numel() % max(tokens * head_size, 1):
+    if t.dim() < 2 or t.shape[-1] % head_size or _leftover(t, tokens, head_size):
         return ValueError(
             f"{name}: expected (num_tokens, num_heads * head_size) or (num_tokens, num_heads, head_size) "
             f"with num_tokens = {tokens} (positions) and head_size = {head_size}, got shape {tuple(t.shape)}"
@@ -72,6 +74,11 @@ def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> Val
         f"{name}: its strides {t.stride()} do not allow a (num_tokens, num_heads, head_size) view, which "
         f"rotating in place needs; pass a tensor whose token and head axes can be merged"
     )
+
+
+def _leftover(t: torch.Tensor, tokens: int, head_size: int) -> int:
+    """Elements that do not fill whole (token, head) rows; with no tokens, every element is left over."""
+    return t.numel() % (tokens * head_size) if tokens else t.numel()
 
 
 def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,13 +322,6 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _legacy_parameters(base: Any, rope_scaling: Any) -> dict[str, Any]:
-    """vLLM's pre-0.11 base and rope_scaling as rope_parameters."""
-    if rope_scaling is not None and not isinstance(rope_scaling, Mapping):
-        raise ValueError(f"rope_scaling: expected a dict or None, got {describe(rope_scaling)}")
-    return {**(rope_scaling or {}), "rope_theta": 10000 if base is None else base}
-
-
 def get_rope(
     head_size: int,
     max_position: int,
@@ -329,14 +329,9 @@ def get_rope(
     rope_parameters: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     dual_chunk_attention_config: Mapping[str, Any] | None = None,
-    *legacy: Any,
-    rotary_dim: int | None = None,
-    base: float | None = None,
-    rope_scaling: Mapping[str, Any] | None = None,
-    partial_rotary_factor: float | None = None,
     backend: str = "auto",
 ) -> RotaryEmbedding:
-    """Mirrors vLLM's ``get_rope`` (0.11 signature): one cached module per configuration.
+    """Mirrors vLLM's ``get_rope`` (the signature of vLLM >= 0.11): one cached module per configuration.
 
     ``rope_parameters`` uses HF's v5 vocabulary, as vLLM does: ``rope_theta``, ``rope_type``,
     ``partial_rotary_factor`` (rotary_dim = int(head_size * factor)) and the schedule's keys (``factor``,
@@ -344,44 +339,27 @@ def get_rope(
     object; different ones never share one. The cache holds max_position rows (max_position * factor for
     linear and dynamic, original_max_position_embeddings * factor for yarn, as vLLM builds them).
 
-    vLLM before 0.11 took ``get_rope(head_size, rotary_dim, max_position, base, is_neox_style=True,
-    rope_scaling=None, dtype=None, partial_rotary_factor=1.0)``, the form most model code still uses. It is
-    read too: a call whose third argument is an int rather than a bool, or that names rotary_dim, base,
-    rope_scaling or partial_rotary_factor (rotary_dim then becomes int(rotary_dim * partial_rotary_factor)).
+    vLLM's older form ``get_rope(head_size, rotary_dim, max_position, base, ...)`` is not read: its third
+    argument, an int, is not a bool, so such a call is a ValueError naming is_neox_style.
 
     ``backend`` (keyword only, ropekit's) is the module's backend for every call, and part of the cache key.
 
     Raises:
         ValueError: a rope_type other than default, linear, dynamic, yarn and llama3 (vLLM's deepseek_yarn,
             longrope, mrope and dual-chunk variants are not mapped), a list of several linear factors, unknown
-            or invalid schedule keys (from :class:`~ropekit.RopeConfig`), bad head_size / max_position, or
-            both argument forms at once.
+            or invalid schedule keys (from :class:`~ropekit.RopeConfig`), bad head_size / max_position, an
+            is_neox_style that is not a bool.
     """
-    if isinstance(is_neox_style, int) and not isinstance(is_neox_style, bool):
-        # The pre-0.11 positional form: (head_size, rotary_dim, max_position, base, is_neox_style,
-        # rope_scaling, dtype, partial_rotary_factor).
-        slots = [dtype, dual_chunk_attention_config, *legacy]
-        if len(slots) > 4:
-            raise ValueError(f"get_rope: expected at most 8 positional arguments, got {4 + len(slots)}")
-        neox, rope_scaling, dtype, partial_rotary_factor = [*slots, None, None, None, None][:4]
-        rotary_dim, max_position, base = max_position, is_neox_style, rope_parameters
-        is_neox_style = True if neox is None else neox
-        rope_parameters, dual_chunk_attention_config = _legacy_parameters(base, rope_scaling), None
-    elif legacy:
-        raise ValueError(f"get_rope: expected at most 6 positional arguments, got {6 + len(legacy)}")
-    elif rotary_dim is not None or base is not None or rope_scaling is not None or partial_rotary_factor:
-        if rope_parameters is not None:
-            raise ValueError(
-                "rope_parameters: pass it or the older rotary_dim / base / rope_scaling, not both"
-            )
-        rope_parameters = _legacy_parameters(base, rope_scaling)
-    if rotary_dim is not None:
-        rotary_dim = check_int("rotary_dim", rotary_dim, minimum=1, expected="a positive int")
-        if partial_rotary_factor is not None:
-            rotary_dim = int(rotary_dim * partial_rotary_factor)
+    if not isinstance(is_neox_style, bool):  # also before the cache: 1 == True would find a cached module
+        raise ValueError(
+            f"is_neox_style: expected a bool, got {describe(is_neox_style)} (the third argument of vLLM >= "
+            "0.11's get_rope(head_size, max_position, is_neox_style, rope_parameters, ...); the older form "
+            "with rotary_dim and base is not read: put them in rope_parameters as partial_rotary_factor "
+            "and rope_theta)"
+        )
     if dual_chunk_attention_config is not None:
         raise ValueError("dual_chunk_attention_config: dual-chunk attention is not supported; expected None")
-    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, rotary_dim, backend)
+    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, backend)
 
 
 def _cached_rope(
@@ -390,15 +368,14 @@ def _cached_rope(
     is_neox_style: bool,
     rope_parameters: Mapping[str, Any] | None,
     dtype: torch.dtype | None,
-    rotary_dim: int | None,
     backend: str = "auto",
 ) -> RotaryEmbedding:
-    """get_rope's work, one argument form: the module for this configuration, built once."""
+    """get_rope's work: the module for this configuration, built once."""
     if dtype is None:
         dtype = torch.get_default_dtype()
     params = dict(rope_parameters or {})
     items = tuple((k, _hashable(v)) for k, v in params.items())
-    key = (head_size, max_position, is_neox_style, items, dtype, rotary_dim, backend)
+    key = (head_size, max_position, is_neox_style, items, dtype, backend)
     try:
         hash(key)
     except TypeError:
@@ -421,9 +398,7 @@ def _cached_rope(
             )
         params["factor"] = factor = factor[0]
     hf = {"head_dim": head_size, "rope_parameters": params, "max_position_embeddings": max_position}
-    if rotary_dim is not None:
-        hf["rotary_dim"] = rotary_dim  # read as GPT-J's config key: it wins over partial_rotary_factor
-    config = RopeConfig.from_hf(hf, interleaved=not check_bool("is_neox_style", is_neox_style))
+    config = RopeConfig.from_hf(hf, interleaved=not is_neox_style)
     rows = max_position
     if kind in _GROWS_WITH_FACTOR:
         length = max_position

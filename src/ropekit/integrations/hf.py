@@ -247,13 +247,21 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     Raises:
         ValueError: when no layer of the model applies RoPE on a text forward pass, when a layer's rotation
             disagrees with ropekit (strict; the message names the model type, the layer and the measured
-            difference), for an unknown backend or one that cannot serve the model, or when the model cannot
-            run on a few token ids.
+            difference), for an unknown backend or one that cannot serve the model, a model on the meta
+            device, or when the model cannot run on a few token ids.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     check_bool("strict", strict)
     _text_config(model)
+    tensors = (*model.named_parameters(), *model.named_buffers())
+    on_meta = next((name for name, t in tensors if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"model: {type(model).__name__} has tensors on the meta device ({on_meta!r}: shapes only, no "
+            "values), and patch runs the model once to prove each layer's rotation; patch after its weights "
+            "are loaded (from_pretrained, or to_empty then load_state_dict)"
+        )
     unpatch(model)
     model_type = _model_type(model)
     candidates = _candidate_layers(model)

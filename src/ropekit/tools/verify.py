@@ -1,5 +1,5 @@
-"""Numerical checks of every claim the seed documents make, for one configuration, and of the backends that
-serve float32 and bfloat16 in production.
+"""Numerical checks, for one configuration, of every property of RoPE that docs/math.md derives (RoFormer,
+Su et al. 2021), and of the backends that serve float32 and bfloat16 in production.
 
 Each check compares two computations that the mathematics (docs/math.md) says are equal and reports the
 largest difference against a tolerance: float64 round-off for the float64 claims. A backend's float32 or
@@ -163,8 +163,8 @@ def run_checks(
     """Run every check for ``config``; the textbook's worked examples are included whatever the config.
 
     Args:
-        config: head_dim, base and rotary_dim to check. A scaling schedule is ignored: the seeds' claims are
-            about the unscaled rotation.
+        config: head_dim, base and rotary_dim to check. A scaling schedule is ignored: docs/math.md's
+            properties are about the unscaled rotation.
         seed: seed for the random vectors and positions.
         n_positions: how many random positions each check samples.
         max_position: positions are drawn from [0, max_position).

@@ -1,4 +1,4 @@
-"""ropekit.integrations.hf_coverage: patched tiny models of every RoPE variant equal the unpatched ones.
+"""ropekit.tools.hf_coverage: patched tiny models of every RoPE variant equal the unpatched ones.
 
 `make test` checks REPRESENTATIVE (one model type per variant: half, interleaved, partial, MLA, M-RoPE,
 Llama 4's complex form, per-layer-type, encoders). ROPEKIT_HF_COVERAGE=all checks every enumerated type
@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from ropekit.integrations import hf_coverage
-from ropekit.integrations.hf_coverage import Row
+from ropekit.tools import hf_coverage
+from ropekit.tools.hf_coverage import Row
 
 ALL = os.environ.get("ROPEKIT_HF_COVERAGE") == "all"
 TYPES = list(hf_coverage.rope_model_types()) if ALL else list(hf_coverage.REPRESENTATIVE)
