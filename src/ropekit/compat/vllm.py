@@ -329,6 +329,7 @@ def get_rope(
     rope_parameters: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     dual_chunk_attention_config: Mapping[str, Any] | None = None,
+    *,
     backend: str = "auto",
 ) -> RotaryEmbedding:
     """Mirrors vLLM's ``get_rope`` (the signature of vLLM >= 0.11): one cached module per configuration.
