@@ -8,6 +8,7 @@ ARCHITECTURE.md draws the picture.
 from ropekit import _moved
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
+from ropekit.fused.qk_norm import qk_norm_rotary_
 from ropekit.module import RotaryEmbedding
 from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
 from ropekit.schedules import register_schedule
@@ -26,6 +27,7 @@ __all__ = [
     "apply_rotary_qk",
     "axial_cos_sin",
     "mrope_positions",
+    "qk_norm_rotary_",
     "register_schedule",
     "sinusoidal_embedding",
     "xpos_cos_sin",
