@@ -478,3 +478,18 @@ def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed,
     marks.as_strided(shape, strides, starts[0]).fill_(True)
     want = bool(marks.as_strided(shape, other, starts[1]).any())
     assert _share_elements(a, b) == want
+
+
+@pytest.mark.parametrize(("q_heads", "k_heads"), [(32, 8), (8, 32), (4, 4)])
+def test_q_and_k_slices_of_one_packed_qkv_buffer_do_not_share_memory(q_heads, k_heads):
+    """Views with the same strides but different head counts (GQA q and k of a packed projection): the offset
+    between them must be solved with each view's own index range (a wrong sign flagged these as shared)."""
+    from ropekit.validation import _share_elements
+
+    head_dim = 16
+    qkv = torch.zeros(5, (q_heads + 2 * k_heads) * head_dim)
+    q = qkv[:, : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
+    k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].unflatten(-1, (k_heads, head_dim))
+    assert not _share_elements(q, k) and not _share_elements(k, q)
+    wider = qkv[:, : (q_heads + 1) * head_dim].unflatten(-1, (q_heads + 1, head_dim))  # reaches k's head 0
+    assert _share_elements(wider, k) and _share_elements(k, wider)
