@@ -23,7 +23,7 @@ import torch
 from ropekit.backends.cpu import PARALLEL_THRESHOLD, build_library
 from ropekit.backends.kernel_op import row_error
 
-__all__ = ["NormSpec", "launch"]
+__all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "unavailable_reason"]
 
 log = logging.getLogger("ropekit.backends")
 
@@ -74,55 +74,84 @@ typedef float v8f __attribute__((vector_size(32)));
 #define F16_STORE(v) ((_Float16)(v))
 
 /* Sum of squares of n values in eight float32 lanes, then the lanes in order: a fixed order. */
-static float sum_squares(const float *x, int64_t n) {
+static inline float sum_squares(const float *x, int64_t n) {
     v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
+    int64_t whole = n - n % 8;
+    for (int64_t i = 0; i < whole; i += 8) {
         v8f v;
         memcpy(&v, x + i, 32);
         acc += v * v;
     }
     float total = 0.0f;
     for (int j = 0; j < 8; ++j) total += acc[j];
-    for (; i < n; ++i) total += x[i] * x[i];
+    for (int64_t i = whole; i < n; ++i) total += x[i] * x[i];
     return total;
 }
 
 /* a: {stride_b, stride_s, batch, seq, q_heads, k_heads, head_dim, half, cos_stride, sin_stride, table_len,
    offset, interleaved, all_heads, cast_before_weight, threads}; f: {eps, weight_offset}. */
+/* y(v, w): the normalised value times its weight, rounded where the model rounds (Qwen3 rounds the
+   normalised value first), as the storage dtype holds it; it is then rotated in float32 and rounded once. */
+#define QK_Y(LOAD, STORE, v, wv) \
+    (cast_before ? LOAD(STORE(LOAD(STORE((v) * r)) * (wv))) : LOAD(STORE((v) * r * (wv))))
+
+/* a: {stride_b, stride_s, batch, seq, q_heads, k_heads, head_dim, half, cos_stride, sin_stride, table_len,
+   offset, interleaved, all_heads, cast_before_weight, threads}; f: {eps, weight_offset}. w: the weights with
+   weight_offset added. */
 #define DEFINE_QK_NORM(NAME, T, LOAD, STORE) \
-static void NAME##_part(T *x, int64_t heads, int64_t head_dim, int64_t half, const float *w, int all_heads, \
-                        float eps, float offset, int cast_before, int interleaved, const float *c, \
-                        const float *s) { \
-    int64_t width = heads * head_dim; \
-    float xf[width], y[head_dim]; \
-    for (int64_t j = 0; j < width; ++j) xf[j] = LOAD(x[j]); \
-    float r_all = all_heads ? 1.0f / sqrtf(sum_squares(xf, width) / (float)width + eps) : 0.0f; \
-    for (int64_t h = 0; h < heads; ++h) { \
-        const float *xh = xf + h * head_dim; \
-        const float *wh = w + (all_heads ? h * head_dim : 0); \
-        T *out = x + h * head_dim; \
-        float r = all_heads ? r_all : 1.0f / sqrtf(sum_squares(xh, head_dim) / (float)head_dim + eps); \
-        for (int64_t d = 0; d < head_dim; ++d) { \
-            float n = xh[d] * r; \
-            if (cast_before) n = LOAD(STORE(n)); \
-            y[d] = LOAD(STORE(n * (wh[d] + offset))); \
+static inline __attribute__((always_inline)) void NAME##_heads( \
+        T *restrict x, int64_t heads, int64_t head_dim, int64_t half, const float *restrict w, \
+        int all_heads, float eps, int cast_before, int interleaved, const float *restrict c, \
+        const float *restrict s, const T *next) { \
+    float xf[head_dim]; \
+    float r = 0.0f; \
+    if (all_heads) { /* OLMo 2: one mean square over every head, the heads' sums added in order */ \
+        float total = 0.0f; \
+        for (int64_t h = 0; h < heads; ++h) { \
+            for (int64_t d = 0; d < head_dim; ++d) xf[d] = LOAD(x[h * head_dim + d]); \
+            total += sum_squares(xf, head_dim); \
         } \
+        r = 1.0f / sqrtf(total / (float)(heads * head_dim) + eps); \
+    } \
+    for (int64_t h = 0; h < heads; ++h) { \
+        T *restrict out = x + h * head_dim; \
+        const float *restrict wh = w + (all_heads ? h * head_dim : 0); \
+        if (next) /* the same head of the next token: its lines arrive while this one computes */ \
+            for (int64_t d = 0; d < head_dim; d += 64 / (int64_t)sizeof(T)) \
+                __builtin_prefetch(next + h * head_dim + d, 1, 3); \
+        for (int64_t d = 0; d < head_dim; ++d) xf[d] = LOAD(out[d]); \
+        if (!all_heads) r = 1.0f / sqrtf(sum_squares(xf, head_dim) / (float)head_dim + eps); \
         if (interleaved) { \
             for (int64_t i = 0; i < half; ++i) { \
-                float a = y[2 * i], b = y[2 * i + 1]; \
+                float a = QK_Y(LOAD, STORE, xf[2 * i], wh[2 * i]); \
+                float b = QK_Y(LOAD, STORE, xf[2 * i + 1], wh[2 * i + 1]); \
                 out[2 * i] = STORE(a * c[i] - b * s[i]); \
                 out[2 * i + 1] = STORE(b * c[i] + a * s[i]); \
             } \
         } else { \
             for (int64_t i = 0; i < half; ++i) { \
-                float a = y[i], b = y[i + half]; \
+                float a = QK_Y(LOAD, STORE, xf[i], wh[i]); \
+                float b = QK_Y(LOAD, STORE, xf[i + half], wh[i + half]); \
                 out[i] = STORE(a * c[i] - b * s[i]); \
                 out[i + half] = STORE(b * c[i] + a * s[i]); \
             } \
         } \
-        for (int64_t d = 2 * half; d < head_dim; ++d) out[d] = STORE(y[d]); \
+        for (int64_t d = 2 * half; d < head_dim; ++d) out[d] = STORE(QK_Y(LOAD, STORE, xf[d], wh[d])); \
     } \
+} \
+/* The common head sizes get their own copy of the loop, with constant trip counts the compiler unrolls and \
+   vectorises without remainder handling: at head_dim 128 that overhead cost more than the arithmetic. */ \
+static void NAME##_part(T *x, int64_t heads, int64_t head_dim, int64_t half, const float *w, int all_heads, \
+                        float eps, int cast_before, int interleaved, const float *c, const float *s, \
+                        const T *next) { \
+    if (head_dim == 128 && half == 64) \
+        NAME##_heads(x, heads, 128, 64, w, all_heads, eps, cast_before, interleaved, c, s, next); \
+    else if (head_dim == 64 && half == 32) \
+        NAME##_heads(x, heads, 64, 32, w, all_heads, eps, cast_before, interleaved, c, s, next); \
+    else if (head_dim == 256 && half == 128) \
+        NAME##_heads(x, heads, 256, 128, w, all_heads, eps, cast_before, interleaved, c, s, next); \
+    else \
+        NAME##_heads(x, heads, head_dim, half, w, all_heads, eps, cast_before, interleaved, c, s, next); \
 } \
 /* Returns -1 when done, else the first token whose table row is outside [0, table_len); nothing is written \
    then. */ \
@@ -141,16 +170,22 @@ int64_t NAME(void *qkv, const float *wq, const float *wk, const float *cos, cons
     } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) { \
         return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0; \
     } \
+    int64_t nq = all_heads ? q_heads * head_dim : head_dim, nk = all_heads ? k_heads * head_dim : head_dim; \
+    float wq2[nq], wk2[nk]; /* w + weight_offset in float32, once per call (Gemma's 1.0 + w.float()) */ \
+    for (int64_t i = 0; i < nq; ++i) wq2[i] = wq[i] + weight_offset; \
+    for (int64_t i = 0; i < nk; ++i) wk2[i] = wk[i] + weight_offset; \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
     for (int64_t token = 0; token < tokens; ++token) { \
         int64_t b = token / seq, t = token % seq; \
         int64_t row = pos ? pos[token] : offset + t; \
         T *x = (T *)qkv + b * stride_b + t * stride_s; \
+        const T *next = NULL; /* the next token's row, to prefetch (none past the last) */ \
+        if (token + 1 < tokens) next = (const T *)qkv + (t + 1 < seq ? b * stride_b + (t + 1) * stride_s \
+                                                                     : (b + 1) * stride_b); \
         const float *c = cos + row * cos_stride, *s = sin + row * sin_stride; \
-        NAME##_part(x, q_heads, head_dim, half, wq, all_heads, eps, weight_offset, cast_before, \
-                    interleaved, c, s); \
-        NAME##_part(x + q_heads * head_dim, k_heads, head_dim, half, wk, all_heads, eps, weight_offset, \
-                    cast_before, interleaved, c, s); \
+        NAME##_part(x, q_heads, head_dim, half, wq2, all_heads, eps, cast_before, interleaved, c, s, next); \
+        NAME##_part(x + q_heads * head_dim, k_heads, head_dim, half, wk2, all_heads, eps, cast_before, \
+                    interleaved, c, s, next ? next + q_heads * head_dim : NULL); \
     } \
     return -1; \
 }
@@ -167,9 +202,10 @@ SUPPORTED_DTYPES = tuple(_ENTRY)
 _ARGTYPES = [ctypes.c_void_p] * 8
 _INT_ARGS = struct.Struct("16q")
 _FLOAT_ARGS = struct.Struct("2d")
-# Floats kept on the stack per call of the part loop: x of one token's q (or k) plus one head; the C loop
-# refuses wider rows (the torch path serves them).
-MAX_ROW_FEATURES = 1 << 15
+# The C loop keeps a head of floats per thread and the weights on the stack (OLMo 2's weights span every
+# head); wider inputs take the torch path.
+MAX_HEAD_DIM = 1 << 14
+MAX_PART_FEATURES = 1 << 18
 
 _functions: dict[torch.dtype, object] = {}
 _build_error: str | None = None
@@ -190,6 +226,16 @@ def build_failure() -> str | None:
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int64
             _functions[dtype] = fn
     return _build_error
+
+
+def unavailable_reason(spec: NormSpec) -> str | None:
+    """None if the C loop can serve this packing, else why not (then the torch path serves it)."""
+    if spec.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {spec.head_dim} is wider than the C loop serves ({MAX_HEAD_DIM})"
+    if max(spec.q_heads, spec.k_heads) * spec.head_dim > MAX_PART_FEATURES:
+        return f"q or k rows of more than {MAX_PART_FEATURES} features are wider than the C loop serves"
+    error = build_failure()
+    return None if error is None else f"the C kernel could not be built: {error}"
 
 
 def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from ropekit.backends import select_backend
 from ropekit.backends.eager import rotate, table_rows
-from ropekit.backends.qk_norm_cpu import MAX_ROW_FEATURES, SUPPORTED_DTYPES, NormSpec, build_failure
+from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
 from ropekit.backends.qk_norm_cpu import launch as cpu_launch
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_int, check_positive, check_tables, check_writable, describe
@@ -275,12 +275,10 @@ def qk_norm_rotary_(
         cos, sin = cos.to(qkv.device), sin.to(qkv.device)
 
     impl = select_backend(backend, q_view, cos).name
-    if impl == "cpu" and (q_heads * head_dim > MAX_ROW_FEATURES or build_failure() is not None):
+    reason = unavailable_reason(spec) if impl == "cpu" else None
+    if reason is not None:
         if backend == "cpu":
-            raise ValueError(
-                f"backend: 'cpu' cannot serve these inputs: "
-                f"{build_failure() or f'q rows of {q_heads * head_dim} features exceed {MAX_ROW_FEATURES}'}"
-            )
+            raise ValueError(f"backend: 'cpu' cannot serve these inputs: {reason}")
         impl = "torch"
     if impl != "torch" and (cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
