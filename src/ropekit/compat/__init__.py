@@ -9,11 +9,13 @@ and every difference. docs/compat.md has the one-line migration for each.
 - :mod:`ropekit.compat.hf`: ``apply_rotary_pos_emb`` (transformers 5.x)
 - :mod:`ropekit.compat.liger`: ``liger_rotary_pos_emb``
 - :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op), FlashInfer's ``apply_rope_with_cos_sin_cache``
-  (and ``_inplace``), ``RotaryEmbedding`` and ``get_rope``
+  (and ``_inplace``), ``RotaryEmbedding``, ``get_rope`` and ``fused_qk_norm_rope``
 - :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``
 - :mod:`ropekit.compat.megatron`: ``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_with_cos_sin`` (sbhd)
+- :mod:`ropekit.compat.transformer_engine`: ``apply_rotary_pos_emb`` (sbhd / bshd / thd),
+  ``apply_fused_qkv_rotary_pos_emb``
 """
 
-from ropekit.compat import flash_attn, hf, liger, megatron, torchtune, vllm
+from ropekit.compat import flash_attn, hf, liger, megatron, torchtune, transformer_engine, vllm
 
-__all__ = ["flash_attn", "hf", "liger", "megatron", "torchtune", "vllm"]
+__all__ = ["flash_attn", "hf", "liger", "megatron", "torchtune", "transformer_engine", "vllm"]
