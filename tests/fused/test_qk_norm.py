@@ -281,8 +281,30 @@ def test_aot_specializations_name_every_kernel_argument():
     assert len(specs) == 3 * 3 * 16
     for kernel, signature, constexprs, num_warps in specs:
         assert kernel is qk_norm_rotary_kernel and num_warps > 0
-        assert set(signature) | set(constexprs) == set(kernel.arg_names)
-        assert not set(signature) & set(constexprs)
+        assert list(signature) == list(kernel.arg_names)
+        assert {n for n, t in signature.items() if t == "constexpr"} == set(constexprs)
+        blocks = [v for n, v in constexprs.items() if n.startswith("BLOCK")]
+        assert all(v > 0 and v & (v - 1) == 0 for v in blocks), constexprs  # tl.arange needs powers of two
+
+
+def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ropekit.backends.qk_norm_triton_kernel import aot_specializations
+
+    spec = next(
+        s for s in aot_specializations() if s[2]["BF16"] and s[2]["ALL_HEADS"] and s[2]["CAST_BEFORE"]
+    )
+    kernel, signature, constexprs, num_warps = spec
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
+    )
+    assert "qk_norm_rotary_kernel" in compiled.asm["ptx"]
 
 
 def test_triton_kernel_cases_pass_under_the_interpreter():

@@ -29,14 +29,15 @@ def block_sizes(head_dim: int, half: int, q_heads: int, k_heads: int) -> dict[st
     """The kernel's shape constants for one packing: the halves, the tail and the heads per block."""
     tail = head_dim - 2 * half
     block_half, block_tail = _next_pow2(half), _next_pow2(max(tail, 1))
-    per_head = 2 * block_half + block_tail
+    # Heads per block: a power of two (tl.arange needs one) within MAX_BLOCK_ELEMENTS.
+    fit = 1 << max((MAX_BLOCK_ELEMENTS // (2 * block_half + block_tail)).bit_length() - 1, 0)
     return {
         "HALF": half,
         "TAIL": tail,
         "BLOCK_HALF": block_half,
         "BLOCK_TAIL": block_tail,
-        "BLOCK_HQ": max(1, min(_next_pow2(q_heads), MAX_BLOCK_ELEMENTS // per_head)),
-        "BLOCK_HK": max(1, min(_next_pow2(k_heads), MAX_BLOCK_ELEMENTS // per_head)),
+        "BLOCK_HQ": min(_next_pow2(q_heads), fit),
+        "BLOCK_HK": min(_next_pow2(k_heads), fit),
     }
 
 

@@ -179,10 +179,15 @@ AOT_SHAPES = ((128, 128, 32, 8), (256, 256, 8, 4), (128, 64, 16, 16))
 
 
 def aot_specializations():
-    """Every (kernel, signature, constexprs, num_warps) the launcher can pick for :data:`AOT_SHAPES`."""
+    """Every (kernel, signature, constexprs, num_warps) the launcher can pick for :data:`AOT_SHAPES`.
+
+    The signature names every parameter in order ("constexpr" for the compile-time ones), as Triton's
+    ``ASTSource`` takes it.
+    """
     from ropekit.backends.qk_norm_triton import NUM_WARPS, block_sizes
 
-    pointers = ("qkv_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "flag_ptr")
+    pointers = {"pos_ptr": "*i64", "flag_ptr": "*i32"}
+    ints = {"offset", "table_len", "seq_len", "stride_b", "stride_s"}
     for (
         head_dim,
         rotary_dim,
@@ -191,11 +196,6 @@ def aot_specializations():
     ), dtype, has_pos, interleaved, all_heads, cast in itertools.product(
         AOT_SHAPES, ("fp32", "fp16", "bf16"), *([(False, True)] * 4)
     ):
-        types = {"qkv_ptr": f"*{dtype}", "pos_ptr": "*i64", "flag_ptr": "*i32"}
-        signature = {name: types.get(name, "*fp32") for name in pointers}
-        signature.update(dict.fromkeys(("offset", "table_len", "seq_len", "stride_b", "stride_s"), "i64"))
-        signature.update(dict.fromkeys(("q_heads", "k_heads", "head_dim", "cos_stride", "sin_stride"), "i32"))
-        signature.update(eps="fp32", weight_offset="fp32")
         constexprs = block_sizes(head_dim, rotary_dim // 2, q_heads, k_heads)
         constexprs.update(
             HAS_POS=has_pos,
@@ -204,4 +204,14 @@ def aot_specializations():
             CAST_BEFORE=cast,
             BF16=dtype == "bf16",
         )
+        signature = {}
+        for name in qk_norm_rotary_kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = pointers.get(name, f"*{dtype}" if name == "qkv_ptr" else "*fp32")
+            else:
+                signature[name] = (
+                    "fp32" if name in ("eps", "weight_offset") else "i64" if name in ints else "i32"
+                )
         yield qk_norm_rotary_kernel, signature, constexprs, NUM_WARPS
