@@ -86,6 +86,18 @@ def check_matches_reference(backend, dtype, form, layout, *, interleaved=False, 
     torch.testing.assert_close(qkv.double(), want, **tolerance(dtype, float(want.abs().max())))
 
 
+def check_bad_row_writes_nothing(backend) -> None:
+    """A position past the table is a ValueError naming positions, raised before anything is written."""
+    import pytest
+
+    qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float32, "qwen3", "positions")
+    kw["positions"] = torch.tensor([0, 1, 2, 3, 16])
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rotary_(qkv, q_weight, k_weight, cos, sin, backend=backend, **kw)
+    assert torch.equal(qkv, before)
+
+
 def unfused(qkv, q_weight, k_weight, cos, sin, kw, *, interleaved=False) -> torch.Tensor:
     """What a model runs today, out of place: transformers' RMSNorm of each form, then apply_rotary."""
     from ropekit import apply_rotary
