@@ -28,18 +28,21 @@ def tolerance(dtype: torch.dtype, scale: float) -> dict[str, float]:
     return {"rtol": 4 * eps, "atol": 8 * eps * max(scale, 1.0)}
 
 
-def make_case(dtype, form, layout, *, rotary_dim=HEAD_DIM, q_heads=Q_HEADS, k_heads=K_HEADS, seed=0):
+def make_case(
+    dtype, form, layout, *, rotary_dim=None, head_dim=HEAD_DIM, q_heads=Q_HEADS, k_heads=K_HEADS, seed=0
+):
     """(qkv, q_weight, k_weight, cos, sin, kwargs, positions as a NumPy array of qkv's leading shape)."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     gen = torch.Generator().manual_seed(seed)
     norm, weight_offset = FORMS[form]
-    width = (q_heads + 2 * k_heads) * HEAD_DIM
+    width = (q_heads + 2 * k_heads) * head_dim
     lead = (2, 3) if layout in ("offset", "offsets_per_seq") else (5,)
     qkv = (torch.randn(*lead, width, generator=gen) * 3).to(dtype)
-    features = (q_heads * HEAD_DIM, k_heads * HEAD_DIM) if norm == "all_heads" else (HEAD_DIM, HEAD_DIM)
+    features = (q_heads * head_dim, k_heads * head_dim) if norm == "all_heads" else (head_dim, head_dim)
     q_weight = (1 + 0.5 * torch.randn(features[0], generator=gen)).to(dtype)
     k_weight = (1 + 0.5 * torch.randn(features[1], generator=gen)).to(dtype)
     cos, sin = reference_tables(rotary_dim, 16)
-    kw = dict(num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=HEAD_DIM, eps=EPS, norm=norm)
+    kw = dict(num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=EPS, norm=norm)
     kw["weight_offset"] = weight_offset
     if layout == "offset":
         kw["offsets"] = 4
@@ -73,15 +76,19 @@ def reference(qkv, q_weight, k_weight, cos, sin, kw, positions, *, interleaved=F
     return out
 
 
-def check_matches_reference(backend, dtype, form, layout, *, interleaved=False, rotary_dim=HEAD_DIM) -> None:
+def check_matches_reference(
+    backend, dtype, form, layout, *, interleaved=False, rotary_dim=None, head_dim=HEAD_DIM
+):
     """The backend's in-place result equals the float64 composition to dtype's tolerance; v is untouched."""
-    qkv, q_weight, k_weight, cos, sin, kw, positions = make_case(dtype, form, layout, rotary_dim=rotary_dim)
+    qkv, q_weight, k_weight, cos, sin, kw, positions = make_case(
+        dtype, form, layout, rotary_dim=rotary_dim, head_dim=head_dim
+    )
     want = reference(qkv, q_weight, k_weight, cos, sin, kw, positions, interleaved=interleaved)
     before = qkv.clone()
     version = qkv._version
     out = qk_norm_rotary_(qkv, q_weight, k_weight, cos, sin, interleaved=interleaved, backend=backend, **kw)
     assert out is qkv and qkv._version > version
-    v_start = (Q_HEADS + K_HEADS) * HEAD_DIM
+    v_start = (Q_HEADS + K_HEADS) * head_dim
     assert torch.equal(qkv[..., v_start:], before[..., v_start:])
     torch.testing.assert_close(qkv.double(), want, **tolerance(dtype, float(want.abs().max())))
 

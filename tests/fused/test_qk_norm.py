@@ -49,6 +49,41 @@ def test_every_position_form_pair_layout_and_partial_rotary(backend, layout, int
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 20])
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_c_loops_copies_for_common_head_sizes_and_the_general_one(head_dim, form, interleaved):
+    """head_dim 64, 128, 256 run the C loop's constant-size copies; 20 and partial rotary the general one."""
+    for dtype in (torch.float32, torch.bfloat16):
+        check_matches_reference("cpu", dtype, form, "positions", interleaved=interleaved, head_dim=head_dim)
+    check_matches_reference("cpu", torch.float32, form, "offset", interleaved=interleaved, head_dim=head_dim,
+                            rotary_dim=head_dim // 2 + head_dim // 2 % 2)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_strided_qkv_view_is_written_in_place_and_nothing_around_it(backend):
+    """qkv a view into a wider buffer (rows of W + 7 features, as a slice of a fused projection): the same
+    values as a contiguous copy, and the features around it untouched."""
+    qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float32, "gemma3", "offsets_per_seq")
+    buffer = torch.randn(*qkv.shape[:-1], qkv.shape[-1] + 7)
+    view = buffer[..., 3 : 3 + qkv.shape[-1]]
+    view.copy_(qkv)
+    outside = [buffer[..., :3].clone(), buffer[..., 3 + qkv.shape[-1] :].clone()]
+    qk_norm_rotary_(qkv, q_weight, k_weight, cos, sin, backend=backend, **kw)
+    qk_norm_rotary_(view, q_weight, k_weight, cos, sin, backend=backend, **kw)
+    assert torch.equal(view, qkv)
+    assert torch.equal(buffer[..., :3], outside[0]) and torch.equal(
+        buffer[..., 3 + qkv.shape[-1] :], outside[1]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_is_a_no_op(backend):
+    qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float32, "qwen3", "offset")
+    empty = qkv[:, :0]
+    assert qk_norm_rotary_(empty, q_weight, k_weight, cos, sin, backend=backend, **kw) is empty
+
+
 def test_float64_runs_on_the_torch_path_and_matches_to_float64_rounding():
     check_matches_reference("auto", torch.float64, "gemma3", "cu_seqlens")
 
