@@ -29,6 +29,14 @@ def _round(x, DTYPE: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _rsqrt_rn(total, count, eps):
+    """1 / sqrt(total / count + eps) with correctly rounded division and square root, as the C loop and
+    torch compute it (a GPU's default division and square root are approximate)."""
+    mean = tl.div_rn(total, (count + 0.0).to(tl.float32))
+    return tl.div_rn(1.0 + 0.0 * mean, tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
 def _norm_rotate_heads(
     x_ptr,
     w_ptr,
@@ -72,7 +80,7 @@ def _norm_rotate_heads(
                 tmask = (heads < n_heads)[:, None] & tail_mask[None, :]
                 t = tl.load(row + tail_idx[None, :], mask=tmask, other=0.0).to(tl.float32)
                 total += tl.sum(tl.sum(t * t, axis=1), axis=0)
-        r_all = 1.0 / tl.sqrt(total / (n_heads * head_dim) + eps)
+        r_all = _rsqrt_rn(total, n_heads * head_dim, eps)
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         live = heads < n_heads
@@ -87,7 +95,7 @@ def _norm_rotate_heads(
             w_row = w_ptr + heads[:, None] * head_dim  # weights of every head: (heads * head_dim,)
         else:
             total = tl.sum(a * a + b * b, axis=1) + tl.sum(t * t, axis=1)  # (BLOCK_H,)
-            r = (1.0 / tl.sqrt(total / head_dim + eps))[:, None]
+            r = _rsqrt_rn(total, head_dim, eps)[:, None]
             w_row = w_ptr + 0 * heads[:, None]  # one (head_dim,) weight shared by the heads
         wa = tl.load(w_row + a_idx[None, :], mask=mask, other=0.0) + weight_offset
         wb = tl.load(w_row + b_idx[None, :], mask=mask, other=0.0) + weight_offset
