@@ -179,3 +179,20 @@ def _bad_calls():
 def test_errors_name_tes_arguments(name, call):
     with pytest.raises(ValueError, match=rf"^{name}: "):
         call()
+
+
+def test_fused_qkv_gradient_flows_back_into_the_packed_buffer():
+    s, b, groups, d = 3, 2, 2, 8
+    qkv = _input((s, b, groups, 2 * d + d + d), torch.float64).requires_grad_(True)
+    freqs = te_freqs(d, 8, False).double()
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [2 * d, d, d])
+    grads = [_input(t.shape, torch.float64, seed=i) for i, t in enumerate((q, k, v))]
+    (got,) = torch.autograd.grad((q, k, v), qkv, grads)
+    positions = torch.arange(s).expand(b, s)
+    q_want = te_formula(
+        qkv[..., : 2 * d].reshape(s, b, 2 * groups, d).transpose(0, 1), freqs, positions, False
+    )
+    k_want = te_formula(qkv[..., 2 * d : 3 * d].transpose(0, 1), freqs, positions, False)
+    outs = (q_want.transpose(0, 1), k_want.transpose(0, 1), qkv[..., 3 * d :])
+    (want,) = torch.autograd.grad(outs, qkv, grads)
+    torch.testing.assert_close(got, want)

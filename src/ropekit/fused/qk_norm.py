@@ -186,7 +186,8 @@ def qk_norm_rotary_(
             (vLLM's and SGLang's packed projection). float16, bfloat16, float32 (float64: torch path only).
             The last axis must have stride 1; other axes may be strided (a view into a larger buffer).
         q_weight, k_weight: the q_norm / k_norm weights: (D,), or (Hq * D,) and (Hk * D,) with
-            norm="all_heads". Any float dtype; read in float32.
+            norm="all_heads". Any float dtype; read in float32. (A float32 weight on bfloat16 qkv makes
+            transformers' Qwen3 norm return float32; here the result is rounded to qkv's dtype, in place.)
         cos, sin: tables (L, R/2) as for :func:`ropekit.apply_rotary`; features of a head past R are
             normalised but not rotated (partial rotary).
         num_q_heads, num_kv_heads, head_dim: the packing.
