@@ -108,6 +108,15 @@ def test_gradcheck_in_float64(form):
     assert torch.autograd.gradcheck(fn, (qkv, q_weight, k_weight))
 
 
+def test_a_second_derivative_is_refused_rather_than_wrong():
+    qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float64, "qwen3", "offset")
+    x = qkv.clone().requires_grad_(True)
+    out = qk_norm_rotary_(x.clone(), q_weight, k_weight, cos.double(), sin.double(), **kw)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
 def test_weights_get_gradients_when_qkv_does_not_require_grad():
     qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float32, "qwen3", "offset")
     q_weight.requires_grad_(True)

@@ -29,6 +29,7 @@ import math
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ropekit.backends import select_backend
 from ropekit.backends.eager import rotate, table_rows
@@ -105,6 +106,7 @@ class QKNormRotaryFunction(torch.autograd.Function):
         return qkv
 
     @staticmethod
+    @once_differentiable  # the saved input is a constant copy: a second derivative through it would be wrong
     def backward(ctx: Any, grad: torch.Tensor):
         x_qk, q_weight, k_weight, cos, sin, positions = ctx.saved_tensors
         spec: NormSpec = ctx.spec
