@@ -350,3 +350,19 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
 
 def test_triton_kernel_cases_pass_under_the_interpreter():
     run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900)
+
+
+def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():
+    from ropekit.backends.qk_norm_cpu import MAX_HEAD_DIM
+
+    head_dim = MAX_HEAD_DIM + 2
+    qkv = torch.randn(2, 3 * head_dim)
+    weight = torch.ones(head_dim)
+    cos, sin = torch.ones(4, 4), torch.zeros(4, 4)  # rotary_dim 8, identity rotation
+    kw = dict(num_q_heads=1, num_kv_heads=1, head_dim=head_dim, eps=1e-6)
+    with pytest.raises(ValueError, match=r"^backend: 'cpu' cannot serve these inputs: head_dim"):
+        qk_norm_rotary_(qkv.clone(), weight, weight, cos, sin, backend="cpu", **kw)
+    auto, torch_path = qkv.clone(), qkv.clone()
+    qk_norm_rotary_(auto, weight, weight, cos, sin, **kw)
+    qk_norm_rotary_(torch_path, weight, weight, cos, sin, backend="torch", **kw)
+    assert torch.equal(auto, torch_path) and not torch.equal(auto, qkv)

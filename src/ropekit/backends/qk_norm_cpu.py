@@ -205,7 +205,7 @@ _FLOAT_ARGS = struct.Struct("2d")
 # The C loop keeps a head of floats per thread and the weights on the stack (OLMo 2's weights span every
 # head); wider inputs take the torch path.
 MAX_HEAD_DIM = 1 << 14
-MAX_PART_FEATURES = 1 << 18
+MAX_PART_FEATURES = 1 << 16
 
 _functions: dict[torch.dtype, object] = {}
 _build_error: str | None = None
