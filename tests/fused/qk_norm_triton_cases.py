@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ropekit.backends.triton import interpreter_enabled
-
-from .qk_norm_cases import (
+from qk_norm_cases import (
     FORMS,
     LAYOUTS,
     check_bad_row_writes_nothing,
     check_gradients_match_unfused,
     check_matches_reference,
 )
+
+from ropekit.backends.triton import interpreter_enabled
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (the runner)")
 

@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import ropekit
-from ropekit.backends.qk_norm_cpu import NormSpec
-from ropekit.fused.qk_norm import qk_norm_rotary_, rms_norm
-from triton_interpreter import run_interpreter_cases
-
-from .qk_norm_cases import (
+from qk_norm_cases import (
     FORMS,
     HEAD_DIM,
     K_HEADS,
@@ -27,6 +21,11 @@ from .qk_norm_cases import (
     make_case,
     tolerance,
 )
+
+import ropekit
+from ropekit.backends.qk_norm_cpu import NormSpec
+from ropekit.fused.qk_norm import qk_norm_rotary_, rms_norm
+from triton_interpreter import run_interpreter_cases
 
 BACKENDS = ["torch", "cpu"]
 HERE = Path(__file__).parent
