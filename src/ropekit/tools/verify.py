@@ -279,75 +279,10 @@ def run_checks(
             ref.sinusoidal(positions, d, config.base),
         ),
     )
-    checks += _backend_checks(config, backends, rng, n_positions, max_position)
-    return checks + _qk_norm_checks(config, backends, rng, n_positions, max_position)
+    from ropekit.tools.verify_qk_norm import qk_norm_checks
 
-
-# ---- QK-RMSNorm + RoPE (ropekit.qk_norm_rotary_) -----------------------------------------------------------
-
-# form -> qk_norm_rotary_ keywords: transformers' Qwen3, Gemma 3 and OLMo 2 q_norm / k_norm.
-QK_NORM_FORMS = {"qwen3": {}, "gemma3": {"weight_offset": 1.0}, "olmo2": {"norm": "all_heads"}}
-# The backends with a QK-norm kernel of their own (another registered backend would run the torch path).
-QK_NORM_BACKENDS = ("torch", "cpu", "triton")
-
-
-def _qk_norm_checks(
-    config: RopeConfig, backends: Sequence[str], rng: np.random.Generator, n_positions: int, max_position: int
-) -> list[Check]:
-    """qk_norm_rotary_ on each backend, dtype and norm form against the float64 composition (the norm of the
-    stored q and k, times the stored weight, then the reference rotation), as error / bound per element.
-
-    The bound is :func:`backend_error_bound` plus the norm's own rounding to the storage dtype before the
-    rotation (where the model rounds it; Qwen3 rounds twice): at most 1.5 ulps of dtype of the largest
-    normalised value, as the rotation mixes two of them.
-    """
-    from ropekit.fused.qk_norm import qk_norm_rotary_
-
-    q_heads, k_heads, eps = 2, 1, 1e-6
-    head_dim, theta = config.head_dim, ref.inv_freq(config.rotary_dim, config.base)
-    positions = rng.integers(0, max_position, size=n_positions)
-    qkv = rng.standard_normal((n_positions, (q_heads + 2 * k_heads) * head_dim)) * 3
-    cos, sin = config.cos_sin(int(positions.max()) + 1)
-    rotate = ref.rotate_interleaved if config.interleaved else ref.rotate_half
-    checks = []
-    for form, kw in QK_NORM_FORMS.items():
-        all_heads = kw.get("norm") == "all_heads"
-        weights = [
-            1 + 0.3 * rng.standard_normal(h * head_dim if all_heads else head_dim) for h in (q_heads, k_heads)
-        ]
-        for name in (b for b in backends if b in QK_NORM_BACKENDS):
-            device = backend_device(name)
-            for dtype in BACKEND_DTYPES:
-                stored = torch.from_numpy(qkv).to(dtype)
-                stored_w = [torch.from_numpy(w).to(dtype) for w in weights]
-                x = stored.double().numpy()
-                want, start = [], 0
-                for heads, w in zip((q_heads, k_heads), stored_w, strict=True):
-                    part = x[:, start : start + heads * head_dim]
-                    groups = part if all_heads else part.reshape(n_positions, heads, head_dim)
-                    normed = groups / np.sqrt(np.mean(groups**2, axis=-1, keepdims=True) + eps)
-                    y = (normed * (w.double().numpy() + kw.get("weight_offset", 0.0))).reshape(
-                        -1, heads, head_dim
-                    )
-                    want.append(rotate(y, positions[:, None], theta).reshape(n_positions, -1))
-                    start += heads * head_dim
-                want = np.concatenate(want, axis=-1)
-                got = stored.to(device)
-                qk_norm_rotary_(
-                    got, *(w.to(device) for w in stored_w), cos.to(device), sin.to(device),
-                    num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=eps,
-                    positions=torch.from_numpy(positions).to(device), interleaved=config.interleaved,
-                    backend=name, **kw,
-                )  # fmt: skip
-                scale = float(np.abs(want).max())
-                bound = backend_error_bound(want, dtype, scale) + 1.5 * torch.finfo(dtype).eps * scale
-                got_qk = got[:, :start].double().cpu().numpy()
-                dtype_name = str(dtype).removeprefix("torch.")
-                checks.append(
-                    Check(
-                        f"qk_norm_rotary_ {name} {dtype_name} ({form}) = float64 composition (error / bound)",
-                        float((np.abs(got_qk - want) / bound).max()),
-                        1.0,
-                    )
-                )
-    return checks
+    qk_norm = qk_norm_checks(
+        config, backends, rng, n_positions, max_position, check=Check, bound=backend_error_bound,
+        device_of=backend_device,
+    )  # fmt: skip
+    return checks + _backend_checks(config, backends, rng, n_positions, max_position) + qk_norm
