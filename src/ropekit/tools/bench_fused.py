@@ -90,9 +90,7 @@ def _max_err(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def fused_records(
-    case, *, columns: list[str], include: list[str] | None, min_run_time: float, repeats: int, measure, log
-) -> list[dict]:
+def fused_records(case, columns, measure, include, min_run_time, repeats, log) -> list[dict]:
     """The records of every fused row that include selects (None: all), with bench's columns.
 
     In-place rows work on their own copies again on every call (the norm keeps the values in range), and
