@@ -94,6 +94,12 @@ def test_gradients_equal_the_unfused_compositions(backend, dtype, form):
     check_gradients_match_unfused(backend, dtype, form)
 
 
+@pytest.mark.parametrize("layout", ["positions", "cu_seqlens"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_gradients_of_packed_token_rows_through_the_c_loop(layout, form):
+    check_gradients_match_unfused("cpu", torch.float32, form, layout)
+
+
 @pytest.mark.parametrize("form", list(FORMS))
 def test_gradcheck_in_float64(form):
     qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float64, form, "cu_seqlens", rotary_dim=8)
