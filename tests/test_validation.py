@@ -509,3 +509,18 @@ def test_a_meta_argument_for_an_input_with_values_is_a_value_error_naming_it(cas
         ValueError, match=rf"^{name}: expected a tensor with values for an input on cpu, got a meta"
     ):
         call()
+
+
+@pytest.mark.parametrize(("q_heads", "k_heads"), [(32, 8), (8, 32), (4, 4)])
+def test_q_and_k_slices_of_one_packed_qkv_buffer_do_not_share_memory(q_heads, k_heads):
+    """Views with the same strides but different head counts (GQA q and k of a packed projection): the offset
+    between them must be solved with each view's own index range (a wrong sign flagged these as shared)."""
+    from ropekit.validation import _share_elements
+
+    head_dim = 16
+    qkv = torch.zeros(5, (q_heads + 2 * k_heads) * head_dim)
+    q = qkv[:, : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
+    k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].unflatten(-1, (k_heads, head_dim))
+    assert not _share_elements(q, k) and not _share_elements(k, q)
+    wider = qkv[:, : (q_heads + 1) * head_dim].unflatten(-1, (q_heads + 1, head_dim))  # reaches k's head 0
+    assert _share_elements(wider, k) and _share_elements(k, wider)

@@ -8,6 +8,7 @@ ARCHITECTURE.md draws the picture.
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8, shift_cache_
+from ropekit.fused.qk_norm import qk_norm_rotary_
 from ropekit.module import RotaryEmbedding
 from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
 from ropekit.rope_index import get_rope_index
@@ -28,6 +29,7 @@ __all__ = [
     "axial_cos_sin",
     "get_rope_index",
     "mrope_positions",
+    "qk_norm_rotary_",
     "register_schedule",
     "shift_cache_",
     "sinusoidal_embedding",

@@ -252,9 +252,10 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     dims_a = sorted((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1)
     dims_b = sorted((s, n) for n, s in zip(b.shape, b.stride(), strict=True) if n > 1)
     if [s for s, _ in dims_a] == [s for s, _ in dims_b]:
-        # Same strides (views of one buffer): is b_start - a_start = sum c_d s_d with -(na_d - 1) <= c_d <=
-        # nb_d - 1? Solved exactly by a short depth-first search, largest stride first.
-        ranges = [(s, -(na - 1), nb - 1) for (s, na), (_, nb) in zip(dims_a, dims_b, strict=True)][::-1]
+        # Same strides (views of one buffer): a's index i and b's index j meet where sum (i_d - j_d) s_d =
+        # b_start - a_start, so c_d = i_d - j_d runs over -(nb_d - 1) .. na_d - 1. Solved exactly by a short
+        # depth-first search, largest stride first.
+        ranges = [(s, -(nb - 1), na - 1) for (s, na), (_, nb) in zip(dims_a, dims_b, strict=True)][::-1]
         found = _solve(b.storage_offset() - a.storage_offset(), ranges, budget=[4096])
         if found is not None:
             return found

@@ -379,3 +379,62 @@ def test_positions_on_meta_for_a_query_with_values_is_a_value_error():
     positions = torch.zeros(4, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match=r"^positions: expected a tensor with values .* got a meta tensor"):
         rotary_embedding(positions, torch.randn(4, 32), None, 16, cache, True)
+
+
+# ---- fused_qk_norm_rope: vLLM's tests/kernels/core/test_fused_qk_norm_rope.py compares the fused op with
+# vLLM's RMSNorm (float32 mean square, cast to the input dtype, times the weight) on q and k per head, then
+# its rotary embedding. Here: the same composition, written out, then rotary_embedding above.
+
+
+def _qwen3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_fused_qk_norm_rope_equals_rms_norm_then_rotary_embedding(dtype, is_neox, rotary_dim):
+    from ropekit.compat.vllm import fused_qk_norm_rope
+
+    tokens, q_heads, k_heads, head_dim, eps = 7, 4, 2, 64, 1e-6
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=g) * 2).to(dtype)
+    q_weight = (0.5 + torch.rand(head_dim, generator=g)).to(dtype)
+    k_weight = (0.5 + torch.rand(head_dim, generator=g)).to(dtype)
+    params = {"rope_theta": 1e6, "partial_rotary_factor": rotary_dim / head_dim}
+    cache = get_rope(head_dim, MAX_POSITION, is_neox, params).cos_sin_cache
+    positions = torch.randint(0, MAX_POSITION, (tokens,), generator=g)
+    q_size, k_size = q_heads * head_dim, k_heads * head_dim
+    q = _qwen3_rms_norm(qkv[:, :q_size].unflatten(-1, (q_heads, head_dim)), q_weight, eps).flatten(1)
+    k = _qwen3_rms_norm(qkv[:, q_size : q_size + k_size].unflatten(-1, (k_heads, head_dim)), k_weight, eps)
+    k = k.flatten(1)
+    rotary_embedding(positions, q, k, head_dim, cache, is_neox)
+    v = qkv[:, q_size + k_size :].clone()
+    assert fused_qk_norm_rope(qkv, q_heads, k_heads, k_heads, head_dim, eps, q_weight, k_weight, cache,
+                              is_neox, positions) is None  # fmt: skip
+    atol, rtol = VLLM_TOL[dtype]
+    torch.testing.assert_close(qkv[:, :q_size], q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(qkv[:, q_size : q_size + k_size], k, atol=atol, rtol=rtol)
+    assert torch.equal(qkv[:, q_size + k_size :], v)
+
+
+def test_fused_qk_norm_rope_signature_and_errors_are_vllms():
+    from ropekit.compat.vllm import fused_qk_norm_rope
+
+    names = ["qkv", "num_heads_q", "num_heads_k", "num_heads_v", "head_dim", "eps", "q_weight", "k_weight",
+             "cos_sin_cache", "is_neox", "position_ids"]  # fmt: skip
+    assert signature_of(fused_qk_norm_rope) == [(name, NO_DEFAULT) for name in names]
+    qkv, w = torch.randn(3, 6 * 16), torch.ones(16)
+    cache = get_rope(16, 8, True, {"rope_theta": 1e4}).cos_sin_cache
+    args = (qkv, 4, 1, 1, 16, 1e-6, w, w, cache, True)
+    before = qkv.clone()
+    with pytest.raises(ValueError, match=r"^position_ids: "):
+        fused_qk_norm_rope(*args, torch.tensor([0, 1, 8]))
+    with pytest.raises(ValueError, match=r"^num_heads_v: "):
+        fused_qk_norm_rope(qkv, 4, 1, 2, 16, 1e-6, w, w, cache, True, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"^num_heads_q: "):
+        fused_qk_norm_rope(qkv, 0, 1, 1, 16, 1e-6, w, w, cache, True, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"^cos_sin_cache: "):
+        fused_qk_norm_rope(*args[:8], cache[:, :5], True, torch.tensor([0, 1, 2]))
+    assert torch.equal(qkv, before)

@@ -42,3 +42,33 @@ def test_run_benchmark_includes_the_fused_rows_by_name():
     rows = {r["row"] for r in recs}
     assert {"fused rope+cache", "unfused rope+cache"} <= rows and "fused rope+fp8" not in rows
     assert all(not math.isnan(r["mb"]) for r in recs)
+
+
+COLS = bench.COLUMNS
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-varlen", "decode-1"])
+def test_qk_norm_row_agrees_with_rms_norm_then_rotate_and_moves_half_the_bytes(shape):
+    case = bench.make_case(bench.SHAPES[shape], torch.float32, torch.device("cpu"))
+    calls = []
+
+    def measure(fn, min_run_time):
+        calls.append(fn)
+        fn()
+        return 1e-3 * len(calls)
+
+    records = fused_records(case, columns=COLS, include=["qknorm"], min_run_time=0.0, repeats=2,
+                            measure=measure, log=lambda message: None)  # fmt: skip
+    fused, unfused = records
+    assert (fused["row"], unfused["row"]) == ("fused qknorm+rope", "unfused qknorm+rope")
+    assert fused["note"] == "" and fused["max_err"] < 1e-4
+    q_k_bytes = (case.q.numel() + case.k.numel()) * 4
+    assert fused["mb"] * 2**20 == 2 * q_k_bytes and unfused["mb"] == 2 * fused["mb"]
+    assert len(calls) == 6  # two rounds of fused, unfused and the copy floor, interleaved
+    assert set(fused) == set(COLS)
+
+
+def test_include_filters_the_fused_rows():
+    case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
+    kw = dict(columns=COLS, min_run_time=0.0, repeats=1, measure=lambda fn, t: 1.0, log=lambda m: None)
+    assert fused_records(case, include=["no such row"], **kw) == []

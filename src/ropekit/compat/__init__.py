@@ -11,13 +11,15 @@ and every difference. docs/compat.md has the one-line migration for each.
 - :mod:`ropekit.compat.liger`: ``liger_rotary_pos_emb`` (and ``_vision``, ``_gpt_oss``), ``LigerRopeFunction``
 - :mod:`ropekit.compat.vllm`: ``rotary_embedding`` (vLLM's op, registered as
   ``torch.ops.ropekit.rotary_embedding``), FlashInfer's ``apply_rope_with_cos_sin_cache`` (and ``_inplace``),
-  ``RotaryEmbedding`` and ``get_rope``
+  ``RotaryEmbedding``, ``get_rope`` and ``fused_qk_norm_rope``
 - :mod:`ropekit.compat.flashinfer`: ``rope_quantize_fp8``, ``mla_rope_quantize_fp8``,
   ``rope_quantize_fp8_append_paged_kv_cache`` (on :mod:`ropekit.fused`), ``apply_rope_with_cos_sin_cache``
 - :mod:`ropekit.compat.torchtune`: ``RotaryPositionalEmbeddings``, ``Llama3ScaledRoPE``,
   ``Phi3RotaryPositionalEmbeddings``, ``VisionRotaryPositionalEmbeddings``
 - :mod:`ropekit.compat.rotary_embedding_torch`: lucidrains' ``RotaryEmbedding``, ``apply_rotary_emb``
 - :mod:`ropekit.compat.megatron`: ``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_with_cos_sin`` (sbhd)
+- :mod:`ropekit.compat.transformer_engine`: ``apply_rotary_pos_emb`` (sbhd / bshd / thd),
+  ``apply_fused_qkv_rotary_pos_emb``
 """
 
 from ropekit.compat import (
@@ -28,6 +30,7 @@ from ropekit.compat import (
     megatron,
     rotary_embedding_torch,
     torchtune,
+    transformer_engine,
     vllm,
 )
 
@@ -39,5 +42,6 @@ __all__ = [
     "megatron",
     "rotary_embedding_torch",
     "torchtune",
+    "transformer_engine",
     "vllm",
 ]

@@ -409,3 +409,64 @@ def _cached_rope(
     module = RotaryEmbedding.from_config(config, rows, dtype, backend=backend)
     _ROPE_CACHE[key] = module
     return module
+
+
+# ---- vLLM's fused QK-norm + RoPE -------------------------------------------------------------------------
+
+_QK_NORM_NAMES = {"positions": "position_ids", "num_q_heads": "num_heads_q", "num_kv_heads": "num_heads_k"}
+
+
+def fused_qk_norm_rope(
+    qkv: torch.Tensor,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    position_ids: torch.Tensor,
+) -> None:
+    """Mirrors vLLM's ``_custom_ops.fused_qk_norm_rope`` (Qwen3's attention): in place; returns None.
+
+    qkv is (T, (Hq + Hk + Hv) * D) laid out [q | k | v]; q and k are RMS-normalised per head with q_weight
+    and k_weight (D,), then rotated with the [cos | sin] cache (P, R) at position_ids (T,); v is untouched.
+    is_neox=True pairs (i, i + R/2), False pairs (2i, 2i+1). Runs :func:`ropekit.qk_norm_rotary_` with the
+    Qwen3 RMSNorm (the normalised value rounded to qkv's dtype before the weight, as vLLM's ``RMSNorm`` that
+    its fused kernel is tested against does).
+
+    Differences: vLLM's CUDA kernel keeps the norm's float32 result through the rotation, so in bfloat16 the
+    two may differ by an ulp; a position outside [0, P) is a ValueError; num_heads_v must equal num_heads_k
+    (the packing ropekit serves).
+
+    Raises:
+        ValueError: as :func:`ropekit.qk_norm_rotary_`, and for a cache that is not (P, R) with even
+            R <= head_dim, position_ids that are not (T,), or num_heads_v != num_heads_k.
+    """
+    from ropekit.fused.qk_norm import qk_norm_rotary_
+
+    check_bool("is_neox", is_neox)
+    num_heads_v = check_int("num_heads_v", num_heads_v, minimum=1, expected="a positive int")
+    if num_heads_v != num_heads_k:
+        raise ValueError(
+            f"num_heads_v: expected num_heads_k ({num_heads_k}) value heads (ropekit packs q, k and v with "
+            f"as many value as key heads), got {num_heads_v}"
+        )
+    c = cos_sin_cache
+    if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.shape[1] % 2 or not 0 < c.shape[1] <= head_dim:
+        raise ValueError(
+            f"cos_sin_cache: expected shape (max_position, rotary_dim) holding [cos | sin], rotary_dim even "
+            f"and <= head_dim ({head_dim}), got {describe(c)}"
+        )
+    half = c.shape[1] // 2
+    with peer_names(_QK_NORM_NAMES):
+        qk_norm_rotary_(
+            qkv, q_weight, k_weight, c[:, :half], c[:, half:], num_q_heads=num_heads_q,
+            num_kv_heads=num_heads_k, head_dim=head_dim, eps=eps, positions=position_ids,
+            interleaved=not is_neox,
+        )  # fmt: skip
+
+
+__all__ += ["fused_qk_norm_rope"]

@@ -3,7 +3,7 @@
 Every entry of :data:`FUSED_ROWS` gives two rows, ``fused <name>`` and ``unfused <name>``, timed
 interleaved round by round with the same inputs (in-place ops get their own copies), plus the floor: a
 ``copy_`` of the fused op's own bytes (``x_copy``): of q, k and v for the cache write; of one uint8 buffer
-holding as many bytes as the FP8 op reads and writes, whose output differs in dtype from its input. The
+holding as many bytes as the FP8 op (or the QK-norm op) reads and writes. The
 ``mb`` column is what each row must read and write at least; ``x_unfused`` is the fused time over the unfused
 time. :func:`ropekit.tools.bench.run_benchmark` calls :func:`fused_records` for every shape.
 
@@ -25,6 +25,8 @@ import ropekit
 __all__ = ["FUSED_ROWS", "FusedPair", "FusedRow", "fused_records"]
 
 PAGE_SIZE = 16  # tokens per cache page (vLLM's default block size)
+# The QK-norm row's epsilon and weights: Qwen3's (rms_norm_eps 1e-6, weights near 1).
+QK_NORM_EPS = 1e-6
 
 
 @dataclass
@@ -126,10 +128,46 @@ def _fp8_pair(case) -> FusedPair:
     )
 
 
+def _qk_norm_pair(case) -> FusedPair:
+    """QK-RMSNorm + RoPE on packed qkv, in place, against: Qwen3's RMSNorm written back into q and k (float32
+    mean square, rounded, times the weight), then ``apply_rotary_qk`` in place on the q and k views."""
+    q_heads, k_heads, head_dim = case.q.shape[-2], case.k.shape[-2], case.q.shape[-1]
+    v = torch.randn(case.k.shape, generator=torch.Generator().manual_seed(1)).to(case.k)
+    qkv = torch.cat([case.q.flatten(-2), case.k.flatten(-2), v.flatten(-2)], dim=-1)  # (B, S, W)
+    kw = dict(case.ropekit_kwargs)
+    if "cu_seqlens" in kw:
+        qkv = qkv[0]  # packed: (T, W)
+    weights = torch.Generator().manual_seed(2)
+    q_weight = (1 + 0.1 * torch.randn(head_dim, generator=weights)).to(case.q)
+    k_weight = (1 + 0.1 * torch.randn(head_dim, generator=weights)).to(case.q)
+    fused_qkv, unfused_qkv = qkv.clone(), qkv.clone()
+    q_size, k_size = q_heads * head_dim, k_heads * head_dim
+    heads = (*unfused_qkv.shape[:-1], -1, head_dim)
+    q_view = unfused_qkv[..., :q_size].view(heads)  # (B, S, Hq, D) or (T, Hq, D) views into the buffer
+    k_view = unfused_qkv[..., q_size : q_size + k_size].view(heads)
+    packing = dict(num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=QK_NORM_EPS)
+
+    def fused():
+        ropekit.qk_norm_rotary_(fused_qkv, q_weight, k_weight, case.cos, case.sin, **packing, **kw)
+        return (fused_qkv,)
+
+    def unfused():
+        for x, weight in ((q_view, q_weight), (k_view, k_weight)):
+            x32 = x.float()
+            x.copy_(weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS)).to(x.dtype))
+        ropekit.apply_rotary_qk(q_view, k_view, case.cos, case.sin, inplace=True, **kw)
+        return (unfused_qkv,)
+
+    qk_bytes = (q_size + k_size) * qkv[..., 0].numel() * qkv.element_size()
+    # Fused: q and k read and written once. Unfused: the norm reads and writes them, then the rotation again.
+    return FusedPair(fused, unfused, fused_bytes=2 * qk_bytes, unfused_bytes=4 * qk_bytes, tolerance=1e-4)
+
+
 # One entry per fusion; the rows appear in this order.
 FUSED_ROWS: list[FusedRow] = [
     FusedRow("rope+cache", _cache_pair),
     FusedRow("rope+fp8", _fp8_pair),
+    FusedRow("qknorm+rope", _qk_norm_pair),
 ]
 
 

@@ -295,7 +295,13 @@ def run_checks(
         config, backends, rng, n_positions, max_position, check=Check, bound=backend_error_bound,
         device_of=backend_device,
     )  # fmt: skip
-    return checks + _backend_checks(config, backends, rng, n_positions, max_position) + fused
+    from ropekit.tools.verify_qk_norm import qk_norm_checks
+
+    qk_norm = qk_norm_checks(
+        config, backends, rng, n_positions, max_position, check=Check, bound=backend_error_bound,
+        device_of=backend_device,
+    )  # fmt: skip
+    return checks + _backend_checks(config, backends, rng, n_positions, max_position) + fused + qk_norm
 
 
 # How `verify --backends triton` ran the Triton kernel, and what that proves.

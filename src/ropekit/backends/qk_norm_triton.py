@@ -1,0 +1,98 @@
+"""Launching the QK-RMSNorm + RoPE Triton kernel (:mod:`ropekit.backends.qk_norm_triton_kernel`).
+
+CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Table rows are checked without a host
+sync, as in :mod:`ropekit.backends.triton`: with integers for an int offset, on the host for CPU positions,
+and on the device otherwise (the kernel clamps a bad row and clears a flag that ``torch._assert_async``
+asserts), so a bad call fails instead of returning a result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ropekit.backends.kernel_op import check_offset_rows, row_error
+
+__all__ = ["NUM_WARPS", "block_sizes", "launch"]
+
+NUM_WARPS = 4
+# Elements of one block of heads: enough to keep the loads wide, small enough for registers.
+MAX_BLOCK_ELEMENTS = 4096
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_sizes(head_dim: int, half: int, q_heads: int, k_heads: int) -> dict[str, int]:
+    """The kernel's shape constants for one packing: the halves, the tail and the heads per block."""
+    tail = head_dim - 2 * half
+    block_half, block_tail = _next_pow2(half), _next_pow2(max(tail, 1))
+    # Heads per block: a power of two (tl.arange needs one) within MAX_BLOCK_ELEMENTS.
+    fit = 1 << max((MAX_BLOCK_ELEMENTS // (2 * block_half + block_tail)).bit_length() - 1, 0)
+    return {
+        "HALF": half,
+        "TAIL": tail,
+        "BLOCK_HALF": block_half,
+        "BLOCK_TAIL": block_tail,
+        "BLOCK_HQ": min(_next_pow2(q_heads), fit),
+        "BLOCK_HK": min(_next_pow2(k_heads), fit),
+    }
+
+
+def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
+    """Normalise and rotate q and k of qkv (batch, seq, width) in place; arguments as
+    :func:`ropekit.backends.qk_norm_cpu.launch` (checked by the public call).
+
+    Raises:
+        ValueError: a host-checked table row outside the table.
+    """
+    from ropekit.backends.qk_norm_triton_kernel import qk_norm_rotary_kernel
+
+    batch, seq, _ = qkv.shape
+    table_len, half = cos.shape
+    if batch * seq == 0:
+        return
+    device_check = False
+    if positions is None:
+        check_offset_rows(offset, batch, seq, table_len)
+    elif positions.device.type == "cpu":
+        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+        if lo < 0 or hi >= table_len:
+            raise row_error(lo if lo < 0 else hi, table_len)
+    else:
+        device_check = True
+    flag = torch.ones(1, dtype=torch.int32, device=qkv.device)
+    guard = torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext()
+    with guard:
+        qk_norm_rotary_kernel[(batch * seq,)](
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            qkv if positions is None else positions,  # unused pointer when HAS_POS is False
+            flag,
+            offset,
+            table_len,
+            seq,
+            qkv.stride(0),
+            qkv.stride(1),
+            spec.q_heads,
+            spec.k_heads,
+            spec.head_dim,
+            cos.stride(0),
+            sin.stride(0),
+            spec.eps,
+            spec.weight_offset,
+            **block_sizes(spec.head_dim, half, spec.q_heads, spec.k_heads),
+            HAS_POS=positions is not None,
+            INTERLEAVED=spec.interleaved,
+            ALL_HEADS=spec.all_heads,
+            CAST_BEFORE=spec.cast_before_weight,
+            BF16=qkv.dtype == torch.bfloat16,
+            num_warps=NUM_WARPS,
+        )
+    if device_check:
+        torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")

@@ -1,0 +1,225 @@
+"""The Triton kernel for QK-RMSNorm + RoPE on packed qkv, in place (see :mod:`ropekit.fused.qk_norm`).
+
+One program per token: it loads the token's cos/sin row once, then normalises, weights and rotates the q heads
+and the k heads in blocks of heads, each head loaded as its two rotary halves and its tail, so the pair
+partners of the rotation sit in the same lanes. Switches (pair layout, OLMo 2's all-heads norm, where the
+rounding falls, positions tensor or int offset, bfloat16 rounding) are compile-time constants.
+
+Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run on the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import triton
+import triton.language as tl
+
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
+
+__all__ = ["aot_specializations", "qk_norm_rotary_kernel"]
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, BF16: tl.constexpr):
+    """x (float32) rounded to the storage dtype and back: where Hugging Face's RMSNorm casts."""
+    if BF16:
+        return _bf16_round_to_nearest_even(x).to(tl.float32)
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rsqrt_rn(total, count, eps):
+    """1 / sqrt(total / count + eps) with correctly rounded division and square root, as the C loop and
+    torch compute it (a GPU's default division and square root are approximate)."""
+    mean = tl.div_rn(total, (count + 0.0).to(tl.float32))
+    return tl.div_rn(1.0 + 0.0 * mean, tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
+def _norm_rotate_heads(
+    x_ptr,
+    w_ptr,
+    n_heads,
+    head_dim,
+    eps,
+    weight_offset,
+    c,
+    s,
+    half_idx,
+    half_mask,
+    tail_idx,
+    tail_mask,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
+    CAST_BEFORE: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """Normalise, weight and rotate n_heads heads of one token in place; x_ptr points at head 0, feature 0."""
+    dtype = x_ptr.dtype.element_ty
+    if INTERLEAVED:
+        a_idx = 2 * half_idx  # pair i sits at (2i, 2i+1): GPT-J / Meta
+        b_idx = 2 * half_idx + 1
+    else:
+        a_idx = half_idx  # pair i sits at (i, i + R/2): GPT-NeoX / HF
+        b_idx = half_idx + HALF
+    r_all = 0.0
+    if ALL_HEADS:  # OLMo 2: one mean square over every head of this part of the token
+        total = 0.0
+        for h0 in range(0, n_heads, BLOCK_H):
+            heads = h0 + tl.arange(0, BLOCK_H)
+            mask = (heads < n_heads)[:, None] & half_mask[None, :]
+            row = x_ptr + heads[:, None] * head_dim
+            a = tl.load(row + a_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            total += tl.sum(tl.sum(a * a + b * b, axis=1), axis=0)
+            if TAIL > 0:
+                tmask = (heads < n_heads)[:, None] & tail_mask[None, :]
+                t = tl.load(row + tail_idx[None, :], mask=tmask, other=0.0).to(tl.float32)
+                total += tl.sum(tl.sum(t * t, axis=1), axis=0)
+        r_all = _rsqrt_rn(total, n_heads * head_dim, eps)
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        live = heads < n_heads
+        mask = live[:, None] & half_mask[None, :]  # (BLOCK_H, BLOCK_HALF)
+        tmask = live[:, None] & tail_mask[None, :]  # (BLOCK_H, BLOCK_TAIL)
+        row = x_ptr + heads[:, None] * head_dim
+        a = tl.load(row + a_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+        t = tl.load(row + tail_idx[None, :], mask=tmask, other=0.0).to(tl.float32)
+        if ALL_HEADS:
+            r = r_all
+            w_row = w_ptr + heads[:, None] * head_dim  # weights of every head: (heads * head_dim,)
+        else:
+            total = tl.sum(a * a + b * b, axis=1) + tl.sum(t * t, axis=1)  # (BLOCK_H,)
+            r = _rsqrt_rn(total, head_dim, eps)[:, None]
+            w_row = w_ptr + 0 * heads[:, None]  # one (head_dim,) weight shared by the heads
+        wa = tl.load(w_row + a_idx[None, :], mask=mask, other=0.0) + weight_offset
+        wb = tl.load(w_row + b_idx[None, :], mask=mask, other=0.0) + weight_offset
+        wt = tl.load(w_row + tail_idx[None, :], mask=tmask, other=0.0) + weight_offset
+        na, nb, nt = a * r, b * r, t * r
+        if CAST_BEFORE:  # Qwen3 / Llama: the normalised value is rounded before the weight multiplies it
+            na, nb, nt = _round(na, dtype, BF16), _round(nb, dtype, BF16), _round(nt, dtype, BF16)
+        ya, yb, yt = _round(na * wa, dtype, BF16), _round(nb * wb, dtype, BF16), _round(nt * wt, dtype, BF16)
+        ra = ya * c - yb * s
+        rb = yb * c + ya * s
+        if BF16:
+            ra, rb = _bf16_round_to_nearest_even(ra), _bf16_round_to_nearest_even(rb)
+        tl.store(row + a_idx[None, :], ra.to(dtype), mask=mask)
+        tl.store(row + b_idx[None, :], rb.to(dtype), mask=mask)
+        if TAIL > 0:
+            tl.store(row + tail_idx[None, :], yt.to(dtype), mask=tmask)
+
+
+@triton.jit(do_not_specialize=["offset"])
+def qk_norm_rotary_kernel(
+    qkv_ptr,
+    wq_ptr,
+    wk_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    flag_ptr,
+    offset,
+    table_len,
+    seq_len,
+    stride_b,
+    stride_s,
+    q_heads,
+    k_heads,
+    head_dim,
+    cos_stride,
+    sin_stride,
+    eps,
+    weight_offset,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
+    CAST_BEFORE: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """Token ``program_id(0)`` of qkv (batch, seq, width): q then k normalised and rotated in place.
+
+    The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
+    clears ``flag`` and reads row 0 instead (the launcher asserts the flag on the device).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    t = token % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + token)
+    else:
+        pos = offset + t
+    bad = (pos < 0) | (pos >= table_len)
+    tl.store(flag_ptr, 0, mask=bad)
+    pos = tl.where(bad, 0, pos)
+
+    half_idx = tl.arange(0, BLOCK_HALF)
+    half_mask = half_idx < HALF
+    c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    tail_idx = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+    tail_mask = tl.arange(0, BLOCK_TAIL) < TAIL
+    x = qkv_ptr + b * stride_b + t * stride_s
+    flags = (HALF, TAIL)
+    _norm_rotate_heads(
+        x, wq_ptr, q_heads, head_dim, eps, weight_offset, c, s, half_idx, half_mask, tail_idx, tail_mask,
+        *flags, BLOCK_HQ, INTERLEAVED, ALL_HEADS, CAST_BEFORE, BF16,
+    )  # fmt: skip
+    _norm_rotate_heads(
+        x + q_heads * head_dim, wk_ptr, k_heads, head_dim, eps, weight_offset, c, s, half_idx, half_mask,
+        tail_idx, tail_mask, *flags, BLOCK_HK, INTERLEAVED, ALL_HEADS, CAST_BEFORE, BF16,
+    )  # fmt: skip
+
+
+# The shapes the AOT check compiles: (head_dim, rotary_dim, q_heads, k_heads) of Qwen3, Gemma 3, OLMo 2 and a
+# partial-rotary head. Block sizes follow ropekit.backends.qk_norm_triton.block_sizes.
+AOT_SHAPES = ((128, 128, 32, 8), (256, 256, 8, 4), (128, 64, 16, 16))
+
+
+def aot_specializations():
+    """Every (kernel, signature, constexprs, num_warps) the launcher can pick for :data:`AOT_SHAPES`.
+
+    The signature names every parameter in order ("constexpr" for the compile-time ones), as Triton's
+    ``ASTSource`` takes it.
+    """
+    from ropekit.backends.qk_norm_triton import NUM_WARPS, block_sizes
+
+    pointers = {"pos_ptr": "*i64", "flag_ptr": "*i32"}
+    ints = {"offset", "table_len", "seq_len", "stride_b", "stride_s"}
+    for (
+        head_dim,
+        rotary_dim,
+        q_heads,
+        k_heads,
+    ), dtype, has_pos, interleaved, all_heads, cast in itertools.product(
+        AOT_SHAPES, ("fp32", "fp16", "bf16"), *([(False, True)] * 4)
+    ):
+        constexprs = block_sizes(head_dim, rotary_dim // 2, q_heads, k_heads)
+        constexprs.update(
+            HAS_POS=has_pos,
+            INTERLEAVED=interleaved,
+            ALL_HEADS=all_heads,
+            CAST_BEFORE=cast,
+            BF16=dtype == "bf16",
+        )
+        signature = {}
+        for name in qk_norm_rotary_kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = pointers.get(name, f"*{dtype}" if name == "qkv_ptr" else "*fp32")
+            else:
+                signature[name] = (
+                    "fp32" if name in ("eps", "weight_offset") else "i64" if name in ints else "i32"
+                )
+        yield qk_norm_rotary_kernel, signature, constexprs, NUM_WARPS
