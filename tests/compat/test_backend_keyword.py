@@ -5,17 +5,40 @@ own parameters (the last positional argument of ``LigerRopeFunction.apply``, whi
 constructor argument for modules). This file lists one small call per entry point, proves the named backend
 is the one the core dispatched to, and that an unknown name is a ValueError naming ``backend``. A new public
 name in a compat module must join CALLS or NOT_ROTATIONS, or test_every_public_name_is_covered fails.
+
+The seams: every core entry asks :func:`ropekit.backends.select_backend` for its backend, imported by name
+into ropekit.functional (the rotations), ropekit.fused.plan (the FP8 and cache fusions) and
+ropekit.fused.qk_norm; the fused ops then run the chosen name through ``run`` (fp8, cache) or ``_launcher``
+(qk_norm), which are watched too, so a fused call also proves that the kernel launched is the one named.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 
 import ropekit.functional
-from ropekit.compat import flash_attn, hf, liger, megatron, rotary_embedding_torch, torchtune, vllm
+import ropekit.fused.cache
+import ropekit.fused.fp8
+import ropekit.fused.plan
+import ropekit.fused.qk_norm
+from ropekit.compat import (
+    flash_attn,
+    flashinfer,
+    hf,
+    liger,
+    megatron,
+    rotary_embedding_torch,
+    torchtune,
+    transformer_engine,
+    vllm,
+)
 
-MODULES = [flash_attn, hf, liger, megatron, rotary_embedding_torch, torchtune, vllm]
+MODULES = [
+    flash_attn, flashinfer, hf, liger, megatron, rotary_embedding_torch, torchtune, transformer_engine, vllm,
+]  # fmt: skip
 
 # Public names that rotate nothing, so have no backend to choose.
 NOT_ROTATIONS = {
@@ -34,13 +57,62 @@ def _hf_rows(seq: int, dim: int):
     return torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]  # (1, S, D)
 
 
+def _te_freqs(rows: int, d2: int) -> torch.Tensor:
+    """TE's angles (rows, 1, 1, d2): each pair's angle written for both its features, cat(f, f)."""
+    f = torch.rand(rows, d2 // 2) * 6.28
+    return torch.cat([f, f], -1)[:, None, None]
+
+
+def _flashinfer_calls(cache: torch.Tensor) -> dict:
+    """FlashInfer's fused FP8 ops on 5 tokens, 3 q heads, one kv head, rope_dim 16, float32 [cos | sin]."""
+    fp8 = torch.float8_e4m3fn
+    q, k, pos = (lambda: torch.randn(5, 3, 16)), (lambda: torch.randn(5, 1, 16)), torch.arange(5)
+    # One sequence on pages [1, 0] of 4 entries each: tokens 0-3 fill page 1, token 4 starts page 0.
+    table = (torch.tensor([1, 0]), torch.tensor([0, 2]), torch.zeros(5, dtype=torch.long), torch.arange(5))
+    paged = lambda: (torch.zeros(2, 4, 1, 16, dtype=fp8), torch.zeros(2, 4, 1, 16, dtype=fp8))  # noqa: E731
+    return {
+        "flashinfer.rope_quantize_fp8": lambda b: flashinfer.rope_quantize_fp8(
+            q(), k(), None, None, cache, pos, backend=b
+        ),
+        "flashinfer.mla_rope_quantize_fp8": lambda b: flashinfer.mla_rope_quantize_fp8(
+            q(), torch.randn(5, 16), torch.randn(5, 3, 8), torch.randn(5, 8), cache, pos, backend=b
+        ),
+        "flashinfer.rope_quantize_fp8_append_paged_kv_cache": lambda b: (
+            flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+                q(), k(), None, None, k(), cache, pos, paged(), *table, page_size=4, backend=b
+            )
+        ),
+    }
+
+
 def _calls():
     cos, sin = _tables(16, 8)
     hf_cos, hf_sin = _hf_rows(5, 16)
     cache = torch.cat(_tables(32, 8), dim=-1)
     bhsd = lambda heads: torch.randn(2, heads, 5, 16)  # noqa: E731
     freqs = torch.rand(5, 2, 1, 16)
+    vllm_args = lambda: (torch.arange(5), torch.randn(5, 3 * 16), torch.randn(5, 16), 16, cache)  # noqa: E731
     return {
+        **_flashinfer_calls(cache),
+        "flashinfer.apply_rope_with_cos_sin_cache": lambda b: flashinfer.apply_rope_with_cos_sin_cache(
+            *vllm_args(), backend=b
+        ),
+        "flashinfer.apply_rope_with_cos_sin_cache_inplace": lambda b: (
+            flashinfer.apply_rope_with_cos_sin_cache_inplace(*vllm_args(), backend=b)
+        ),
+        "transformer_engine.apply_rotary_pos_emb": lambda b: transformer_engine.apply_rotary_pos_emb(
+            torch.randn(5, 2, 3, 16), _te_freqs(5, 16), backend=b
+        ),
+        "transformer_engine.apply_fused_qkv_rotary_pos_emb": lambda b: (
+            transformer_engine.apply_fused_qkv_rotary_pos_emb(
+                torch.randn(5, 2, 2, 64), _te_freqs(5, 16), _te_freqs(5, 16), [32, 16, 16], backend=b
+            )
+        ),
+        "vllm.fused_qk_norm_rope": lambda b: vllm.fused_qk_norm_rope(
+            *(torch.randn(5, 6 * 16), 4, 1, 1, 16, 1e-6, torch.ones(16), torch.ones(16), cache, True),
+            torch.arange(5),
+            backend=b,
+        ),
         "flash_attn.apply_rotary_emb": lambda b: flash_attn.apply_rotary_emb(
             torch.randn(2, 5, 3, 16), cos, sin, backend=b
         ),
@@ -118,6 +190,32 @@ def test_every_public_name_is_covered():
     assert public == set(CALLS) | set(NOT_ROTATIONS)
 
 
+# The core modules that call select_backend by the name they imported (see the module docstring).
+SELECTING = [ropekit.functional, ropekit.fused.plan, ropekit.fused.qk_norm]
+
+
+def _signatures():
+    """(public name, signature) of every compat function and module constructor that takes backend."""
+    for m in MODULES:
+        for name in m.__all__:
+            try:
+                sig = inspect.signature(getattr(m, name))  # a class: its constructor's
+            except (TypeError, ValueError):
+                continue
+            if "backend" in sig.parameters:
+                yield f"{m.__name__.rsplit('.', 1)[1]}.{name}", sig
+
+
+def test_backend_is_keyword_only_after_the_peers_parameters():
+    checked = dict(_signatures())
+    assert {"flashinfer.rope_quantize_fp8", "transformer_engine.apply_rotary_pos_emb",
+            "vllm.fused_qk_norm_rope", "vllm.RotaryEmbedding"} <= set(checked)  # fmt: skip
+    for label, sig in checked.items():
+        param = sig.parameters["backend"]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, label
+        assert param.default == "auto", label
+
+
 @pytest.fixture
 def requested(monkeypatch) -> list[str]:
     """The backend name each core dispatch was asked for."""
@@ -128,15 +226,45 @@ def requested(monkeypatch) -> list[str]:
         seen.append(name)
         return original(name, q, cos)
 
-    monkeypatch.setattr(ropekit.functional, "select_backend", select)
+    for module in SELECTING:
+        assert module.select_backend is original
+        monkeypatch.setattr(module, "select_backend", select)
     return seen
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list[str]:
+    """The backend name each fused kernel launch ran on."""
+    seen: list[str] = []
+    for module in (ropekit.fused.fp8, ropekit.fused.cache):
+        original_run = module.run
+
+        def run(name, plan, written, _original=original_run):
+            seen.append(name)
+            return _original(name, plan, written)
+
+        monkeypatch.setattr(module, "run", run)
+    original_launcher = ropekit.fused.qk_norm._launcher
+
+    def launcher(name):
+        seen.append(name)
+        return original_launcher(name)
+
+    monkeypatch.setattr(ropekit.fused.qk_norm, "_launcher", launcher)
+    return seen
+
+
+# The entry points that run on ropekit.fused's kernels (the others run on ropekit.functional's).
+FUSED = {"flashinfer.rope_quantize_fp8", "flashinfer.mla_rope_quantize_fp8",
+         "flashinfer.rope_quantize_fp8_append_paged_kv_cache", "vllm.fused_qk_norm_rope"}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("entry", list(CALLS))
-def test_named_backend_is_the_one_dispatched(entry, backend_name, requested):
+def test_named_backend_is_the_one_dispatched(entry, backend_name, requested, launched):
     CALLS[entry](backend_name)
     assert requested and set(requested) == {backend_name}
+    assert set(launched) == ({backend_name} if entry in FUSED else set())
 
 
 @pytest.mark.parametrize("entry", list(CALLS))

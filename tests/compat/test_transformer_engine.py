@@ -146,14 +146,16 @@ def test_fused_qkv_splits_megatron_groups_and_rotates_q_and_k(tensor_format, int
 
 
 def test_signatures_are_tes():
+    backend = ("backend", "auto")  # ropekit's keyword-only addition, after TE's parameters
     assert signature_of(apply_rotary_pos_emb) == [
         ("t", NO_DEFAULT), ("freqs", NO_DEFAULT), ("tensor_format", "sbhd"), ("start_positions", None),
         ("interleaved", False), ("fused", False), ("cu_seqlens", None), ("cp_size", 1), ("cp_rank", 0),
+        backend,
     ]  # fmt: skip
     assert signature_of(apply_fused_qkv_rotary_pos_emb) == [
         ("qkv", NO_DEFAULT), ("q_freqs", NO_DEFAULT), ("k_freqs", NO_DEFAULT),
         ("qkv_split_arg_list", NO_DEFAULT), ("tensor_format", "sbhd"), ("start_positions", None),
-        ("interleaved", False), ("cu_seqlens", None), ("cp_size", 1), ("cp_rank", 0),
+        ("interleaved", False), ("cu_seqlens", None), ("cp_size", 1), ("cp_rank", 0), backend,
     ]  # fmt: skip
 
 

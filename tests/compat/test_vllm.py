@@ -424,7 +424,7 @@ def test_fused_qk_norm_rope_signature_and_errors_are_vllms():
 
     names = ["qkv", "num_heads_q", "num_heads_k", "num_heads_v", "head_dim", "eps", "q_weight", "k_weight",
              "cos_sin_cache", "is_neox", "position_ids"]  # fmt: skip
-    assert signature_of(fused_qk_norm_rope) == [(name, NO_DEFAULT) for name in names]
+    assert signature_of(fused_qk_norm_rope) == [(name, NO_DEFAULT) for name in names] + [("backend", "auto")]
     qkv, w = torch.randn(3, 6 * 16), torch.ones(16)
     cache = get_rope(16, 8, True, {"rope_theta": 1e4}).cos_sin_cache
     args = (qkv, 4, 1, 1, 16, 1e-6, w, w, cache, True)

@@ -98,17 +98,21 @@ def rope_quantize_fp8(
     q_nope_out: torch.Tensor | None = None,
     k_nope_out: torch.Tensor | None = None,
     enable_pdl: bool = False,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mirrors ``flashinfer.rope.rope_quantize_fp8``: rotate the rope parts, quantise all four to FP8.
 
     Shapes: q_rope (nnz, Hq, rope_dim); k_rope (nnz, Hk, rope_dim), or (nnz, rope_dim) for MLA; the nope
     parts alike with their own width, or None (empty). enable_pdl is accepted and ignored (a CUDA launch
-    attribute). Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out) in quantize_dtype, written into the
-    given ``*_out`` tensors when passed.
+    attribute). ``backend`` (keyword only, ropekit's): "auto", "torch", "cpu" or "triton", as for
+    :func:`ropekit.apply_rotary_qk_fp8`. Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out) in
+    quantize_dtype, written into the given ``*_out`` tensors when passed.
 
     Raises:
         ValueError: a cos_sin_cache that is not float32 [cos | sin], a scale <= 0, shapes that disagree, or a
-            preallocated output of the wrong shape or dtype.
+            preallocated output of the wrong shape or dtype; a backend that is unknown or cannot serve the
+            inputs.
     """
     check_bool("is_neox", is_neox)
     check_bool("enable_pdl", enable_pdl)
@@ -130,7 +134,7 @@ def rope_quantize_fp8(
     outs = apply_rotary_qk_fp8(
         q_rope, k, cos, sin, q_scale=_scale("quant_scale_q", quant_scale_q),
         k_scale=_scale("quant_scale_kv", quant_scale_kv), fp8_dtype=dtype, q_nope=q_nope, k_nope=k_nope,
-        positions=pos_ids, interleaved=not is_neox,
+        positions=pos_ids, interleaved=not is_neox, backend=backend,
     )  # fmt: skip
     if mla:  # back to FlashInfer's 2-D MLA keys
         outs = (outs[0], outs[1][:, 0], outs[2], outs[3][:, 0])
@@ -155,6 +159,8 @@ def mla_rope_quantize_fp8(
     q_nope_out: torch.Tensor | None = None,
     k_nope_out: torch.Tensor | None = None,
     enable_pdl: bool = False,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mirrors ``flashinfer.rope.mla_rope_quantize_fp8``: :func:`rope_quantize_fp8` with 2-D MLA keys."""
     for name, t in (("k_rope", k_rope), ("k_nope", k_nope)):
@@ -162,7 +168,7 @@ def mla_rope_quantize_fp8(
             raise ValueError(f"{name}: expected the MLA layout (nnz, dim), got {describe(t)}")
     return rope_quantize_fp8(
         q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype, quant_scale_q,
-        quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl,
+        quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl, backend=backend,
     )  # fmt: skip
 
 
@@ -188,6 +194,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
     q_rope_out: torch.Tensor | None = None,
     q_nope_out: torch.Tensor | None = None,
     enable_pdl: bool = False,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mirrors ``flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache``: quantised q returned, k and v
     rotated / scaled into the FP8 paged cache.
@@ -195,6 +203,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     GQA / MHA: ``paged_kv_cache = (k_cache, v_cache)`` in kv_layout "NHD" (pages, page_size, Hk, D) or
     "HND" (pages, Hk, page_size, D), D = rope_dim + no_rope_dim, and v (nnz, Hk, D). MLA (2-D k_rope):
     ``(ckv_cache, kpe_cache)``, (pages, page_size, no_rope_dim) and (pages, page_size, rope_dim); v None.
+    ``backend`` (keyword only, ropekit's) runs both the quantisation and the cache write.
 
     Returns:
         (q_rope_out, q_nope_out) in quantize_dtype.
@@ -238,12 +247,17 @@ def rope_quantize_fp8_append_paged_kv_cache(
         raise ValueError("v: expected a (nnz, num_kv_heads, head_dim) tensor for GQA / MHA, got None")
     q_rope_8, _, q_nope_8, _ = rope_quantize_fp8(
         q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, dtype, quant_scale_q, quant_scale_kv,
-        q_rope_out, None, q_nope_out, None, enable_pdl,
+        q_rope_out, None, q_nope_out, None, enable_pdl, backend=backend,
     )  # fmt: skip
     cos, sin = _tables(cos_sin_cache)
     scale = _scale("quant_scale_kv", quant_scale_kv)
     common = dict(
-        slot_mapping=slots, positions=pos_ids, interleaved=not is_neox, k_scale=scale, v_scale=scale
+        slot_mapping=slots,
+        positions=pos_ids,
+        interleaved=not is_neox,
+        k_scale=scale,
+        v_scale=scale,
+        backend=backend,
     )
     if mla:
         ckv_cache, kpe_cache = cache_0, cache_1

@@ -102,8 +102,13 @@ def apply_rotary_pos_emb(
     cu_seqlens: torch.Tensor | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Mirrors TE's ``apply_rotary_pos_emb``: t rotated by the angles in freqs, a new tensor shaped like t.
+
+    ``backend`` (keyword only, ropekit's): "auto", "torch", "cpu" or "triton", as for
+    :func:`ropekit.apply_rotary`.
 
     Raises:
         ValueError: an unknown tensor_format; "thd" without cu_seqlens; freqs not (s2, 1, 1, d2) float angles
@@ -123,17 +128,20 @@ def apply_rotary_pos_emb(
     if not isinstance(t, torch.Tensor) or t.dim() != (3 if tensor_format == "thd" else 4):
         want = "(t, h, d)" if tensor_format == "thd" else f"a 4-D {tensor_format} tensor"
         raise ValueError(f"t: expected {want} for tensor_format={tensor_format!r}, got {describe(t)}")
-    return _rotate(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, False)
+    rotate = (tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    return _rotate(t, freqs, *rotate, inplace=False, backend=backend)
 
 
-def _rotate(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, inplace):
+def _rotate(
+    t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, *, inplace, backend
+):
     """Both functions' rotation of t (checked rank and format): positions from start_positions or the
     context-parallel split, then :func:`ropekit.apply_rotary` on the (b, s, h, d) or (t, h, d) view."""
     check_bool("interleaved", interleaved)
     cp_size, cp_rank = _check_cp(cp_size, cp_rank, start_positions)
     cos, sin = _tables("freqs", freqs, interleaved)
     x = t.transpose(0, 1) if tensor_format == "sbhd" else t  # (b, s, h, d), or (t, h, d)
-    kw: dict = dict(interleaved=interleaved, inplace=inplace)
+    kw: dict = dict(interleaved=interleaved, inplace=inplace, backend=backend)
     if tensor_format == "thd":
         kw["cu_seqlens"] = cu_seqlens
         if cp_size > 1:
@@ -170,6 +178,8 @@ def apply_fused_qkv_rotary_pos_emb(
     cu_seqlens: torch.Tensor | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mirrors TE's ``apply_fused_qkv_rotary_pos_emb``: split packed qkv, rotate q and k; returns (q, k, v).
 
@@ -177,7 +187,8 @@ def apply_fused_qkv_rotary_pos_emb(
     each group holding its q heads, one k head and one v head: ``qkv_split_arg_list = [q_elems, k_elems,
     v_elems]`` (Megatron's GQA layout). The head_dim is k_elems; each group has q_elems / k_elems q heads.
     Returns new tensors q (s, b, h * q_elems / k_elems, k_elems), k (s, b, h, k_elems) and v (s, b, h,
-    v_elems) (b and s swapped for "bshd"): q rotated by q_freqs, k by k_freqs, v copied.
+    v_elems) (b and s swapped for "bshd"): q rotated by q_freqs, k by k_freqs, v copied. ``backend`` (keyword
+    only, ropekit's) rotates both.
 
     Raises:
         ValueError: tensor_format "thd" or unknown (TE serves only sbhd / bshd here), a split that does not
@@ -214,7 +225,7 @@ def apply_fused_qkv_rotary_pos_emb(
     q = q.clone(memory_format=torch.contiguous_format).flatten(2, 3)  # (s, b, h * n, d)
     k = qkv[..., q_elems : q_elems + head_dim]  # (s, b, h, d) view
     rotate = (tensor_format, start_positions, interleaved, None, cp_size, cp_rank)
-    q_out = _rotate(q, q_freqs, *rotate, True)
-    k_out = _rotate(k, k_freqs, *rotate, False)
+    q_out = _rotate(q, q_freqs, *rotate, inplace=True, backend=backend)
+    k_out = _rotate(k, k_freqs, *rotate, inplace=False, backend=backend)
     v_out = qkv[..., q_elems + head_dim :].clone(memory_format=torch.contiguous_format)
     return q_out, k_out, v_out

@@ -30,7 +30,7 @@ from torch import nn
 from torch._C import _increment_version
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.compat._common import check_backend_name, renamed
+from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
 from ropekit.positions import resolve
@@ -428,6 +428,8 @@ def fused_qk_norm_rope(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
     position_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Mirrors vLLM's ``_custom_ops.fused_qk_norm_rope`` (Qwen3's attention): in place; returns None.
 
@@ -435,7 +437,8 @@ def fused_qk_norm_rope(
     and k_weight (D,), then rotated with the [cos | sin] cache (P, R) at position_ids (T,); v is untouched.
     is_neox=True pairs (i, i + R/2), False pairs (2i, 2i+1). Runs :func:`ropekit.qk_norm_rotary_` with the
     Qwen3 RMSNorm (the normalised value rounded to qkv's dtype before the weight, as vLLM's ``RMSNorm`` that
-    its fused kernel is tested against does).
+    its fused kernel is tested against does). ``backend`` (keyword only, ropekit's): "auto", "torch", "cpu" or
+    "triton", as for :func:`ropekit.qk_norm_rotary_`.
 
     Differences: vLLM's CUDA kernel keeps the norm's float32 result through the rotation, so in bfloat16 the
     two may differ by an ulp; a position outside [0, P) is a ValueError; num_heads_v must equal num_heads_k
@@ -465,7 +468,7 @@ def fused_qk_norm_rope(
         qk_norm_rotary_(
             qkv, q_weight, k_weight, c[:, :half], c[:, half:], num_q_heads=num_heads_q,
             num_kv_heads=num_heads_k, head_dim=head_dim, eps=eps, positions=position_ids,
-            interleaved=not is_neox,
+            interleaved=not is_neox, backend=backend,
         )  # fmt: skip
 
 
