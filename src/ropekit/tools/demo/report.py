@@ -390,7 +390,8 @@ def verify_section(checks, head_dim: int, base: float, ulps: list[dict]) -> str:
                 for u in ulps
             )
             + "\n\nAn error of at most 0.5 ulp is correct rounding, the best a bfloat16 output can hold; "
-            "a hair over it comes from the float32 tables and arithmetic, which the second term of the bound covers."
+            "a hair over it comes from the float32 tables and arithmetic, which the second term of the "
+            "bound covers."
         )
     return text
 
