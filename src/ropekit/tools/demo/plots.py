@@ -186,7 +186,9 @@ def plot_position_loss(
         ax.grid(True, alpha=0.25)
         ax.text(L, high + pad, " L", va="top", fontsize=7)
     fig.supxlabel(
-        f"position in the window (bytes); grey: each position, line: mean over {bucket}-byte buckets",
+        f"position in the window (bytes). Grey: each position; line: mean over {bucket}-byte buckets, red "
+        "where the long window rotates differently from the window of L (title), so that before L it shows "
+        "the change of rotation alone",
         fontsize=9,
     )
     fig.supylabel("loss minus loss of the same byte within L (nats)", fontsize=9)
