@@ -300,7 +300,7 @@ def before_L(
     lines = []
     if same:
         lines.append(
-            f"Before L, {join(same)} see the same bytes at the same positions with the same rotation in both "
+            f"Before L, {join(same)} see the same bytes at the same positions encoded the same way in both "
             f"windows, so their curves start at 0 (mean over the first L bytes below {SAME_LOSS} nats)."
         )
     if changed:
