@@ -127,6 +127,14 @@ def test_literature_sentence_checks_the_papers_by_distance():
     assert "not reproduced" not in text
     same = grid("rope+linear+finetune", {1: (20, 20, 20), 2: (0, 20, 20), 4: (0, 0, 20)})
     assert "not reproduced: PI after a short fine-tune" in literature_sentence(ROPE + same, L)
+    # The first failure exactly 2L back (depth 0.5 of a 4L window) still counts; one past 2L does not.
+    at_2L = grid("rope", {1: (20, 20, 20), 2: (20, 20, 20), 4: (20, 5, 20)})
+    assert key_distance(4 * L, 0.5) == 2 * L
+    assert "reproduced: plain RoPE fails for keys well past L (100% at 1.7L, 25% at 2.0L back)" in (
+        literature_sentence(at_2L, L)
+    )
+    past_2L = grid("rope", {1: (20, 20, 20), 2: (20, 20, 20), 4: (5, 20, 20)})
+    assert "not reproduced: plain RoPE" in literature_sentence(past_2L, L)
     everywhere = grid("rope", {1: (20, 20, 20), 2: (20, 20, 20), 4: (20, 20, 20)})
     assert "not reproduced: plain RoPE fails for keys well past L" in literature_sentence(everywhere, L)
 
