@@ -27,6 +27,11 @@ def test_quick_and_flags_override_the_preset():
     assert s.seeds == 3
 
 
+def test_report_only_takes_a_folder():
+    assert parse("--report-only", "some/dir").report_only == Path("some/dir")
+    assert parse().report_only is None
+
+
 def test_finetune_is_part_of_the_default_run():
     assert settings_from_args(parse()).finetune and settings_from_args(parse("--finetune")).finetune
 
@@ -39,6 +44,7 @@ def test_finetune_is_part_of_the_default_run():
         (["--variants", "nope"], "finetune"),
         (["--seeds", "0"], "seeds"),
         (["--threads", "0"], "threads"),
+        (["--report-only", "no-such-folder"], "results"),
     ],
 )
 def test_bad_settings_exit_2_with_a_message_before_any_work(argv, message, tmp_path, capsys):

@@ -64,6 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--train-only", action="store_true", help="skip evaluation and plots; write the training losses"
     )
+    p.add_argument(
+        "--report-only",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="train nothing: rewrite DIR/report.md and the plots from DIR/results.json",
+    )
     p.set_defaults(run=run)
 
 
@@ -82,6 +89,8 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ropekit.tools.demo import run_demo
+    from ropekit.tools.demo import rewrite_report, run_demo
 
+    if args.report_only is not None:
+        return rewrite_report(args.report_only)
     return run_demo(settings_from_args(args), args.out)

@@ -6,6 +6,7 @@ from ropekit.tools.demo.data import (
     KEY_CLOSE,
     KEY_DIGITS,
     KEY_OPEN,
+    key_distance,
     load_corpus,
     passkey_windows,
     sample_batch,
@@ -123,3 +124,21 @@ def test_passkey_filler_never_contains_the_key_delimiters():
     stream = torch.tensor([KEY_OPEN, KEY_CLOSE, ord("a")] * 100, dtype=torch.uint8)
     tokens, _ = passkey_windows(stream, 3, 40, torch.Generator().manual_seed(0), 0.5)
     assert all((row == KEY_OPEN).sum() == 2 and (row == KEY_CLOSE).sum() == 1 for row in tokens)
+
+
+@pytest.mark.parametrize("length", [13, 64, 257])
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_key_distance_is_the_query_position_minus_the_first_digits(length, depth):
+    stream = torch.full((4096,), ord("a"), dtype=torch.uint8)
+    tokens, _ = passkey_windows(stream, 1, length, torch.Generator().manual_seed(0), depth)
+    inputs = tokens[0, :-1]  # the model sees these; the query is the last STX among them
+    stx = (inputs == KEY_OPEN).nonzero().flatten().tolist()
+    assert len(stx) == 2
+    assert key_distance(length, depth) == stx[1] - (stx[0] + 1)
+
+
+def test_key_distance_rejects_what_passkey_windows_rejects():
+    with pytest.raises(ValueError, match="length"):
+        key_distance(12, 0.5)
+    with pytest.raises(ValueError, match="depth"):
+        key_distance(64, 1.5)

@@ -107,3 +107,29 @@ def test_bad_configs_and_swaps_raise():
         model("nope").set_rope(RopeConfig(16))
     with pytest.raises(ValueError, match="head_dim"):
         model("rope").set_rope(RopeConfig(32))
+
+
+def test_sinusoidal_encoding_enters_at_the_initial_embeddings_size():
+    # At its own unit amplitude the encoding outweighed the embeddings 3 to 1 and retrieval was never learnt
+    # (docs/demo.md); the model adds it at the size of the scaled embeddings instead.
+    m = ByteTransformer(ModelConfig(variant="sinusoidal", dim=128, n_layers=1, n_heads=4))
+    x = torch.arange(256)[None]  # every byte once
+    with torch.no_grad():
+        embedded = m.embed(x) * m.embed_scale  # (1, 256, 128)
+        added = m.sinusoidal(torch.zeros_like(embedded)) * m.position_scale
+    rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
+    assert rms(added) == pytest.approx(rms(embedded), rel=0.1)
+    assert rms(added) == pytest.approx(0.02 * 128**0.5, rel=0.01)
+    with torch.no_grad():
+        first_block_input = embedded + added
+        torch.testing.assert_close(m.blocks[0].attn_norm(first_block_input), _block_input(m, x))
+
+
+def _block_input(m: ByteTransformer, x: torch.Tensor) -> torch.Tensor:
+    """What the first block's attention norm sees in the model's own forward pass."""
+    seen = []
+    handle = m.blocks[0].attn_norm.register_forward_hook(lambda _mod, _inp, out: seen.append(out))
+    with torch.no_grad():
+        m(x)
+    handle.remove()
+    return seen[0]

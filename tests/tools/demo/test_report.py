@@ -1,5 +1,4 @@
 import json
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -7,18 +6,20 @@ import pytest
 import torch
 
 from ropekit.tools.demo import DemoSettings
+from ropekit.tools.demo.data import key_distance
 from ropekit.tools.demo.report import (
-    answer,
+    accuracy_cell,
     attention_by_distance,
-    far_key_accuracy,
+    format_distance_table,
     format_retrieval_table,
     format_table,
-    nice_log_ticks,
     pool_depths,
+    read_results,
     report_sections,
-    retrieval_reach,
     retrieval_row,
+    verify_section,
     wilson_interval,
+    with_distances,
     write_results,
 )
 
@@ -104,45 +105,73 @@ def test_retrieval_rows_pool_over_depths_with_their_interval():
     row = pooled["rope+linear+finetune", 256]
     assert row["n"] == 20 and row["accuracy"] == pytest.approx(0.8)
     assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson_interval(16, 20))
-    assert set(RETRIEVAL[0]) == {"method", "length", "depth", "accuracy", "n", "ci_low", "ci_high"}
+    assert set(RETRIEVAL[0]) == {
+        "method",
+        "length",
+        "depth",
+        "accuracy",
+        "n",
+        "ci_low",
+        "ci_high",
+        "distance",
+    }
+    assert RETRIEVAL[0]["distance"] == key_distance(64, 0.1)
     assert "80% [58%, 92%]" in format_retrieval_table(RETRIEVAL, 64)
 
 
-def test_answer_names_who_retrieves_past_L_and_how_far():
-    assert retrieval_reach(RETRIEVAL, 64) == {"rope": 64, "rope+linear+finetune": 256, "nope": 0}
-    text = answer(RESULTS, RETRIEVAL, 64)
-    assert "rope+linear+finetune (to 4L; 80% there)" in text
-    assert "rope retrieve at L only" in text and "nope do not retrieve even at L" in text
-    assert "reproduced: plain RoPE fails for keys more than L back (7%); PI retrieves past L" in text
-    assert text.count(". ") == 2 and text.endswith(".")  # three sentences
+def test_depths_are_pooled_only_where_their_intervals_agree():
+    rows = [retrieval_row("rope", 128, 0.1, 0, 20), retrieval_row("rope", 128, 0.9, 20, 20)]
+    rows += [retrieval_row("rope", 64, 0.1, 19, 20), retrieval_row("rope", 64, 0.9, 20, 20)]
+    pooled = {r["length"]: r for r in pool_depths(rows)}
+    assert not pooled[128]["agree"] and pooled[64]["agree"]
+    table = format_retrieval_table(rows, 64)
+    assert "0-100% by depth" in table and "50%" not in table
+    assert "98% [87%, 100%]" in table
 
 
-def test_literature_check_of_plain_rope_reads_keys_more_than_L_back_not_pooled_depths():
-    # At 2L the near keys (depth 0.9, 13 bytes back) all come back and the far ones (115 bytes back) never:
-    # pooled that is 50% "retrieval" at 2L, yet exactly the papers' failure past L.
-    rows = [
-        retrieval_row("rope", n, d, k, 10)
-        for n in (64, 128)
-        for d, k in ((0.1, 10 if n == 64 else 0), (0.9, 10))
-    ]
-    assert far_key_accuracy(rows, "rope", 64) == 0.0
-    assert far_key_accuracy(rows[:2], "rope", 64) is None  # at L no key is more than L back
-    text = answer(RESULTS, rows, 64)
-    assert "reproduced: plain RoPE fails for keys more than L back (0%)" in text
-    flipped = [dict(r, accuracy=1.0) for r in rows]
-    assert "not reproduced: plain RoPE fails" in answer(RESULTS, flipped, 64)
+def test_per_seed_counts_are_stored_and_their_spread_shown_from_three_seeds():
+    row = retrieval_row("rope", 128, 0.5, 12, 30, correct_by_seed=[2, 4, 6], n_by_seed=[10, 10, 10])
+    assert row["correct_by_seed"] == [2, 4, 6] and row["n_by_seed"] == [10, 10, 10]
+    assert accuracy_cell(row) == "40% [25%, 58%], seeds 20-60%"
+    two = retrieval_row("rope", 128, 0.5, 6, 20, correct_by_seed=[2, 4], n_by_seed=[10, 10])
+    assert "seeds" not in accuracy_cell(two)
+    # Pooling cells sums each seed's counts.
+    other = retrieval_row("rope", 128, 0.9, 30, 30, correct_by_seed=[10, 10, 10], n_by_seed=[10, 10, 10])
+    pooled = pool_depths([row, other])[0]
+    assert pooled["correct_by_seed"] == [12, 14, 16] and pooled["n_by_seed"] == [20, 20, 20]
 
 
-def test_answer_makes_no_literature_claim_when_rope_cannot_retrieve_at_L():
-    failing = [dict(r, accuracy=0.0) if r["method"] == "rope" else r for r in RETRIEVAL]
-    text = answer(RESULTS, failing, 64)
-    assert "reproduced" not in text and "needs a rope model that retrieves at L" in text
+def test_distance_table_pools_keys_within_L_and_lists_farther_keys_by_distance():
+    rows = [retrieval_row("rope", 64, d, 20, 20) for d in (0.1, 0.9)]
+    rows += [retrieval_row("rope", 128, 0.1, 0, 20), retrieval_row("rope", 128, 0.9, 19, 20)]
+    table = format_distance_table(rows, 64)
+    far = key_distance(128, 0.1)
+    assert f"| {far / 64:.1f}L back ({far} B, 2L window) |" in table
+    rope = next(line for line in table.splitlines() if line.startswith("| rope"))
+    assert rope.startswith("| rope | 98% [91%, 100%] (3 cells) | 0% [0%, 16%] |")
+    rows.append(retrieval_row("rope", 64, 0.5, 0, 20))
+    assert "0-100% (4 cells disagree)" in format_distance_table(rows, 64)
 
 
-def test_log_ticks_are_round_values_spanning_the_range():
-    ticks = nice_log_ticks(6.5, 21.0)
-    assert ticks[0] >= 6.5 and ticks[-1] <= 21.0 and len(ticks) >= 3
-    assert all(round(t / 10 ** math.floor(math.log10(t)), 6) in {1, 1.5, 2, 3, 5, 7} for t in ticks)
+def test_results_json_from_before_distances_were_stored_gets_them(tmp_path):
+    old = [{k: v for k, v in r.items() if k != "distance"} for r in RETRIEVAL]
+    assert with_distances(old) == RETRIEVAL
+    path = tmp_path / "results.json"
+    write_results(path, 64, RESULTS, {"retrieval": old, "settings": {}})
+    assert read_results(path)["retrieval"] == RETRIEVAL
+    with pytest.raises(ValueError, match=r"results: .* lacks \['settings'\]"):
+        write_results(path, 64, RESULTS, {"retrieval": old})
+        read_results(path)
+    with pytest.raises(ValueError, match="no file"):
+        read_results(tmp_path / "missing.json")
+
+
+def test_verify_section_reads_bfloat16_rows_in_ulps():
+    ulps = [{"backend": "torch", "layout": "half", "max_ulps": 0.4995, "bound_ulps": 0.5005}]
+    text = verify_section([_Check("c")], 32, 10000.0, ulps)
+    assert "| torch | half | 0.49950 | 0.50050 | 0.00100 |" in text
+    assert "at most 0.5 ulp is correct rounding" in text
+    assert "ulp" not in verify_section([_Check("c")], 32, 10000.0, [])
 
 
 class _Check:
@@ -169,7 +198,7 @@ def test_report_numbers_come_from_the_settings():
     assert "factor = evaluation length / L (1, 3)" in text
     assert "fixed factor 1.5" in text and "7 steps at 3L with factor 3" in text
     assert "base 500" in text and "base 10000" not in text
-    assert "up to 3L" in text and "8L" not in text and "2.0" not in text
+    assert "8L" not in text and "2.0" not in text
     assert "- none" not in text
     assert "96 (3L)" in text and "seeds 4, 5, 6" in text
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ropekit.config import RopeConfig
-from ropekit.tools.demo import QUICK, run_demo
+from ropekit.tools.demo import QUICK, rewrite_report, run_demo
+from ropekit.tools.demo.data import key_distance
 from ropekit.tools.demo.report import wilson_interval
 from ropekit.tools.demo.run import EVAL_MULTIPLES, SCALING_METHODS, passkey_rows, rope_config_for
 
@@ -82,8 +83,13 @@ def test_quick_run_writes_retrieval_for_every_method_length_and_depth(quick_repo
     assert keys == {(m, n * L, d) for m in methods for n in EVAL_MULTIPLES for d in QUICK.retrieval_depths}
     assert len(retrieval) == len(keys)
     for row in retrieval:
-        assert set(row) == {"method", "length", "depth", "accuracy", "n", "ci_low", "ci_high"}
+        assert set(row) == {"method", "length", "depth", "accuracy", "n", "ci_low", "ci_high", "distance",
+                            "correct_by_seed", "n_by_seed"}  # fmt: skip
         assert row["n"] == QUICK.retrieval_examples
+        assert row["n_by_seed"] == [QUICK.retrieval_examples] and row["correct_by_seed"] == [
+            round(row["accuracy"] * row["n"])
+        ]
+        assert row["distance"] == key_distance(row["length"], row["depth"])
         correct = round(row["accuracy"] * row["n"])
         assert row["accuracy"] == pytest.approx(correct / row["n"])
         assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson_interval(correct, row["n"]))
@@ -92,7 +98,7 @@ def test_quick_run_writes_retrieval_for_every_method_length_and_depth(quick_repo
 def test_quick_run_reports_answer_tables_verify_and_plots(quick_report):
     text = (quick_report / "report.md").read_text()
     opening = text.split("\n\n")[1]
-    assert opening.startswith(("Past the training length", "No method retrieves"))
+    assert opening.startswith(("Keys fewer than L", "No cell puts a key"))
     assert "| method |" in text and "ropekit verify" in text and " 0 failed" in text
     assert "Machine and settings" in text and "1 process," in text and "- none" not in text
     for name in ("perplexity_vs_length.png", "attention_vs_distance.png", "retrieval_heatmap.png",
@@ -105,3 +111,27 @@ def test_quick_run_reports_answer_tables_verify_and_plots(quick_report):
         "passkey retrieval" in summary and "validation perplexity per byte" in summary and "wrote" in summary
     )
     assert "process(es)" not in summary
+
+
+def test_quick_run_stores_every_seeds_perplexity(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    for row in data["results"]:
+        assert row["perplexity_by_seed"] == [row["perplexity"]]
+    assert len(data["attention_by_distance"]) == QUICK.train_length
+    assert len(data["attention_by_distance_long"]) == max(EVAL_MULTIPLES) * QUICK.train_length
+
+
+def test_report_only_rewrites_the_same_report_and_the_plots_from_results_json(quick_report, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    (out / "results.json").write_bytes((quick_report / "results.json").read_bytes())
+    assert rewrite_report(out) == 0
+    assert (out / "report.md").read_text() == (quick_report / "report.md").read_text()
+    for name in ("perplexity_vs_length.png", "attention_vs_distance.png", "retrieval_heatmap.png",
+                 "retrieval_vs_length.png", "loss_vs_position.png"):  # fmt: skip
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_only_refuses_a_folder_without_results(tmp_path):
+    with pytest.raises(ValueError, match="results"):
+        rewrite_report(tmp_path)

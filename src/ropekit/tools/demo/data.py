@@ -21,6 +21,7 @@ __all__ = [
     "KEY_DIGITS",
     "KEY_OPEN",
     "Corpus",
+    "key_distance",
     "load_corpus",
     "passkey_windows",
     "sample_batch",
@@ -175,6 +176,26 @@ def validation_windows(stream: torch.Tensor, length: int, chunk_length: int, n_c
     starts = (chunk_starts[:, None] + torch.arange(0, chunk_length, length)).flatten()  # (windows,)
     index = starts[:, None] + torch.arange(length + 1)  # (windows, length + 1)
     return stream[index].long()
+
+
+def key_distance(length: int, depth: float) -> int:
+    """How far before the query the key sits in a :func:`passkey_windows` window of ``length`` input bytes at
+    ``depth``: the query's position minus the key's first digit's, the relative distance the first answer
+    byte must attend across. A model trained on windows of L has seen distances 0 .. L - 1 only.
+
+    Raises:
+        ValueError: for a length too short for a passkey window or a depth outside [0, 1].
+    """
+    filler_len = (
+        check_int("length", length, minimum=_PASSKEY_OVERHEAD, expected=f"an integer >= {_PASSKEY_OVERHEAD}")
+        + 1
+        - _PASSKEY_OVERHEAD
+    )
+    if isinstance(depth, bool) or not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth: expected a number in [0, 1], got {depth!r}")
+    # The window is filler[:p] STX key ETX filler[p:] STX key: the first digit at p + 1, the query STX at
+    # length - KEY_DIGITS (the inputs drop the last answer byte).
+    return length - KEY_DIGITS - (round(float(depth) * filler_len) + 1)
 
 
 def passkey_windows(

@@ -10,7 +10,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,14 @@ from ropekit.tools.demo.train import (
 )
 from ropekit.validation import check_int
 
-__all__ = ["EVAL_MULTIPLES", "SCALING_METHODS", "DemoSettings", "rope_config_for", "run_demo"]
+__all__ = [
+    "EVAL_MULTIPLES",
+    "SCALING_METHODS",
+    "DemoSettings",
+    "rewrite_report",
+    "rope_config_for",
+    "run_demo",
+]
 
 # Inference-time scaling applied to the trained rope model, in the order the report lists them.
 SCALING_METHODS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -193,6 +200,7 @@ def run_demo(s: DemoSettings, out: Path) -> int:
         }
     if per_seed[0]["attention"] is not None:
         extra["attention_by_distance"] = per_seed[0]["attention"]
+        extra["attention_by_distance_long"] = per_seed[0]["attention_long"]
     timings["total"] = time.perf_counter() - started
     extra["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
     report.write_results(out / "results.json", s.train_length, results, extra)
@@ -207,6 +215,7 @@ def _one_seed(s: DemoSettings, seed: int, corpus, ctx: DistContext) -> dict:
     tick = time.perf_counter()
     models, train_loss = _train_all(s, seed, corpus, ctx)
     out = {"train_loss": train_loss, "results": [], "counts": {}, "extra_loss": {}, "attention": None,
+           "attention_long": None,
            "timings": {"train": time.perf_counter() - tick, "evaluate": 0.0}}  # fmt: skip
     if ctx.is_main and s.evaluate:
         tick = time.perf_counter()
@@ -214,7 +223,9 @@ def _one_seed(s: DemoSettings, seed: int, corpus, ctx: DistContext) -> dict:
             models, corpus.validation, s, seed, ctx
         )
         if "rope" in models:
-            out["attention"] = _attention_profile(models["rope"], corpus.validation, s, ctx).tolist()
+            out["attention"] = _attention_profile(models["rope"], corpus.validation, s.train_length, 8, ctx)
+            longest = max(s.eval_multiples) * s.train_length
+            out["attention_long"] = _attention_profile(models["rope"], corpus.validation, longest, 2, ctx)
         out["timings"]["evaluate"] = time.perf_counter() - tick
     return out
 
@@ -342,37 +353,43 @@ def _evaluate_all(models, stream, s: DemoSettings, seed: int, ctx: DistContext):
 
 
 def _pool_perplexity(per_seed: list[list[dict]]) -> list[dict]:
-    """Mean and (sample) standard deviation over seeds of each (method, length) perplexity."""
+    """Mean, every seed's value and (from two seeds) the sample standard deviation of each (method, length)
+    perplexity."""
     if not per_seed or not per_seed[0]:
         return []
     rows = []
     for k, first in enumerate(per_seed[0]):
-        values = [seed_rows[k]["perplexity"] for seed_rows in per_seed]
-        row = {"method": first["method"], "length": first["length"], "perplexity": float(np.mean(values))}
+        values = [float(seed_rows[k]["perplexity"]) for seed_rows in per_seed]
+        row = {"method": first["method"], "length": first["length"], "perplexity": float(np.mean(values)),
+               "perplexity_by_seed": values}  # fmt: skip
         if len(values) > 1:
             row["perplexity_std"] = float(np.std(values, ddof=1))
-            row["perplexity_by_seed"] = [float(v) for v in values]
         rows.append(row)
     return rows
 
 
 def _pool_retrieval(per_seed: list[dict]) -> list[dict]:
-    """Trials of every seed pooled per (method, length, depth), with the Wilson interval."""
+    """Trials of every seed pooled per (method, length, depth), with the Wilson interval, the key's distance
+    from the query and each seed's count."""
     if not per_seed or not per_seed[0]:
         return []
     return [
         report.retrieval_row(method, length, depth, sum(c[key][0] for c in per_seed),
-                             sum(c[key][1] for c in per_seed))
+                             sum(c[key][1] for c in per_seed),
+                             correct_by_seed=[c[key][0] for c in per_seed],
+                             n_by_seed=[c[key][1] for c in per_seed])
         for key in per_seed[0]
         for method, length, depth in [key]
     ]  # fmt: skip
 
 
 @torch.no_grad()
-def _attention_profile(model, stream, s: DemoSettings, ctx: DistContext):
-    windows = validation_windows(stream, s.train_length, s.train_length, 8)
+def _attention_profile(model, stream, length: int, n_windows: int, ctx: DistContext) -> list[float]:
+    """The model's mean attention per relative distance, over ``n_windows`` validation windows of
+    ``length``."""
+    windows = validation_windows(stream, length, length, n_windows)
     _, maps = model(windows[:, :-1].to(ctx.device), need_weights=True)
-    return report.attention_by_distance(maps)
+    return report.attention_by_distance(maps).tolist()
 
 
 def _processes(world_size: int) -> str:
@@ -405,22 +422,64 @@ def machine_description(ctx: DistContext, load: str = "n/a") -> dict:
 
 
 def _write_report(out: Path, s: DemoSettings, results, retrieval, extra) -> None:
+    """report.md and the plots under ``out``, from finished numbers only."""
+    from ropekit.tools.demo import plots
     from ropekit.tools.verify import run_checks
 
     head_dim = s.dim // s.n_heads
-    report.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)
+    plots.plot_perplexity(out / "perplexity_vs_length.png", results, s.train_length)
     if retrieval:
-        report.plot_retrieval_heatmap(out / "retrieval_heatmap.png", retrieval, s.train_length)
-        report.plot_retrieval(out / "retrieval_vs_length.png", retrieval, s.train_length)
+        plots.plot_retrieval_heatmap(out / "retrieval_heatmap.png", retrieval, s.train_length)
+        plots.plot_retrieval(out / "retrieval_vs_length.png", retrieval, s.train_length)
     if extra.get("extra_loss_by_position"):
-        report.plot_position_loss(
-            out / "loss_vs_position.png", extra["extra_loss_by_position"], s.train_length
+        plots.plot_position_loss(
+            out / "loss_vs_position.png",
+            extra["extra_loss_by_position"],
+            s.train_length,
+            report.rotations_by_window(s),
         )
     if "attention_by_distance" in extra:
-        report.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
-                              s.rope_base, max(s.eval_multiples) * s.train_length)  # fmt: skip
-    checks = run_checks(RopeConfig(head_dim, s.rope_base))
-    report.write_report(out / "report.md", report.report_sections(s, results, retrieval, extra, checks))
+        plots.plot_attention(out / "attention_vs_distance.png", extra["attention_by_distance"], head_dim,
+                             s.rope_base, max(s.eval_multiples) * s.train_length,
+                             extra.get("attention_by_distance_long"))  # fmt: skip
+    config = RopeConfig(head_dim, s.rope_base)
+    checks = run_checks(config)
+    sections = report.report_sections(
+        s, results, retrieval, extra, checks, report.bfloat16_ulp_errors(config)
+    )
+    report.write_report(out / "report.md", sections)
+
+
+def settings_from_results(data: dict) -> DemoSettings:
+    """The DemoSettings a results.json was written with (JSON lists back to tuples; keys this version does not
+    know are dropped, keys it added since take their defaults).
+
+    Raises:
+        ValueError: when the stored settings fail the demo's checks.
+    """
+    known = {f.name for f in fields(DemoSettings)}
+    stored = {k: tuple(v) if isinstance(v, list) else v for k, v in data["settings"].items() if k in known}
+    settings = DemoSettings(**stored)
+    _check_settings(settings)
+    return settings
+
+
+def rewrite_report(out: Path) -> int:
+    """``ropekit demo --report-only``: report.md and the plots again from ``out``/results.json, no training.
+
+    Raises:
+        ValueError: when ``out`` holds no results.json of the demo, or one written without evaluation.
+    """
+    data = report.read_results(Path(out) / "results.json")
+    s = settings_from_results(data)
+    if not data["results"]:
+        raise ValueError(
+            f"out: {str(out)!r} holds the results of a --train-only run; there is nothing to report"
+        )
+    extra = {k: v for k, v in data.items() if k not in ("train_length", "results", "retrieval")}
+    _write_report(Path(out), s, data["results"], data["retrieval"], extra)
+    print(_summary(Path(out), s, data["results"], data["retrieval"], extra), flush=True)
+    return 0
 
 
 def _summary(out: Path, s: DemoSettings, results, retrieval, extra) -> str:
@@ -429,7 +488,8 @@ def _summary(out: Path, s: DemoSettings, results, retrieval, extra) -> str:
              f"seeds {extra['seeds']}, {extra['timings_s']['total']:.0f} s on {machine['device_name']}, "
              f"{_processes(extra['world_size'])}"]  # fmt: skip
     if retrieval:
-        lines += ["passkey retrieval (exact match, pooled over depths and seeds, 95% Wilson interval):",
+        lines += ["passkey retrieval (exact match, pooled over seeds, and over depths where they agree; "
+                  "95% Wilson interval; report.md reads it by the key's distance):",
                   report.format_retrieval_table(retrieval, s.train_length)]  # fmt: skip
     if results:
         lines += ["validation perplexity per byte:", report.format_table(results, s.train_length)]
