@@ -309,3 +309,37 @@ def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
         want_q, want_k = RotaryEmbedding(head_dim=64)(q, k, offsets=100000)
         torch.testing.assert_close(out_q, want_q)
         torch.testing.assert_close(out_k, want_k)
+
+
+@pytest.mark.parametrize("built", ["outside", "inside"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_compiled_in_place_on_packed_qkv_views_gives_eager_gradients(backend, built):
+    """Issue 17, repro 4: aot_eager of in-place apply_rotary_qk on views of a packed fp16 qkv, then backward:
+    with qkv built outside the compiled function a gradient off by 5.7, inside it an internal assert."""
+    cos, sin = RopeConfig(16).cos_sin(16)
+    x = torch.randn(1, 6, 3, 2, 16)
+    w = torch.randn(1, 6, 3, 2, 16, requires_grad=True)
+
+    def rotate(qkv):
+        apply_rotary_qk(qkv[:, :, 0], qkv[:, :, 1], cos, sin, inplace=True, backend=backend)
+        return (qkv.float() ** 2).sum()
+
+    def build_and_rotate(x, w):
+        return rotate((x * w).half())  # (batch, seq, 3, heads, head_dim)
+
+    grads = []
+    for compiled in (False, True):
+        w.grad = None
+        if built == "outside":
+            fn = torch.compile(rotate, backend="aot_eager") if compiled else rotate
+            fn((x * w).half()).backward()
+        else:
+            fn = torch.compile(build_and_rotate, backend="aot_eager") if compiled else build_and_rotate
+            fn(x, w).backward()
+        grads.append(w.grad.clone())
+    w.grad = None
+    qkv = (x * w).half()
+    q, k = apply_rotary_qk(qkv[:, :, 0], qkv[:, :, 1], cos, sin, backend="torch")
+    (q.float() ** 2).sum().add((k.float() ** 2).sum()).add((qkv[:, :, 2].float() ** 2).sum()).backward()
+    torch.testing.assert_close(grads[0], w.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-2, atol=1e-2)

@@ -109,12 +109,12 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
    (pos[token], or offset + its index in the sequence when pos is NULL) is outside [0, table_len); nothing \
    is written then. */ \
 int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos, const float *sin, \
-             const int64_t *pos, const int64_t *a) { \
+             const int64_t *pos, const int64_t *a, int64_t offset, int64_t nthreads) { \
     const int64_t *st = a, batch = a[12], seq = a[13], q_heads = a[14], k_heads = a[15]; \
     const int64_t half = a[16]; \
-    const int64_t tail = a[17], cos_stride = a[18], sin_stride = a[19], table_len = a[20], offset = a[21]; \
-    const int interleaved = (int)a[22], conjugate = (int)a[23], copy_tail = (int)a[24]; \
-    const int threads = (int)a[25]; \
+    const int64_t tail = a[17], cos_stride = a[18], sin_stride = a[19], table_len = a[20]; \
+    const int interleaved = (int)a[21], conjugate = (int)a[22], copy_tail = (int)a[23]; \
+    const int threads = (int)nthreads; \
     float sign = conjugate ? -1.0f : 1.0f; \
     int64_t tokens = batch * seq; \
     if (pos) { \
@@ -151,13 +151,14 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
 """
 
 _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat16: "rotary_bf16"}
-# q, q_out, k, k_out, cos, sin, positions, and the integer arguments packed into one int64 array: a ctypes
-# call converts each argument separately, so 26 integers as one pointer save microseconds per decode step.
-_ARGTYPES = [ctypes.c_void_p] * 8
+# q, q_out, k, k_out, cos, sin, positions, the integer arguments that depend on shapes and flags alone packed
+# into one int64 array (a ctypes call converts each argument separately, so 24 integers as one pointer save
+# microseconds per decode step, and a launch plan keeps the bytes), then the offset and the thread count.
+_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2
 # strides {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}, batch, seq, q_heads, k_heads,
-# half, tail, cos_stride, sin_stride, table_len, offset, interleaved, conjugate, copy_tail, threads.
+# half, tail, cos_stride, sin_stride, table_len, interleaved, conjugate, copy_tail.
 # copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
-_INT_ARGS = struct.Struct("26q")
+_INT_ARGS = struct.Struct("24q")
 
 
 # The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
@@ -369,34 +370,45 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     check_launch(q, k, q_out, k_out, cos, sin, positions, offset, _ENTRY)
     if not q.is_cpu:
         raise ValueError(f"q: expected a CPU tensor for the C kernel, got one on {q.device}")
-    batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
-    table_len, half = cos.shape  # (table_len, rotary_dim // 2)
+    table_len = cos.shape[0]
     if positions is None:
-        check_offset_rows(offset, batch, seq, table_len)
-    has_k = k is not None
-    work = q.numel() + (k.numel() if has_k else 0)
-    int_args = _INT_ARGS.pack(
-        *q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else _NO_K),
-        *(k_out.stride()[:3] if has_k else _NO_K),
-        batch, seq, q_heads, k.shape[2] if has_k else 0, half, head_dim - 2 * half,
-        cos.stride()[0], sin.stride()[0], table_len, offset,
-        interleaved, conjugate,
-        (q_out.data_ptr() != q.data_ptr()) | (has_k and k_out.data_ptr() != k.data_ptr()) << 1,
-        torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
-    )  # fmt: skip
+        check_offset_rows(offset, q.shape[0], q.shape[1], table_len)
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate)
     bad = _function(q.dtype)(
         q.data_ptr(),
         q_out.data_ptr(),
-        k.data_ptr() if has_k else None,
-        k_out.data_ptr() if has_k else None,
+        k.data_ptr() if k is not None else None,
+        k_out.data_ptr() if k is not None else None,
         cos.data_ptr(),
         sin.data_ptr(),
         None if positions is None else positions.data_ptr(),
         int_args,  # bytes: read-only for the C loop, owned by this call (thread-safe)
+        offset,
+        _threads(q, k),
     )
     if bad >= 0:
         position = int(positions[bad]) if positions is not None else offset + bad
         raise row_error(position, table_len, bad if positions is not None else None)
+
+
+def _pack(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool) -> bytes:
+    """The C loop's integer arguments that depend on shapes, strides and flags alone (see _INT_ARGS)."""
+    batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
+    half = cos.shape[1]
+    has_k = k is not None
+    return _INT_ARGS.pack(
+        *q.stride()[:3], *q_out.stride()[:3], *(k.stride()[:3] if has_k else _NO_K),
+        *(k_out.stride()[:3] if has_k else _NO_K),
+        batch, seq, q_heads, k.shape[2] if has_k else 0, half, head_dim - 2 * half,
+        cos.stride()[0], sin.stride()[0], cos.shape[0],
+        interleaved, conjugate,
+        (q_out.data_ptr() != q.data_ptr()) | (has_k and k_out.data_ptr() != k.data_ptr()) << 1,
+    )  # fmt: skip
+
+
+def _threads(q: torch.Tensor, k: torch.Tensor | None) -> int:
+    work = q.numel() + (k.numel() if k is not None else 0)
+    return torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1
 
 
 class CpuBackend(KernelBackend):
@@ -414,3 +426,44 @@ class CpuBackend(KernelBackend):
         if error is not None:
             return f"the C kernel could not be built: {error}"
         return None
+
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace):
+        """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
+        call is the outputs, the data pointers and the C loop."""
+        units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
+        if not all(units) or cos.dtype != torch.float32 or not q.is_cpu or q.dtype not in _ENTRY:
+            return None
+        function = _function(q.dtype)
+        # empty_like's strides follow from the input's strides alone: the probes' are every call's.
+        q_out, k_out = (
+            (q, k) if inplace else (torch.empty_like(q), None if k is None else torch.empty_like(k))
+        )
+        int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate)
+        threads = _threads(q, k)
+        parallel = threads > 1
+
+        def run(q, k, cos, sin, offset):
+            if inplace:
+                q_out, k_out = q, k
+            else:
+                q_out = torch.empty_like(q)
+                k_out = None if k is None else torch.empty_like(k)
+            bad = function(
+                q.data_ptr(),
+                q_out.data_ptr(),
+                None if k is None else k.data_ptr(),
+                None if k is None else k_out.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                None,
+                int_args,
+                offset,  # checked against the table by launch_planned, and again by the C loop
+                torch.get_num_threads() if parallel else 1,
+            )
+            if bad >= 0:
+                raise row_error(offset + bad, cos.shape[0])
+            if inplace:  # what the dispatcher would do: tell autograd that q and k changed
+                torch._C._increment_version((q,) if k is None else (q, k))
+            return q_out, k_out
+
+        return run
