@@ -343,3 +343,18 @@ def test_compiled_in_place_on_packed_qkv_views_gives_eager_gradients(backend, bu
     (q.float() ** 2).sum().add((k.float() ** 2).sum()).add((qkv[:, :, 2].float() ** 2).sum()).backward()
     torch.testing.assert_close(grads[0], w.grad, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(grads[1], w.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_compiled_in_place_with_q_and_k_the_same_tensor_is_a_value_error(backend):
+    """Found by the fuzzer: compiled, the torch backend (no op to check as the graph runs) rotated a tensor
+    passed as both q and k twice, in place, with no error."""
+    cos, sin = RopeConfig(2).cos_sin(16)
+    x = torch.randn(1, 5, 1, 2)
+    before = x.clone()
+    step = torch.compile(
+        lambda q, k: apply_rotary_qk(q, k, cos, sin, inplace=True, backend=backend), backend="aot_eager"
+    )
+    with pytest.raises(ValueError, match=r"k: inplace=True writes q and k, which share memory"):
+        step(x, x)
+    assert torch.equal(x, before)

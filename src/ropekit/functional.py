@@ -53,7 +53,7 @@ def apply_rotary_qk(
     if (
         positions is None
         and cu_seqlens is None
-        and type(offsets) is int
+        and (type(offsets) is int or type(offsets) is torch.Tensor)
         and per_token is False
         and full_width is False
         and rotary_position == "first"
@@ -124,7 +124,7 @@ def apply_rotary(
     if (
         positions is None
         and cu_seqlens is None
-        and type(offsets) is int
+        and (type(offsets) is int or type(offsets) is torch.Tensor)
         and per_token is False
         and full_width is False
         and rotary_position == "first"
@@ -140,10 +140,21 @@ def apply_rotary(
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
     # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
     interleaved = flags["interleaved"]
+    table_cos = cos
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    return apply_resolved(q, k, cos, sin, pos, backend=backend, **flags)
+    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags)
+    if (
+        type(offsets) is torch.Tensor
+        and positions is None
+        and cu_seqlens is None
+        and cos is table_cos  # not a view made from per-token or full-width rows
+        and flags["rotary_position"] == "first"
+    ):  # per-sequence offsets (a decode step): plan the next call like this one
+        impl = select_backend(backend, q, cos)
+        remember(impl, q, k, cos, sin, offsets, interleaved, flags["inplace"], backend, flags["inverse"])
+    return out
 
 
 def apply_resolved(
@@ -220,7 +231,7 @@ def apply_resolved(
             q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
         if rows is None and cos is table_cos and type(offset) is int:  # plan the next call like this one
-            remember(impl, q, k, cos, sin, interleaved, inplace, backend, inverse)
+            remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
         return out
     if cos.requires_grad or sin.requires_grad:
         return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)

@@ -251,12 +251,13 @@ class KernelBackend:
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
         """The launch for one key (:mod:`ropekit.backends.plan`): the raw launcher on the caller's tensors,
         without the op's own argument checks (the launcher keeps the kernel wall). None when the inputs need
-        the conversions of :meth:`rotate_qk` (a strided last axis, a table that is not float32)."""
+        the conversions of :meth:`rotate_qk` (a strided last axis, a table that is not float32), or for
+        per-sequence offset tensors (the launcher takes an int offset or a row per token)."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
-        if not all(units) or cos.dtype != torch.float32:
+        if per_sequence or not all(units) or cos.dtype != torch.float32:
             return None
         launch = self._launch
 

@@ -36,6 +36,7 @@ MAX_PLANS = 256
 
 class Plan(NamedTuple):
     """One key's launch. ``last_offset``: the largest int offset whose rows fit the table (table_len - S).
+    For per-sequence offsets ``last_offset`` is unused: the kernel checks each row.
     ``reach``: for in-place q and k, the byte distances k - q at which their spans can meet; ``shared``:
     per such distance seen, whether they share an element (then the checked path raises)."""
 
@@ -53,7 +54,10 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _key(q, k, cos, sin, interleaved, inplace, backend, conjugate) -> tuple:
+def _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> tuple:
+    if type(offset) is not int:  # a tensor of per-sequence offsets: its layout is part of the key
+        layout = (offset.shape, offset.stride(), offset.dtype, offset.device)
+        return (*_key(q, k, cos, sin, 0, interleaved, inplace, backend, conjugate), *layout)
     if k is None:
         return (q.shape, q.stride(), q.dtype, q.device, cos.shape, cos.stride(), cos.dtype, cos.device,
                 sin.shape, sin.stride(), sin.dtype, sin.device, interleaved, inplace, backend,
@@ -83,7 +87,9 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
 
     Args:
         q, k, cos, sin, interleaved, inplace, backend: as :func:`ropekit.apply_rotary_qk` takes them (k may be
-            None); offset: an int (the caller checked ``type(offset) is int``).
+            None).
+        offset: an int, or a tensor of per-sequence offsets (the caller checked the type is exactly one of
+            those); a tensor's values are checked by the kernel before it writes anything.
         conjugate: rotate by -theta (``inverse=True``).
     """
     if (
@@ -94,8 +100,8 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
         or not _plain(q, k, cos, sin)
     ):
         return None
-    plan = _plans.get(_key(q, k, cos, sin, interleaved, inplace, backend, conjugate))
-    if plan is None or not 0 <= offset <= plan.last_offset:
+    plan = _plans.get(_key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate))
+    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):
         return None
     if plan.reach is not None:  # in place, q and k: may they share an element?
         distance = k.data_ptr() - q.data_ptr()
@@ -115,21 +121,38 @@ def _span(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def remember(impl, q, k, cos, sin, interleaved, inplace, backend, conjugate) -> None:
-    """Store the plan for a call that the checked path has just served with an int offset (4-D q).
+def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> None:
+    """Store the plan for a call that the checked path has just served with an int offset, or a tensor of
+    per-sequence offsets (4-D q).
 
     ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
-    inplace)`` method returns its own run (or None: no plan); any other gets its rotate_qk, flags bound.
+    inplace, per_sequence=False)`` method returns its own run (or None: no plan); any other gets its
+    rotate_qk, flags bound (int offsets only).
     """
     if not _plain(q, k, cos, sin) or cos.device != q.device or q.dim() != 4 or q.numel() == 0:
         return
     if k is not None and k.numel() == 0:
         return
+    per_sequence = type(offset) is not int
+    if per_sequence and not (
+        offset.dtype == torch.int64
+        and offset.shape == q.shape[:1]
+        and offset.is_contiguous()
+        and offset.device == q.device
+    ):
+        return
     make = getattr(impl, "plan", None)
     if make is not None:
-        run = make(q, k, cos, sin, interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+        flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+        run = (
+            make(q, k, cos, sin, **flags, per_sequence=True)
+            if per_sequence
+            else make(q, k, cos, sin, **flags)
+        )
         if run is None:
             return
+    elif per_sequence:
+        return
     else:
 
         def run(q, k, cos, sin, offset):
@@ -148,5 +171,5 @@ def remember(impl, q, k, cos, sin, interleaved, inplace, backend, conjugate) -> 
     reach = (-_span(k), _span(q)) if inplace and k is not None else None
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    key = _key(q, k, cos, sin, interleaved, inplace, backend, conjugate)
+    key = _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate)
     _plans[key] = Plan(run, cos.shape[0] - q.shape[1], reach, {})
