@@ -210,9 +210,9 @@ def check_writable(name: str, x: torch.Tensor) -> None:
 def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
-    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While torch.compile
-    traces, storage identity is not traceable: only one tensor passed twice is caught then, and the kernels'
-    ops check the rest as the graph runs."""
+    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While
+    torch.compile traces, storage identity is not traceable: only one tensor passed twice is caught then, and
+    the kernels' ops check the rest as the graph runs."""
     shared = (a is b) if is_compiling() else _share_elements(a, b)
     if shared:
         raise ValueError(
