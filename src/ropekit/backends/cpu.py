@@ -60,6 +60,7 @@ _SOURCE = r"""
    does under THP_MEM_ALLOC_ENABLE, makes that ~40 faults; the advice only concerns the 2 MB-aligned pages
    inside the output, and is ignored where THP is off or unknown. */
 #define HUGE_OUTPUT_BYTES ((int64_t)8 << 20)
+#define DIRECT_ELEMENTS ((int64_t)1 << 20)
 static void advise_huge(void *p, int64_t bytes) {
 #ifdef MADV_HUGEPAGE
     const uintptr_t huge = (uintptr_t)2 << 20;
@@ -91,7 +92,7 @@ typedef int v8i __attribute__((vector_size(32)));
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
                          int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
-                         int interleaved, int copy_tail) { \
+                         int interleaved, int copy_tail, int direct) { \
     float ra[2 * half], rb[half], xf[2 * half]; \
     for (int64_t h = 0; h < heads; ++h) { \
         const T *xr = x + h * sx; \
@@ -108,7 +109,15 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
             } \
             for (; j < 2 * half; ++j) ra[j] = xf[j] * c2[j] + xf[j ^ 1] * s2[j]; \
             for (j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
-        } else { \
+        } else if (direct) { /* iteration i reads x[i], x[i + half] and writes them alone: in place \
+                    (orow == xr) or into a separate output, no iteration's store reaches another's load */ \
+            _Pragma("GCC ivdep") \
+            for (int64_t i = 0; i < half; ++i) { \
+                float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
+                orow[i] = STORE(a * c[i] - b * s[i]); \
+                orow[i + half] = STORE(b * c[i] + a * s[i]); \
+            } \
+        } else { /* all loads of a head, then all its stores: faster streaming from memory (measured) */ \
             for (int64_t i = 0; i < half; ++i) { \
                 float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
                 ra[i] = a * c[i] - b * s[i]; \
@@ -135,6 +144,10 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     const int threads = (int)nthreads; \
     float sign = conjugate ? -1.0f : 1.0f; \
     int64_t tokens = batch * seq; \
+    /* Up to DIRECT_ELEMENTS (the working set of a 64-sequence decode step fits the caches) the rotation is \
+       written directly: decode-64 in place 30 -> 22 us; above, a scratch row per head: prefill-4k in place \
+       0.80 -> 0.70 x copy_ (2-core Xeon, one thread). */ \
+    const int direct = tokens * (q_heads + k_heads) * (2 * half + tail) <= DIRECT_ELEMENTS; \
     if (pos && per_seq) { /* pos[b]: sequence b's offset; its rows are pos[b] + t */ \
         for (int64_t b = 0; b < batch && seq > 0; ++b) \
             if (pos[b] < 0 || pos[b] > table_len - seq) \
@@ -165,10 +178,10 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
                 s2[2 * i + 1] = s[i]; \
             } \
         NAME##_heads((const T *)q + b * st[0] + t * st[1], (T *)qo + b * st[3] + t * st[4], st[2], \
-                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 1); \
+                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 1, direct); \
         if (k) \
             NAME##_heads((const T *)k + b * st[6] + t * st[7], (T *)ko + b * st[9] + t * st[10], st[8], \
-                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 2); \
+                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 2, direct); \
     } \
     return -1; \
 }
