@@ -50,18 +50,6 @@ def apply_rotary_qk(
     Returns:
         (q_rotated, k_rotated), with q's and k's shapes and dtype.
     """
-    if (
-        positions is None
-        and cu_seqlens is None
-        and (type(offsets) is int or type(offsets) is torch.Tensor)
-        and per_token is False
-        and full_width is False
-        and rotary_position == "first"
-        and k is not None
-    ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
-        out = launch_planned(q, k, cos, sin, offsets, interleaved, inplace, backend, inverse)
-        if out is not None:
-            return out
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
     forms = dict(per_token=per_token, full_width=full_width)
@@ -121,25 +109,26 @@ def apply_rotary(
             past the table, malformed cu_seqlens, offsets of the wrong length, an unavailable backend, or a
             rotary_position other than "first" and "last".
     """
-    if (
-        positions is None
-        and cu_seqlens is None
-        and (type(offsets) is int or type(offsets) is torch.Tensor)
-        and per_token is False
-        and full_width is False
-        and rotary_position == "first"
-    ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
-        out = launch_planned(x, None, cos, sin, offsets, interleaved, inplace, backend, inverse)
-        if out is not None:
-            return out[0]
     forms = dict(per_token=per_token, full_width=full_width)
     flags = dict(interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position)
     return _apply(x, None, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags)[0]
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
-    # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
     interleaved = flags["interleaved"]
+    if (
+        positions is None
+        and cu_seqlens is None
+        and (type(offsets) is int or type(offsets) is torch.Tensor)
+        and forms["per_token"] is False
+        and forms["full_width"] is False
+        and flags["rotary_position"] == "first"
+    ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
+        inplace, inverse = flags["inplace"], flags["inverse"]
+        out = launch_planned(q, k, cos, sin, offsets, interleaved, inplace, backend, inverse)
+        if out is not None:
+            return out
+    # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
     table_cos = cos
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
