@@ -174,3 +174,32 @@ def test_apply_rotary_alone_uses_a_plan_too():
     apply_rotary(x, cos, sin, offsets=2)
     calls = ropekit_calls(lambda: apply_rotary(x, cos, sin, offsets=2))
     assert "run" in calls and "check_x" not in calls
+
+
+def test_a_planned_offsets_tensor_still_gets_the_checked_paths_errors():
+    """Per-sequence offsets are checked by the C loop before it writes; a bad one falls back to the checked
+    path, whose messages stay as they were."""
+    cos, sin = tables(16)  # 64 rows
+    q, k = _q_k()
+    apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([1, 2]), backend="cpu")  # plans this key
+    q_before = q.clone()
+    with pytest.raises(ValueError, match=r"offsets: expected values >= 0, got a minimum of -1"):
+        apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, -1]), backend="cpu", inplace=True)
+    with pytest.raises(ValueError, match=r"position 64 is past the cos/sin table"):
+        apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, 62]), backend="cpu", inplace=True)
+    assert torch.equal(q, q_before)
+    got = apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, 61]), backend="cpu")
+    want = apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([[3, 4, 5], [61, 62, 63]]), backend="torch")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_an_output_large_enough_for_huge_pages_is_still_exact():
+    """Out of place, outputs of 8 MB or more get huge-page advice (page faults at prefill); the values are
+    the same as the torch backend's, bit for bit."""
+    cos, sin = tables(128)
+    q = torch.randn(1, 64, 256, 128)  # (batch, seq, heads, head_dim): 8 MB of float32
+    got = apply_rotary(q, cos, sin, backend="cpu")
+    want = apply_rotary(q, cos, sin, backend="torch")
+    assert got.nbytes >= 8 << 20
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
