@@ -358,3 +358,27 @@ def test_compiled_in_place_with_q_and_k_the_same_tensor_is_a_value_error(backend
     with pytest.raises(ValueError, match=r"k: inplace=True writes q and k, which share memory"):
         step(x, x)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("meta", ["per-token tables", "tables", "positions", "offsets", "cu_seqlens"])
+def test_a_meta_tensor_beside_a_cpu_x_is_a_value_error_naming_it(meta):
+    """Issue 17, item 7: PyTorch's NotImplementedError ("Cannot copy out of meta tensor") from inside the
+    call becomes a ValueError naming the argument."""
+    x, (cos, sin) = torch.randn(1, 3, 2, 8), tables(8, torch.float32)
+    on_meta = lambda t: t.to("meta")  # noqa: E731
+    calls = {
+        "per-token tables": lambda: apply_rotary(
+            x, on_meta(cos[:3].repeat(1, 2)), on_meta(sin[:3].repeat(1, 2)), per_token=True, full_width=True
+        ),
+        "tables": lambda: apply_rotary(x, on_meta(cos), on_meta(sin)),
+        "positions": lambda: apply_rotary(
+            x, cos, sin, positions=on_meta(torch.zeros(1, 3, dtype=torch.long))
+        ),
+        "offsets": lambda: apply_rotary(x, cos, sin, offsets=on_meta(torch.zeros(1, dtype=torch.long))),
+        "cu_seqlens": lambda: apply_rotary(x[0], cos, sin, cu_seqlens=on_meta(torch.tensor([0, 3]))),
+    }
+    name = {"per-token tables": "cos", "tables": "cos"}.get(meta, meta)
+    with pytest.raises(
+        ValueError, match=rf"^{name}: expected a tensor with values, on x's device cpu, got a meta"
+    ):
+        calls[meta]()

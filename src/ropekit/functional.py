@@ -21,7 +21,15 @@ from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.plan import launch_planned, remember
 from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
-from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, check_x, describe
+from ropekit.validation import (
+    check_bool,
+    check_disjoint,
+    check_movable,
+    check_tables,
+    check_writable,
+    check_x,
+    describe,
+)
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
 
@@ -209,6 +217,8 @@ def apply_resolved(
         _check_inplace(q, k)
     table_cos = cos
     if cos.device != q.device:
+        check_movable("cos", cos, q.device)
+        check_movable("sin", sin, q.device)
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])
     impl = select_backend(backend, q, cos)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.validation import check_x, describe, is_compiling
+from ropekit.validation import check_movable, check_x, describe, is_compiling
 
 __all__ = ["Positions", "check_cu_seqlens", "resolve", "resolve_positions"]
 
@@ -159,6 +159,8 @@ def resolve(
         batch, seq = x.shape[0], x.shape[1]
         return Positions(None, offsets, offsets + seq - 1 if batch and seq else -1)
     lead = tuple(x.shape[:-2])  # (batch, seq) or (total_tokens,)
+    for arg, value in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
+        check_movable(arg, value, x.device)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, lead[0])
     if positions is not None:
         if not _is_integer_tensor(positions):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.validation import check_bool, check_table_pair, check_tables, describe
+from ropekit.validation import check_bool, check_movable, check_table_pair, check_tables, describe
 
 __all__ = ["half_width", "per_token_table", "token_tables"]
 
@@ -146,5 +146,7 @@ def token_tables(
     if not isinstance(x, torch.Tensor) or x.dim() != (3 if cu_seqlens is not None else 4):
         return cos, sin, positions  # the functional API's own check of x names what is wrong
     if isinstance(cos, torch.Tensor) and cos.device != x.device:
+        check_movable("cos", cos, x.device)
+        check_movable("sin", sin, x.device)
         cos, sin = cos.to(x.device), sin.to(x.device)
     return per_token_table(cos, sin, tuple(x.shape[:-2]), x.shape[-1])

@@ -19,6 +19,7 @@ __all__ = [
     "check_fraction",
     "check_head_dim",
     "check_int",
+    "check_movable",
     "check_number",
     "check_positive",
     "check_rotary_dim",
@@ -190,6 +191,16 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
             f"sin {sin.dtype} on {sin.device}"
         )
     return rotary_dim
+
+
+def check_movable(name: str, t: Any, device: torch.device) -> None:
+    """t (if a tensor) can be moved to device: a meta tensor has no values to copy anywhere but meta. PyTorch
+    would raise NotImplementedError ("Cannot copy out of meta tensor") from inside the call."""
+    if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
+        raise ValueError(
+            f"{name}: expected a tensor with values, on x's device {device}, got a meta tensor (shape "
+            f"{tuple(t.shape)}: no data); build it on {device}, or fill it after to_empty()"
+        )
 
 
 def check_writable(name: str, x: torch.Tensor) -> None:
