@@ -20,9 +20,13 @@ from ropekit.backends import Backend
 __all__ = ["RotaryFunction", "RotaryQKFunction"]
 
 
-def _save(ctx: Any, cos, sin, positions, offset, backend, interleaved, conjugate) -> None:
+def _rotate(ctx: Any, q, k, cos, sin, positions, offset, backend, interleaved, inplace, conjugate):
+    """The forward rotation, saving for backward only the tables and the positions (no activations)."""
+    flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, offset=offset)
+    out = backend.rotate_qk(q, k, cos, sin, positions, **flags)
     ctx.save_for_backward(cos, sin, *(() if positions is None else (positions,)))
     ctx.offset, ctx.backend, ctx.interleaved, ctx.conjugate = offset, backend, interleaved, conjugate
+    return out
 
 
 def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
@@ -62,18 +66,7 @@ class RotaryFunction(torch.autograd.Function):
         inplace: bool,
         conjugate: bool = False,
     ) -> torch.Tensor:
-        out, _ = backend.rotate_qk(
-            x,
-            None,
-            cos,
-            sin,
-            positions,
-            interleaved=interleaved,
-            conjugate=conjugate,
-            inplace=inplace,
-            offset=offset,
-        )
-        _save(ctx, cos, sin, positions, offset, backend, interleaved, conjugate)
+        out, _ = _rotate(ctx, x, None, cos, sin, positions, offset, backend, interleaved, inplace, conjugate)
         if inplace:
             ctx.mark_dirty(x)
         return out
@@ -100,19 +93,7 @@ class RotaryQKFunction(torch.autograd.Function):
         interleaved: bool,
         conjugate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = backend.rotate_qk(
-            q,
-            k,
-            cos,
-            sin,
-            positions,
-            interleaved=interleaved,
-            conjugate=conjugate,
-            inplace=False,
-            offset=offset,
-        )
-        _save(ctx, cos, sin, positions, offset, backend, interleaved, conjugate)
-        return out
+        return _rotate(ctx, q, k, cos, sin, positions, offset, backend, interleaved, False, conjugate)
 
     @staticmethod
     def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[Any, ...]:
