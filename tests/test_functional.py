@@ -309,3 +309,76 @@ def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
         want_q, want_k = RotaryEmbedding(head_dim=64)(q, k, offsets=100000)
         torch.testing.assert_close(out_q, want_q)
         torch.testing.assert_close(out_k, want_k)
+
+
+@pytest.mark.parametrize("built", ["outside", "inside"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_compiled_in_place_on_packed_qkv_views_gives_eager_gradients(backend, built):
+    """Issue 17, repro 4: aot_eager of in-place apply_rotary_qk on views of a packed fp16 qkv, then backward:
+    with qkv built outside the compiled function a gradient off by 5.7, inside it an internal assert."""
+    cos, sin = RopeConfig(16).cos_sin(16)
+    x = torch.randn(1, 6, 3, 2, 16)
+    w = torch.randn(1, 6, 3, 2, 16, requires_grad=True)
+
+    def rotate(qkv):
+        apply_rotary_qk(qkv[:, :, 0], qkv[:, :, 1], cos, sin, inplace=True, backend=backend)
+        return (qkv.float() ** 2).sum()
+
+    def build_and_rotate(x, w):
+        return rotate((x * w).half())  # (batch, seq, 3, heads, head_dim)
+
+    grads = []
+    for compiled in (False, True):
+        w.grad = None
+        if built == "outside":
+            fn = torch.compile(rotate, backend="aot_eager") if compiled else rotate
+            fn((x * w).half()).backward()
+        else:
+            fn = torch.compile(build_and_rotate, backend="aot_eager") if compiled else build_and_rotate
+            fn(x, w).backward()
+        grads.append(w.grad.clone())
+    w.grad = None
+    qkv = (x * w).half()
+    q, k = apply_rotary_qk(qkv[:, :, 0], qkv[:, :, 1], cos, sin, backend="torch")
+    (q.float() ** 2).sum().add((k.float() ** 2).sum()).add((qkv[:, :, 2].float() ** 2).sum()).backward()
+    torch.testing.assert_close(grads[0], w.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_compiled_in_place_with_q_and_k_the_same_tensor_is_a_value_error(backend):
+    """Found by the fuzzer: compiled, the torch backend (no op to check as the graph runs) rotated a tensor
+    passed as both q and k twice, in place, with no error."""
+    cos, sin = RopeConfig(2).cos_sin(16)
+    x = torch.randn(1, 5, 1, 2)
+    before = x.clone()
+    step = torch.compile(
+        lambda q, k: apply_rotary_qk(q, k, cos, sin, inplace=True, backend=backend), backend="aot_eager"
+    )
+    with pytest.raises(ValueError, match=r"k: inplace=True writes q and k, which share memory"):
+        step(x, x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("meta", ["per-token tables", "tables", "positions", "offsets", "cu_seqlens"])
+def test_a_meta_tensor_beside_a_cpu_x_is_a_value_error_naming_it(meta):
+    """Issue 17, item 7: PyTorch's NotImplementedError ("Cannot copy out of meta tensor") from inside the
+    call becomes a ValueError naming the argument."""
+    x, (cos, sin) = torch.randn(1, 3, 2, 8), tables(8, torch.float32)
+    on_meta = lambda t: t.to("meta")  # noqa: E731
+    calls = {
+        "per-token tables": lambda: apply_rotary(
+            x, on_meta(cos[:3].repeat(1, 2)), on_meta(sin[:3].repeat(1, 2)), per_token=True, full_width=True
+        ),
+        "tables": lambda: apply_rotary(x, on_meta(cos), on_meta(sin)),
+        "positions": lambda: apply_rotary(
+            x, cos, sin, positions=on_meta(torch.zeros(1, 3, dtype=torch.long))
+        ),
+        "offsets": lambda: apply_rotary(x, cos, sin, offsets=on_meta(torch.zeros(1, dtype=torch.long))),
+        "cu_seqlens": lambda: apply_rotary(x[0], cos, sin, cu_seqlens=on_meta(torch.tensor([0, 3]))),
+    }
+    name = {"per-token tables": "cos", "tables": "cos"}.get(meta, meta)
+    with pytest.raises(
+        ValueError, match=rf"^{name}: expected a tensor with values, on x's device cpu, got a meta"
+    ):
+        calls[meta]()

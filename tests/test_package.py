@@ -122,6 +122,8 @@ FUNCTIONAL_KEYWORDS = [
     ("per_token", KW, False),
     ("full_width", KW, False),
     ("backend", KW, "auto"),
+    ("inverse", KW, False),
+    ("rotary_position", KW, "first"),
 ]
 
 

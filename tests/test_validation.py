@@ -506,7 +506,7 @@ def test_a_meta_argument_for_an_input_with_values_is_a_value_error_naming_it(cas
     """Issue 17, repro 7: these raised NotImplementedError ("Cannot copy out of meta tensor")."""
     name, call = META_ARGUMENTS[case]
     with pytest.raises(
-        ValueError, match=rf"^{name}: expected a tensor with values for an input on cpu, got a meta"
+        ValueError, match=rf"^{name}: expected a tensor with values, on x's device cpu, got a meta"
     ):
         call()
 

@@ -1,6 +1,7 @@
 """Autograd for the rotation: the backward pass is the same backend run with the conjugate rotation.
 
-A rotation R is orthogonal, so dL/dx = R^T dL/dy = R(-theta) dL/dy (docs/math.md). Nothing but the tables
+A rotation R is orthogonal, so dL/dx = R^T dL/dy = R(-theta) dL/dy (docs/math.md); for the inverse rotation
+(``conjugate``, forward by -theta) backward rotates by +theta. Nothing but the tables
 and the positions tensor (none for an int offset) is saved for backward: no activations.
 
 Two Functions, because PyTorch allows a Function that writes into a view (a slice of a packed qkv buffer) only
@@ -19,9 +20,13 @@ from ropekit.backends import Backend
 __all__ = ["RotaryFunction", "RotaryQKFunction"]
 
 
-def _save(ctx: Any, cos, sin, positions, offset, backend, interleaved) -> None:
+def _rotate(ctx: Any, q, k, cos, sin, positions, offset, backend, interleaved, inplace, conjugate):
+    """The forward rotation, saving for backward only the tables and the positions (no activations)."""
+    flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, offset=offset)
+    out = backend.rotate_qk(q, k, cos, sin, positions, **flags)
     ctx.save_for_backward(cos, sin, *(() if positions is None else (positions,)))
-    ctx.offset, ctx.backend, ctx.interleaved = offset, backend, interleaved
+    ctx.offset, ctx.backend, ctx.interleaved, ctx.conjugate = offset, backend, interleaved, conjugate
+    return out
 
 
 def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
@@ -33,7 +38,7 @@ def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
         sin,
         positions[0] if positions else None,
         interleaved=ctx.interleaved,
-        conjugate=True,
+        conjugate=not ctx.conjugate,  # the forward rotation's inverse
         inplace=False,
         offset=ctx.offset,
     )
@@ -42,9 +47,10 @@ def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
 class RotaryFunction(torch.autograd.Function):
     """Rotate one tensor by the tables' angles; backward rotates the incoming gradient by the negated angles.
 
-    Called as ``RotaryFunction.apply(x, cos, sin, positions, offset, backend, interleaved, inplace)`` with
-    positions resolved (:mod:`ropekit.positions`: an int64 tensor, or None and an int offset). The tables
-    are constants here: learnable tables take the plain torch path in :mod:`ropekit.functional` instead.
+    Called as ``RotaryFunction.apply(x, cos, sin, positions, offset, backend, interleaved, inplace,
+    conjugate)`` with positions resolved (:mod:`ropekit.positions`: an int64 tensor, or None and an int
+    offset). The tables are constants here: learnable tables take the plain torch path in
+    :mod:`ropekit.functional` instead.
     """
 
     @staticmethod
@@ -58,31 +64,21 @@ class RotaryFunction(torch.autograd.Function):
         backend: Backend,
         interleaved: bool,
         inplace: bool,
+        conjugate: bool = False,
     ) -> torch.Tensor:
-        out, _ = backend.rotate_qk(
-            x,
-            None,
-            cos,
-            sin,
-            positions,
-            interleaved=interleaved,
-            conjugate=False,
-            inplace=inplace,
-            offset=offset,
-        )
-        _save(ctx, cos, sin, positions, offset, backend, interleaved)
+        out, _ = _rotate(ctx, x, None, cos, sin, positions, offset, backend, interleaved, inplace, conjugate)
         if inplace:
             ctx.mark_dirty(x)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _conjugate(ctx, grad, None)[0], None, None, None, None, None, None, None
+        return _conjugate(ctx, grad, None)[0], None, None, None, None, None, None, None, None
 
 
 class RotaryQKFunction(torch.autograd.Function):
     """q and k in one launch: ``RotaryQKFunction.apply(q, k, cos, sin, positions, offset, backend,
-    interleaved)``, out of place (in place, each tensor goes through :class:`RotaryFunction`)."""
+    interleaved, conjugate)``, out of place (in place, each tensor goes through :class:`RotaryFunction`)."""
 
     @staticmethod
     def forward(
@@ -95,15 +91,12 @@ class RotaryQKFunction(torch.autograd.Function):
         offset: int,
         backend: Backend,
         interleaved: bool,
+        conjugate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = backend.rotate_qk(
-            q, k, cos, sin, positions, interleaved=interleaved, conjugate=False, inplace=False, offset=offset
-        )
-        _save(ctx, cos, sin, positions, offset, backend, interleaved)
-        return out
+        return _rotate(ctx, q, k, cos, sin, positions, offset, backend, interleaved, False, conjugate)
 
     @staticmethod
     def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[Any, ...]:
         # Gradients are materialised (zeros for an unused output), so both are tensors.
         grad_q, grad_k = _conjugate(ctx, grad_q, grad_k)
-        return grad_q, grad_k, None, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None, None, None, None

@@ -18,12 +18,13 @@ import torch
 
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
+from ropekit.backends.plan import launch_planned, remember
 from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
 from ropekit.validation import (
     check_bool,
     check_disjoint,
-    check_has_values,
+    check_movable,
     check_tables,
     check_writable,
     check_x,
@@ -47,6 +48,8 @@ def apply_rotary_qk(
     per_token: bool = False,
     full_width: bool = False,
     backend: str = "auto",
+    inverse: bool = False,
+    rotary_position: str = "first",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries and keys together (one kernel launch on fused backends).
 
@@ -58,7 +61,8 @@ def apply_rotary_qk(
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
     forms = dict(per_token=per_token, full_width=full_width)
-    return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms)
+    flags = dict(interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position)
+    return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags)
 
 
 def apply_rotary(
@@ -74,6 +78,8 @@ def apply_rotary(
     per_token: bool = False,
     full_width: bool = False,
     backend: str = "auto",
+    inverse: bool = False,
+    rotary_position: str = "first",
 ) -> torch.Tensor:
     """Apply rotary position embeddings to x.
 
@@ -97,25 +103,55 @@ def apply_rotary(
             ``cat(freqs, freqs)``; with interleaved=True, ``repeat_interleave(freqs, 2)``). Only the first of
             each pair is read, through a view. Works with per_token or with a table indexed by positions.
         backend: "auto", "torch", "cpu" or "triton".
+        inverse: rotate by -theta instead of +theta: undoes the rotation (DeepSeek-V4 de-rotates attention
+            outputs this way); its gradient is the rotation by +theta.
+        rotary_position: where the rotated R features sit in each head: "first" (features [0, R), the rest
+            pass through: partial rotary as in GPT-NeoX) or "last" (features [D - R, D), after the
+            position-free ones: DeepSeek's NoPE-first layout).
 
     Returns:
         The rotated tensor, shaped like x.
 
     Raises:
         ValueError: on a wrong rank, mismatched or too-wide tables, positions of the wrong shape, negative or
-            past the table, malformed cu_seqlens, offsets of the wrong length, or an unavailable backend.
+            past the table, malformed cu_seqlens, offsets of the wrong length, an unavailable backend, or a
+            rotary_position other than "first" and "last".
     """
     forms = dict(per_token=per_token, full_width=full_width)
-    out, _ = _apply(x, None, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms)
-    return out
+    flags = dict(interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position)
+    return _apply(x, None, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags)[0]
 
 
-def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, interleaved, inplace, backend, **forms):
+def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
+    interleaved = flags["interleaved"]
+    if (
+        positions is None
+        and cu_seqlens is None
+        and (type(offsets) is int or type(offsets) is torch.Tensor)
+        and forms["per_token"] is False
+        and forms["full_width"] is False
+        and flags["rotary_position"] == "first"
+    ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
+        inplace, inverse = flags["inplace"], flags["inverse"]
+        out = launch_planned(q, k, cos, sin, offsets, interleaved, inplace, backend, inverse)
+        if out is not None:
+            return out
     # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
+    table_cos = cos
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    return apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
+    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags)
+    if (
+        type(offsets) is torch.Tensor
+        and positions is None
+        and cu_seqlens is None
+        and cos is table_cos  # not a view made from per-token or full-width rows
+        and flags["rotary_position"] == "first"
+    ):  # per-sequence offsets (a decode step): plan the next call like this one
+        impl = select_backend(backend, q, cos)
+        remember(impl, q, k, cos, sin, offsets, interleaved, flags["inplace"], backend, flags["inverse"])
+    return out
 
 
 def apply_resolved(
@@ -128,6 +164,8 @@ def apply_resolved(
     interleaved: bool,
     inplace: bool,
     backend: str,
+    inverse: bool = False,
+    rotary_position: str = "first",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -138,11 +176,15 @@ def apply_resolved(
 
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
-        cos, sin, interleaved, inplace, backend: as in :func:`apply_rotary`.
+        cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
 
     Returns:
         (q_rotated, k_rotated or None).
     """
+    if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
+        out = launch_planned(q, k, cos, sin, pos.offset, interleaved, inplace, backend, inverse)
+        if out is not None:
+            return out
     if k is not None:  # q was checked by resolve(q, ...)
         check_x("k", k, varlen=q.dim() == 3)
         q_shape, k_shape = q.shape, k.shape  # same rank (check_x); no slicing: this runs every decode step
@@ -161,13 +203,22 @@ def apply_resolved(
     check_tables(cos, sin, q.shape[-1])
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
+    check_bool("inverse", inverse)
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
+    if rotary_position != "first":
+        if not isinstance(rotary_position, str) or rotary_position != "last":
+            raise ValueError(
+                f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end "
+                f"it, NoPE first), got {describe(rotary_position)}"
+            )
+        return _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse)
     if inplace:
         _check_inplace(q, k)
+    table_cos = cos
     if cos.device != q.device:
-        check_has_values("cos", cos, q.device)
-        check_has_values("sin", sin, q.device)
+        check_movable("cos", cos, q.device)
+        check_movable("sin", sin, q.device)
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])
     impl = select_backend(backend, q, cos)
@@ -175,29 +226,33 @@ def apply_resolved(
     if not torch.is_grad_enabled() or not (
         q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
     ):  # no graph to record: skip autograd's bookkeeping
-        return impl.rotate_qk(
-            q, k, cos, sin, rows, interleaved=interleaved, conjugate=False, inplace=inplace, offset=offset
+        out = impl.rotate_qk(
+            q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
+        if rows is None and cos is table_cos and type(offset) is int:  # plan the next call like this one
+            remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
+        return out
     if cos.requires_grad or sin.requires_grad:
-        return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace)
-    if inplace and impl.name == "torch":
-        # The torch backend writes through slice assignments, which AOTAutograd cannot replay inside a
-        # Function that dirties a view: rotate out of place and copy back (autograd's own in-place rule).
+        return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)
+    if inplace and (impl.name == "torch" or torch.compiler.is_compiling()):
+        # AOTAutograd cannot replay a Function that dirties a view (a slice of a packed qkv): it returned
+        # wrong gradients (issue 17). Rotate out of place and copy back, which it traces like any torch op;
+        # the torch backend always does (its slice assignments inside such a Function fail eagerly too).
         out_q, out_k = apply_resolved(
-            q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend
+            q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend, inverse=inverse
         )
         q.copy_(out_q)
         if k is not None:
             k.copy_(out_k)
         return q, k
     if k is None:
-        return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace), None
+        return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace, inverse), None
     if inplace:  # two single-output Functions: PyTorch lets only those write into views (packed qkv)
         return (
-            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, True),
-            RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True),
+            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, True, inverse),
+            RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True, inverse),
         )
-    return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved)
+    return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved, inverse)
 
 
 def _check_inplace(q: torch.Tensor, k: torch.Tensor | None) -> None:
@@ -215,14 +270,37 @@ def _check_inplace(q: torch.Tensor, k: torch.Tensor | None) -> None:
         check_disjoint("q", q, "k", k)
 
 
-def _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace):
+def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse):
+    """rotary_position="last": the rotated features end each head (DeepSeek's NoPE-first layout). The last R
+    features are a view with a unit last stride, rotated as a head of width R; out of place, the position-free
+    features are joined back in front."""
+    start = q.shape[-1] - 2 * cos.shape[-1]  # the first rotated feature (the tables were checked)
+    q_rot, k_rot = q[..., start:], None if k is None else k[..., start:]  # (..., heads, R) views
+    out_q, out_k = apply_resolved(
+        q_rot,
+        k_rot,
+        cos,
+        sin,
+        pos,
+        interleaved=interleaved,
+        inplace=inplace,
+        backend=backend,
+        inverse=inverse,
+    )
+    if inplace:
+        return q, k
+    out_q = torch.cat((q[..., :start], out_q), dim=-1)  # (..., heads, head_dim)
+    return out_q, None if k is None else torch.cat((k[..., :start], out_k), dim=-1)
+
+
+def _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse):
     """Tables that require grad: autograd differentiates the plain torch math (the fused rule treats the
     tables as constants). In place, the rotation reads a copy and writes the result back, so the values the
     table gradient needs are not overwritten before backward."""
     torch_backend: Backend = BACKENDS["torch"]
     src_q, src_k = (q.clone(), None if k is None else k.clone()) if inplace else (q, k)
     out_q, out_k = torch_backend.rotate_qk(
-        src_q, src_k, cos, sin, rows, interleaved=interleaved, conjugate=False, inplace=False, offset=offset
+        src_q, src_k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=False, offset=offset
     )
     if not inplace:
         return out_q, out_k

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.validation import check_has_values, check_x, describe, is_compiling
+from ropekit.validation import check_movable, check_x, describe, is_compiling
 
 __all__ = ["Positions", "check_cu_seqlens", "resolve", "resolve_positions"]
 
@@ -122,8 +122,6 @@ def _offsets_tensor(offsets: int | torch.Tensor, n: int, what: str, device: torc
             )
         if n and _host_checked(offsets) and int(offsets.min()) < 0:
             raise ValueError(f"offsets: expected values >= 0, got a minimum of {int(offsets.min())}")
-        if offsets.device != device:
-            check_has_values("offsets", offsets, device)
         return offsets.to(device=device, dtype=torch.int64)
     return torch.full((n,), _check_int_offset(offsets), dtype=torch.int64, device=device)
 
@@ -161,6 +159,8 @@ def resolve(
         batch, seq = x.shape[0], x.shape[1]
         return Positions(None, offsets, offsets + seq - 1 if batch and seq else -1)
     lead = tuple(x.shape[:-2])  # (batch, seq) or (total_tokens,)
+    for arg, value in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
+        check_movable(arg, value, x.device)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, lead[0])
     if positions is not None:
         if not _is_integer_tensor(positions):
@@ -173,13 +173,9 @@ def resolve(
                 f"offsets: expected 0 when positions is given (positions are absolute), "
                 f"got {describe(offsets)}"
             )
-        if positions.device != x.device:
-            check_has_values("positions", positions, x.device)
         pos = positions.to(device=x.device, dtype=torch.int64)
     elif cu is not None:
         total = lead[0]
-        if cu.device != x.device:
-            check_has_values("cu_seqlens", cu, x.device)
         cu = cu.to(device=x.device, dtype=torch.int64)
         n = cu.shape[0] - 1
         token = torch.arange(total, device=x.device)  # (total_tokens,)

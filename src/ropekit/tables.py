@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.validation import check_bool, check_has_values, check_table_pair, check_tables, describe
+from ropekit.validation import check_bool, check_movable, check_table_pair, check_tables, describe
 
 __all__ = ["half_width", "per_token_table", "token_tables"]
 
@@ -147,7 +147,7 @@ def token_tables(
         return cos, sin, positions  # the functional API's own check of x names what is wrong
     if isinstance(cos, torch.Tensor) and cos.device != x.device:
         check_table_pair(cos, sin)
-        check_has_values("cos", cos, x.device)
-        check_has_values("sin", sin, x.device)
+        check_movable("cos", cos, x.device)
+        check_movable("sin", sin, x.device)
         cos, sin = cos.to(x.device), sin.to(x.device)
     return per_token_table(cos, sin, tuple(x.shape[:-2]), x.shape[-1])

@@ -17,9 +17,9 @@ __all__ = [
     "check_disjoint",
     "check_even",
     "check_fraction",
-    "check_has_values",
     "check_head_dim",
     "check_int",
+    "check_movable",
     "check_number",
     "check_positive",
     "check_rotary_dim",
@@ -193,16 +193,13 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
     return rotary_dim
 
 
-def check_has_values(name: str, t: torch.Tensor, device: torch.device) -> None:
-    """t is about to be moved to device (another device than its own): a meta tensor holds no values to move.
-
-    Callers check this only where the devices differ, so a call whose tensors share a device pays nothing.
-    """
-    if t.is_meta and device.type != "meta":
+def check_movable(name: str, t: Any, device: torch.device) -> None:
+    """t (if a tensor) can be moved to device: a meta tensor has no values to copy anywhere but meta. PyTorch
+    would raise NotImplementedError ("Cannot copy out of meta tensor") from inside the call."""
+    if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
         raise ValueError(
-            f"{name}: expected a tensor with values for an input on {device}, got a meta tensor of shape "
-            f"{tuple(t.shape)} (shapes only, no values); build it on a real device, or materialise the "
-            "module that owns it (to_empty, then reset_parameters or load_state_dict)"
+            f"{name}: expected a tensor with values, on x's device {device}, got a meta tensor (shape "
+            f"{tuple(t.shape)}: no data); build it on {device}, or fill it after to_empty()"
         )
 
 
@@ -224,9 +221,11 @@ def check_writable(name: str, x: torch.Tensor) -> None:
 def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
-    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. Not checked while
-    torch.compile traces (storage identity is not traceable); the kernels' ops check it as the graph runs."""
-    if not is_compiling() and _share_elements(a, b):
+    Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While
+    torch.compile traces, storage identity is not traceable: only one tensor passed twice is caught then, and
+    the kernels' ops check the rest as the graph runs."""
+    shared = (a is b) if is_compiling() else _share_elements(a, b)
+    if shared:
         raise ValueError(
             f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
             f"{tuple(a.shape)} and {tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint "

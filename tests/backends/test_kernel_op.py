@@ -188,3 +188,21 @@ def test_a_second_backend_instance_shares_the_registered_ops():
     """Registering ropekit::cpu_rotary(_) again would replace the ops a compiled graph already holds."""
     again = cpu.CpuBackend()
     assert again.op is backends.BACKENDS["cpu"].op and again.op_ is backends.BACKENDS["cpu"].op_
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("meta", ["positions", "cos", "k"])
+def test_cpu_op_with_one_argument_on_meta_is_a_value_error_not_garbage(meta, inplace):
+    """A meta tensor among CPU ones sends the dispatcher to the op's fake kernel (issue 17, repro 2): it must
+    refuse the mix, not return uninitialised memory or leave q unrotated."""
+    q, k, cos, sin, pos = Q.clone(), K.clone(), COS, SIN, POS
+    if meta == "positions":
+        pos = pos.to("meta")
+    elif meta == "cos":
+        cos, sin = cos.to("meta"), sin.to("meta")
+    else:
+        k = k.to("meta")
+    name = "sin" if meta == "cos" else meta  # cos and sin both moved: either may be named; sin is checked
+    with pytest.raises(ValueError, match=rf"(cos|{name}): expected .*on q's device cpu"):
+        (torch.ops.ropekit.cpu_rotary_ if inplace else op)(q, k, cos, sin, pos, False, False, 0)
+    assert torch.equal(q, Q)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import ropekit.backends.plan
 import ropekit.functional
 from ropekit.backends import BACKENDS
 
@@ -43,6 +44,7 @@ def force_backend(monkeypatch, name: str) -> ForcedBackend:
         return impl
 
     monkeypatch.setattr(ropekit.functional, "select_backend", select)
+    monkeypatch.setattr(ropekit.backends.plan, "_plans", {})  # launch plans would skip select_backend
     return forced
 
 

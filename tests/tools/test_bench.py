@@ -27,7 +27,9 @@ def tiny_records():
 def test_quick_run_gives_every_column_and_positive_ratios(tiny_records):
     records, _ = tiny_records
     assert {r["row"] for r in records} >= {"copy_", "clone", "ropekit[torch]", "ropekit[cpu]", "Meta complex"}
-    assert {"ropekit.compat.hf", "ropekit.compat.vllm in-place"} <= {r["row"] for r in records}
+    assert {"ropekit.compat.hf", "ropekit.compat.vllm in-place", "ropekit.RotaryEmbedding"} <= {
+        r["row"] for r in records
+    }
     for r in records:
         assert list(r) == bench.COLUMNS
         assert r["fwd_ms"] > 0 and r["x_copy"] > 0 and r["x_clone"] > 0 and r["fwd_gbps"] > 0

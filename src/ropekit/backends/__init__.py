@@ -15,6 +15,7 @@ import torch
 from ropekit.backends.base import Backend
 from ropekit.backends.cpu import CpuBackend
 from ropekit.backends.eager import EagerBackend
+from ropekit.backends.plan import clear_plans
 from ropekit.backends.triton import TritonBackend
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "clear_backend_cache", "register_backend", "select_backend"]
@@ -34,8 +35,10 @@ _choices: dict[tuple, tuple[Backend, list[str]]] = {}
 
 
 def clear_backend_cache() -> None:
-    """Forget every cached backend choice (after changing BACKENDS, AUTO_ORDER or a backend's state)."""
+    """Forget every cached backend choice and launch plan (after changing BACKENDS, AUTO_ORDER or a backend's
+    state)."""
     _choices.clear()
+    clear_plans()
 
 
 def register_backend(backend: Backend, *, auto_priority: int | None = None) -> None:

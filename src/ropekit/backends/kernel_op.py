@@ -141,6 +141,15 @@ def _check_op_inputs(q, k, positions) -> None:
         _fail("positions", f"a tensor of shape {tuple(q.shape[:-2])} (q's leading axes)", describe(positions))
 
 
+def _check_devices(q, k, cos, sin, positions) -> None:
+    """Every tensor on q's device. The fake kernels need this: a meta tensor among CPU ones sends the
+    dispatcher to them, and they would answer with uninitialised CPU memory (the real kernels' launchers
+    check devices themselves)."""
+    for name, t in (("k", k), ("cos", cos), ("sin", sin), ("positions", positions)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            _fail(name, f"a tensor on q's device {q.device}", f"one on {t.device}")
+
+
 def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
     """Call the kernel on 4-D views; outputs with a strided last axis are computed in a scratch copy."""
     pos = None if positions is None else positions.reshape(-1)  # (batch * seq,)
@@ -198,6 +207,7 @@ class KernelBackend:
 
     def __init__(self, name: str, launch: Launch) -> None:
         self.name = name
+        self._launch = launch
 
         def rotary(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
             _check_op_inputs(q, k, positions)
@@ -212,10 +222,12 @@ class KernelBackend:
 
         def rotary_fake(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
             _check_op_inputs(q, k, positions)
+            _check_devices(q, k, cos, sin, positions)
             return [torch.empty_like(q)] + ([] if k is None else [torch.empty_like(k)])
 
         def rotary_fake_(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
             _check_op_inputs(q, k, positions)
+            _check_devices(q, k, cos, sin, positions)
             check_writable("q", q)
             if k is not None:
                 check_writable("k", k)
@@ -239,6 +251,28 @@ class KernelBackend:
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
 
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+        """The launch for one key (:mod:`ropekit.backends.plan`): the raw launcher on the caller's tensors,
+        without the op's own argument checks (the launcher keeps the kernel wall). None when the inputs need
+        the conversions of :meth:`rotate_qk` (a strided last axis, a table that is not float32), or for
+        per-sequence offset tensors (the launcher takes an int offset or a row per token)."""
+        units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
+        if per_sequence or not all(units) or cos.dtype != torch.float32:
+            return None
+        launch = self._launch
+
+        def run(q, k, cos, sin, offset):
+            if inplace:
+                q_out, k_out = q, k
+            else:
+                q_out, k_out = torch.empty_like(q), None if k is None else torch.empty_like(k)
+            launch(q, k, q_out, k_out, cos, sin, None, offset, interleaved, conjugate)
+            if inplace:  # what the dispatcher would do: tell autograd that q and k changed
+                torch._C._increment_version((q,) if k is None else (q, k))
+            return q_out, k_out
+
+        return run
+
     def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
         # Plain eager tensors skip the op dispatcher (tens of microseconds, most of a decode step); anything
         # that traces (torch.compile, fake tensors, dispatch modes) goes through the registered ops.
@@ -253,7 +287,12 @@ class KernelBackend:
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
         args = (q, k, cos, sin, positions, interleaved, conjugate, offset)
         if inplace:
-            (self._rotary_ if direct else self.op_)(*args)
+            if not direct:  # the op's ADInplaceOrView kernel bumps the version counters
+                self.op_(*args)
+                return q, k
+            self._rotary_(*args)
+            # What the dispatcher would do: tell autograd that q and k changed (docs/safety.md).
+            torch._C._increment_version((q,) if k is None else (q, k))
             return q, k
         outs = (self._rotary if direct else self.op)(*args)
         return outs[0], (outs[1] if k is not None else None)

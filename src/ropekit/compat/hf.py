@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ropekit.backends.plan import launch_planned
 from ropekit.compat._common import peer_names
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
@@ -97,6 +98,9 @@ def apply_rotary_pos_emb(
         ValueError: tables of another width or token shape, an unsqueeze_dim that does not land on a heads
             axis, or anything :func:`ropekit.apply_rotary_qk` rejects.
     """
+    out = _direct(q, k, cos, sin, unsqueeze_dim)
+    if out is not None:
+        return out
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor, got {describe(t)}")
@@ -215,3 +219,60 @@ def _warn_as_transformers(d: dict[str, Any], layer_type: str | None, rope_type: 
             f"original_max_position_embeddings = {implicit}; set it explicitly",
             stacklevel=3,
         )
+
+
+# (batch, seq, device) -> arange(0, batch * seq, seq): where each batch row's per-token rows start in the
+# flattened table. Kept (a few per process), so a steady call builds no tensor.
+_starts: dict[tuple, torch.Tensor] = {}
+
+
+def _row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    key = (batch, seq, device)
+    starts = _starts.get(key)
+    if starts is None:
+        if len(_starts) >= 64:
+            _starts.clear()
+        starts = _starts[key] = torch.arange(0, batch * seq, seq, device=device)  # (batch,)
+    return starts
+
+
+def _direct(q, k, cos, sin, unsqueeze_dim):
+    """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
+    (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
+    batch). In the steady state that is the core's launch plan (:mod:`ropekit.backends.plan`) with no other
+    check: everything HF's shapes rely on is compared here, the rest is in the plan's key. None for any
+    other call (the checked path below then names what is wrong)."""
+    if type(unsqueeze_dim) is not int or (unsqueeze_dim != 1 and unsqueeze_dim != 2):
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(cos) is not torch.Tensor:
+        return None
+    q_shape, rows = q.shape, cos.shape
+    if len(q_shape) != 4 or len(rows) != 3 or type(sin) is not torch.Tensor or sin.shape != rows:
+        return None
+    batch, seq, width = q_shape[0], q_shape[unsqueeze_dim ^ 3], q_shape[3]  # seq: axis 2 (bhsd) or 1 (bshd)
+    if (
+        rows[1] != seq
+        or rows[2] != width
+        or width % 2
+        or len(k.shape) != 4
+        or k.shape[unsqueeze_dim ^ 3] != seq
+    ):
+        return None
+    half = width // 2
+    if rows[0] == 1 or batch == 1 or (cos.stride(0) == 0 and sin.stride(0) == 0):
+        cos_rows, sin_rows, starts = cos[0, :, :half], sin[0, :, :half], 0  # (S, D/2): row s, token s
+    elif rows[0] == batch and cos.is_contiguous() and sin.is_contiguous():
+        cos_rows = cos.view(batch * seq, width)[:, :half]  # (B * S, D/2): row b * S + s, token (b, s)
+        sin_rows = sin.view(batch * seq, width)[:, :half]
+        starts = _row_starts(batch, seq, q.device)
+    else:
+        return None
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
+    out = launch_planned(q, k, cos_rows, sin_rows, starts, False, False, "auto", False)
+    if out is None:
+        with peer_names({"x": "q"}):
+            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts)
+    if unsqueeze_dim == 2:
+        return out
+    return out[0].transpose(1, 2), out[1].transpose(1, 2)  # back to (B, H, S, D)

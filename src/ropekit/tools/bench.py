@@ -195,6 +195,27 @@ def _ropekit_row(backend: str, inplace: bool) -> Row:
     return Row(f"ropekit[{backend}]{suffix}", setup, inplace=inplace, differentiable=not inplace)
 
 
+def _module_row() -> Row:
+    """RotaryEmbedding.forward on the case's inputs: the module's own cost over apply_rotary_qk's (issue 17
+    target: at most 1.15x at decode-1)."""
+
+    def setup(case: Case):
+        packed = case.shape.seqlens is not None
+        rope = ropekit.RotaryEmbedding(
+            head_dim=case.shape.head_dim, base=500000.0, layout="thd" if packed else "bshd"
+        ).to(case.q.device)
+
+        def fn(q, k):
+            if packed:  # (1, T, H, D) -> (T, H, D): layout "thd"
+                q, k = q[0], k[0]
+            out = rope(q, k, **case.ropekit_kwargs)
+            return tuple(o.unsqueeze(0) for o in out) if packed else out
+
+        return fn
+
+    return Row("ropekit.RotaryEmbedding", setup)
+
+
 def _compat_hf_row() -> Row:
     def setup(case: Case):
         from ropekit.compat.hf import apply_rotary_pos_emb
@@ -333,6 +354,7 @@ class PeerRow:
 # Every row beyond ropekit's backends, in table order. Append a PeerRow to add one (a peer library, or another
 # way of calling ropekit such as its compat APIs).
 PEER_ROWS: list[PeerRow] = [
+    PeerRow(_module_row),
     PeerRow(_compat_hf_row),
     PeerRow(_compat_vllm_row),
     PeerRow(lambda: _hf_row(False), "transformers"),

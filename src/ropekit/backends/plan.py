@@ -1,0 +1,175 @@
+"""Launch plans: a decode loop's steady state as one lookup, the data pointers and one kernel call.
+
+A decode loop calls with the same shapes, strides, dtypes and flags every step; only the data and the int
+offset change. The first call of a kind takes the checked path (:mod:`ropekit.functional`: every argument
+checked, the backend chosen); once it has succeeded, :func:`remember` stores a plan for its key: the chosen
+backend's launch with everything that depends on the key alone (strides, the packed kernel arguments, the
+table bound) worked out. A later call with the same key runs the plan after the checks that depend on values:
+the offset against the table, and, when q and k are written in place and lie within one buffer, whether they
+share an element.
+
+A plan never changes an answer: every fact a check relied on is in the key (shape, stride, dtype and device
+of q, k, cos and sin; the flags; the backend name), so a changed stride, shape or dtype misses and takes the
+checked path. Calls that record autograd history, trace (torch.compile, dispatch modes, tensor subclasses) or
+read positions from a tensor never use a plan.
+
+Shape notation: B batch, S sequence, H heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ropekit.validation import _share_elements
+
+__all__ = ["Plan", "clear_plans", "launch_planned", "remember"]
+
+# run(q, k, cos, sin, offset) -> (q_out, k_out): the launch with the key's facts bound in.
+Run = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# Plans kept before the cache starts over: a process sees a handful of (shape, layout) kinds; a workload
+# whose shapes never repeat (variable-length prefill) must not grow this without bound.
+MAX_PLANS = 256
+
+
+class Plan(NamedTuple):
+    """One key's launch. ``last_offset``: the largest int offset whose rows fit the table (table_len - S).
+    For per-sequence offsets ``last_offset`` is unused: the kernel checks each row.
+    ``reach``: for in-place q and k, the byte distances k - q at which their spans can meet; ``shared``:
+    per such distance seen, whether they share an element (then the checked path raises)."""
+
+    run: Run
+    last_offset: int
+    reach: tuple[int, int] | None
+    shared: dict[int, bool]
+
+
+_plans: dict[tuple, Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every plan (with the backend choices: :func:`ropekit.backends.clear_backend_cache`)."""
+    _plans.clear()
+
+
+def _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> tuple:
+    if type(offset) is not int:  # a tensor of per-sequence offsets: its layout is part of the key
+        layout = (offset.shape, offset.stride(), offset.dtype, offset.device)
+        return (*_key(q, k, cos, sin, 0, interleaved, inplace, backend, conjugate), *layout)
+    if k is None:
+        return (q.shape, q.stride(), q.dtype, q.device, cos.shape, cos.stride(), cos.dtype, cos.device,
+                sin.shape, sin.stride(), sin.dtype, sin.device, interleaved, inplace, backend,
+                conjugate)  # fmt: skip
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, cos.shape,
+            cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype, sin.device, interleaved,
+            inplace, backend, conjugate)  # fmt: skip
+
+
+def _plain(q, k, cos, sin) -> bool:
+    """Eager tensors no trace, mode or subclass is watching, and no autograd history to record."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if type(q) is not torch.Tensor or type(cos) is not torch.Tensor or type(sin) is not torch.Tensor:
+        return False
+    if k is not None and type(k) is not torch.Tensor:
+        return False
+    needs_grad = (
+        q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
+    )
+    return not (needs_grad and torch.is_grad_enabled())
+
+
+def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate):
+    """Run the plan for these arguments; None when there is none or a value check fails (the checked path
+    then runs, and raises where it should).
+
+    Args:
+        q, k, cos, sin, interleaved, inplace, backend: as :func:`ropekit.apply_rotary_qk` takes them (k may be
+            None).
+        offset: an int, or a tensor of per-sequence offsets (the caller checked the type is exactly one of
+            those); a tensor's values are checked by the kernel before it writes anything.
+        conjugate: rotate by -theta (``inverse=True``).
+    """
+    if (
+        (interleaved is not True and interleaved is not False)
+        or (inplace is not True and inplace is not False)
+        or (conjugate is not True and conjugate is not False)
+        or type(backend) is not str
+        or not _plain(q, k, cos, sin)
+    ):
+        return None
+    plan = _plans.get(_key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate))
+    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):
+        return None
+    if plan.reach is not None:  # in place, q and k: may they share an element?
+        distance = k.data_ptr() - q.data_ptr()
+        if plan.reach[0] < distance < plan.reach[1]:
+            shared = plan.shared.get(distance)
+            if shared is None:
+                shared = _share_elements(q, k)
+                if len(plan.shared) < MAX_PLANS:
+                    plan.shared[distance] = shared
+            if shared:
+                return None
+    return plan.run(q, k, cos, sin, offset)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last (strides are never negative in torch)."""
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> None:
+    """Store the plan for a call that the checked path has just served with an int offset, or a tensor of
+    per-sequence offsets (4-D q).
+
+    ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
+    inplace, per_sequence=False)`` method returns its own run (or None: no plan); any other gets its
+    rotate_qk, flags bound (int offsets only).
+    """
+    if not _plain(q, k, cos, sin) or cos.device != q.device or q.dim() != 4 or q.numel() == 0:
+        return
+    if k is not None and k.numel() == 0:
+        return
+    per_sequence = type(offset) is not int
+    if per_sequence and not (
+        offset.dtype == torch.int64
+        and offset.shape == q.shape[:1]
+        and offset.is_contiguous()
+        and offset.device == q.device
+    ):
+        return
+    make = getattr(impl, "plan", None)
+    if make is not None:
+        flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+        run = (
+            make(q, k, cos, sin, **flags, per_sequence=True)
+            if per_sequence
+            else make(q, k, cos, sin, **flags)
+        )
+        if run is None:
+            return
+    elif per_sequence:
+        return
+    else:
+
+        def run(q, k, cos, sin, offset):
+            return impl.rotate_qk(
+                q,
+                k,
+                cos,
+                sin,
+                None,
+                interleaved=interleaved,
+                conjugate=conjugate,
+                inplace=inplace,
+                offset=offset,
+            )
+
+    reach = (-_span(k), _span(q)) if inplace and k is not None else None
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    key = _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate)
+    _plans[key] = Plan(run, cos.shape[0] - q.shape[1], reach, {})
