@@ -52,11 +52,6 @@ def test_steady_state_decode_step_makes_at_most_12_ropekit_calls(backend, inplac
     assert "check_x" not in calls and "resolve" not in calls  # checked once, on the first call
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RotaryEmbedding.forward (module.py, helper B's) resolves and sizes its table on every call: "
-    "19 calls today; remove this marker once the module meets the budget",
-)
 def test_module_decode_step_adds_at_most_4_calls_to_apply_rotary_qk():
     rope = ropekit.RotaryEmbedding(head_dim=128)
     q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
