@@ -19,6 +19,7 @@ import inspect
 import pytest
 import torch
 
+import ropekit.backends.plan
 import ropekit.functional
 import ropekit.fused.cache
 import ropekit.fused.fp8
@@ -229,6 +230,7 @@ def requested(monkeypatch) -> list[str]:
     for module in SELECTING:
         assert module.select_backend is original
         monkeypatch.setattr(module, "select_backend", select)
+    monkeypatch.setattr(ropekit.backends.plan, "_plans", {})  # a launch plan would skip select_backend
     return seen
 
 

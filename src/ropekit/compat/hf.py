@@ -98,7 +98,7 @@ def apply_rotary_pos_emb(
         ValueError: tables of another width or token shape, an unsqueeze_dim that does not land on a heads
             axis, or anything :func:`ropekit.apply_rotary_qk` rejects.
     """
-    out = _direct(q, k, cos, sin, unsqueeze_dim)
+    out = _direct(q, k, cos, sin, unsqueeze_dim, backend)
     if out is not None:
         return out
     for name, t in (("q", q), ("k", k)):
@@ -236,7 +236,7 @@ def _row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     return starts
 
 
-def _direct(q, k, cos, sin, unsqueeze_dim):
+def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
     (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
     batch). In the steady state that is the core's launch plan (:mod:`ropekit.backends.plan`) with no other
@@ -269,10 +269,10 @@ def _direct(q, k, cos, sin, unsqueeze_dim):
         return None
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
-    out = launch_planned(q, k, cos_rows, sin_rows, starts, False, False, "auto", False)
+    out = launch_planned(q, k, cos_rows, sin_rows, starts, False, False, backend, False)
     if out is None:
         with peer_names({"x": "q"}):
-            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts)
+            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
     if unsqueeze_dim == 2:
         return out
     return out[0].transpose(1, 2), out[1].transpose(1, 2)  # back to (B, H, S, D)
