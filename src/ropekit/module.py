@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ropekit.backends import BACKENDS
+from ropekit.backends.plan import launch_planned
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.positions import resolve
@@ -87,8 +88,11 @@ class RotaryEmbedding(nn.Module):
         self._rank = 3 if layout == "thd" else 4
         self._mrope = config.mrope_section is not None  # read every call: a plain attribute
         # Rows depend on positions only (no M-RoPE, no length-dependent frequencies): an int offset's steady
-        # step can go straight to the functional API once the table holds its rows.
+        # step can go straight to the functional API once the table holds its rows, and, for a bshd q and k
+        # with the rotary part first, to its launch plan.
         self._plain = not self._mrope and not config.length_dependent
+        self._planned = self._plain and layout == "bshd" and config.rotary_position == "first"
+        self._interleaved = config.interleaved
 
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")
@@ -143,6 +147,19 @@ class RotaryEmbedding(nn.Module):
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
         rank, head_dim = self._rank, self.config.head_dim
+        if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
+            self._planned and type(offsets) is int and positions is None and cu_seqlens is None
+            and inverse is False and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and q.dim() == 4 and k.dim() == 4 and q.size(3) == head_dim == k.size(3)
+        ):  # fmt: skip
+            tables = self._modules[
+                "cache"
+            ]._buffers  # dict reads: nn.Module.__getattr__ costs more than a check
+            out = launch_planned(
+                q, k, tables["cos"], tables["sin"], offsets, self._interleaved, inplace, self.backend, False
+            )
+            if out is not None:
+                return out
         for name, t in (("q", q), ("k", k)):
             if t is None and name == "k":
                 continue  # one tensor
@@ -174,8 +191,8 @@ class RotaryEmbedding(nn.Module):
             else:
                 out_q, out_k = apply_rotary_qk(q_view, k_view, cos, self.cache.sin, offsets=offsets, **kw)
         else:
-            if self._mrope and self._is_mrope(positions, q_view):
-                cos, sin, pos = self._mrope_rows(q_view, positions, cu_seqlens)
+            if self._mrope and self.cache.is_mrope(positions, q_view):
+                cos, sin, pos = self.cache.mrope_rows(positions, q_view, cu_seqlens)
             else:
                 pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
                 cos, sin, pos = self.cache.lookup(pos, q_view)
@@ -198,22 +215,3 @@ class RotaryEmbedding(nn.Module):
             f"{name}: expected head_dim {self.config.head_dim} (this RotaryEmbedding's config), got "
             f"{t.shape[-1]} in shape {tuple(t.shape)}"
         )
-
-    def _is_mrope(self, positions: object, q: torch.Tensor) -> bool:
-        """(axes, B, S) positions for this config's M-RoPE sections ((axes, T) with cu_seqlens)."""
-        shape = positions.shape if isinstance(positions, torch.Tensor) else ()
-        return len(shape) == q.dim() - 1 and shape[0] == len(self.config.mrope_section)
-
-    def _mrope_rows(self, q: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None):
-        """M-RoPE: per-token cos/sin rows for (axes, B, S) or (axes, T) positions, applied as a table."""
-        if positions.is_floating_point() or positions.dtype == torch.bool:
-            raise ValueError(f"positions: expected an integer tensor, got dtype {positions.dtype}")
-        lead = tuple(q.shape[:-2])  # (B, S) or (T,)
-        if tuple(positions.shape[1:]) != lead:
-            raise ValueError(
-                f"positions: expected M-RoPE positions of shape (axes, *q.shape[:-2]) = "
-                f"{(positions.shape[0], *lead)}, got {tuple(positions.shape)}"
-            )
-        axes = positions if q.dim() == 4 else positions[:, None, :]  # (axes, B, S)
-        cos, sin, rows = self.cache.rows_at(axes, q)
-        return cos, sin, resolve(q, positions=rows.tensor, cu_seqlens=cu_seqlens, name="q")

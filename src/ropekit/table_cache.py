@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ropekit.config import COS_SIN_CHUNK_ELEMENTS, RopeConfig
-from ropekit.positions import Positions
+from ropekit.positions import Positions, resolve
 from ropekit.validation import check_int, is_compiling
 
 __all__ = ["DEFAULT_TABLE_LEN", "MAX_TABLE_ROWS", "CosSinCache"]
@@ -158,14 +158,30 @@ class CosSinCache(nn.Module):
         rows = self._covered if needed is None else needed
         return self.cos.shape[0] >= rows and self.cos.device == x.device and self.cos.dtype == _table_dtype(x)
 
-    def rows_at(
-        self, positions: torch.Tensor, x: torch.Tensor
+    def is_mrope(self, positions: object, x: torch.Tensor) -> bool:
+        """(axes, B, S) positions for this config's M-RoPE sections ((axes, T) for packed x)."""
+        shape = positions.shape if isinstance(positions, torch.Tensor) else ()
+        return len(shape) == x.dim() - 1 and shape[0] == len(self.config.mrope_section)
+
+    def mrope_rows(
+        self, positions: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, Positions]:
-        """:meth:`token_rows` for a tensor of positions (M-RoPE (axes, B, S)), with the frequencies of
-        its largest position for length-dependent schedules (read on the host, as HF does)."""
-        exact = self.config.length_dependent and self._frozen_seq_len is None and positions.numel()
-        seq_len = self._frequency_seq_len(int(positions.max()) + 1 if exact else None)
-        return self.token_rows(positions, x, seq_len)
+        """M-RoPE: per-token cos/sin rows for (axes, B, S) or (axes, T) positions on x (B, S, H, D) or
+        (T, H, D), with the frequencies of the largest position for length-dependent schedules (read on the
+        host, as HF does), and the resolved positions that index them."""
+        if positions.is_floating_point() or positions.dtype == torch.bool:
+            raise ValueError(f"positions: expected an integer tensor, got dtype {positions.dtype}")
+        lead = tuple(x.shape[:-2])  # (B, S) or (T,)
+        if tuple(positions.shape[1:]) != lead:
+            raise ValueError(
+                f"positions: expected M-RoPE positions of shape (axes, *q.shape[:-2]) = "
+                f"{(positions.shape[0], *lead)}, got {tuple(positions.shape)}"
+            )
+        axes = positions if x.dim() == 4 else positions[:, None, :]  # (axes, B, S)
+        exact = self.config.length_dependent and self._frozen_seq_len is None and axes.numel()
+        seq_len = self._frequency_seq_len(int(axes.max()) + 1 if exact else None)
+        cos, sin, rows = self.token_rows(axes, x, seq_len)
+        return cos, sin, resolve(x, positions=rows.tensor, cu_seqlens=cu_seqlens, name="q")
 
     def token_rows(
         self, pos: Positions | torch.Tensor, x: torch.Tensor, seq_len: int | None
