@@ -50,9 +50,32 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 # same step); there, as for PyTorch's own ops, use torch.set_num_threads(1) (docs/benchmarks.md).
 PARALLEL_THRESHOLD = 1 << 16
 
-_SOURCE = r"""
+# What every C kernel of ropekit shares: bf16 loads and round-to-nearest-even stores (the rounding contract of
+# docs/safety.md), fp16 through _Float16, float32 as is, and the 8-float vector type.
+C_PRELUDE = r"""
 #include <stdint.h>
 #include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t bf16_store(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+#define F32_LOAD(v) (v)
+#define F32_STORE(v) (v)
+#define F16_LOAD(v) ((float)(v))
+#define F16_STORE(v) ((_Float16)(v))
+"""
+
+_SOURCE = (
+    C_PRELUDE
+    + r"""
 #include <sys/mman.h>
 
 /* A fresh output of many megabytes costs a page fault per 4 KB on first write (20k faults, most of the time
@@ -72,21 +95,6 @@ static void advise_huge(void *p, int64_t bytes) {
 #endif
 }
 
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-typedef float v8f __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
-#define F32_LOAD(v) (v)
-#define F32_STORE(v) (v)
-#define F16_LOAD(v) ((float)(v))
-#define F16_STORE(v) ((_Float16)(v))
 
 /* st: strides in elements, {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}. */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
@@ -190,6 +198,7 @@ DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
 DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
 """
+)
 
 _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat16: "rotary_bf16"}
 # q, q_out, k, k_out, cos, sin, positions, the integer arguments that depend on shapes and flags alone packed

@@ -20,25 +20,16 @@ import struct
 
 import torch
 
-from ropekit.backends.cpu import PARALLEL_THRESHOLD, build_library
+from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
 from ropekit.backends.fused_launch import FusedLaunch, check_launch, slot_error
 from ropekit.backends.kernel_op import row_error
 
 __all__ = ["launch", "unavailable_reason"]
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = (
+    C_PRELUDE
+    + r"""
 
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 /* float32 -> FP8 bits, round to nearest even, after clamping to +-max (NaN stays NaN): branch-free, so the
    store loops vectorise. E4M3: float8_e4m3fn (bias 7, 3 mantissa bits, max 448); E5M2: float8_e5m2 (bias 15,
    2 mantissa bits, max 57344). Below the smallest normal, adding 2^14 (2^7) makes the float32 ulp equal the
@@ -71,10 +62,6 @@ INLINE void fp8_row(const float *x, uint8_t *o, int64_t n, float scale, int kind
         for (int64_t j = 0; j < m; ++j) o[j0 + j] = (uint8_t)bits[j];
     }
 }
-#define F32_LOAD(v) (v)
-#define F32_STORE(v) (v)
-#define F16_LOAD(v) ((float)(v))
-#define F16_STORE(v) ((_Float16)(v))
 
 /* Channel integers, CH_INTS per channel after the GLOBALS: */
 enum { ON, ROTATE, BY_SLOT, KIND, HEADS, WIDTH, SRC_B, SRC_S, SRC_H, PAGE_SIZE, DST_P, DST_I, DST_H,
@@ -204,6 +191,7 @@ DEFINE_FUSED(fused_f32, float, F32_LOAD, F32_STORE)
 DEFINE_FUSED(fused_f16, _Float16, F16_LOAD, F16_STORE)
 DEFINE_FUSED(fused_bf16, uint16_t, bf16_load, bf16_store)
 """
+)
 
 _ENTRY = {torch.float32: "fused_f32", torch.float16: "fused_f16", torch.bfloat16: "fused_bf16"}
 _GLOBALS = struct.Struct("11q")

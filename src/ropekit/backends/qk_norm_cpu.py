@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.backends.cpu import PARALLEL_THRESHOLD, build_library
+from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
 from ropekit.backends.kernel_op import row_error
 
 __all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "unavailable_reason"]
@@ -53,25 +53,11 @@ class NormSpec(NamedTuple):
     interleaved: bool
 
 
-_SOURCE = r"""
+_SOURCE = (
+    C_PRELUDE
+    + r"""
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-typedef float v8f __attribute__((vector_size(32)));
-#define F32_LOAD(v) (v)
-#define F32_STORE(v) (v)
-#define F16_LOAD(v) ((float)(v))
-#define F16_STORE(v) ((_Float16)(v))
 
 /* Sum of squares of n values in eight float32 lanes, then the lanes in order: a fixed order. */
 static inline float sum_squares(const float *x, int64_t n) {
@@ -194,6 +180,7 @@ DEFINE_QK_NORM(qk_norm_rotary_f32, float, F32_LOAD, F32_STORE)
 DEFINE_QK_NORM(qk_norm_rotary_f16, _Float16, F16_LOAD, F16_STORE)
 DEFINE_QK_NORM(qk_norm_rotary_bf16, uint16_t, bf16_load, bf16_store)
 """
+)
 
 _ENTRY = {torch.float32: "qk_norm_rotary_f32", torch.float16: "qk_norm_rotary_f16",
           torch.bfloat16: "qk_norm_rotary_bf16"}  # fmt: skip
