@@ -39,6 +39,7 @@ TARGETS = [
     ("prefill-4k", "out of place", "clone", 1.1),
     ("prefill-4k", "in place", "copy_", 0.7),
     ("decode-1", "RotaryEmbedding", "out of place", 1.15),
+    ("decode-1", "compat.vllm", "in place", 1.1),
 ]
 
 
@@ -61,6 +62,14 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
     freqs_cis = torch.polar(torch.ones_like(angle), angle)
     calls["RotaryEmbedding"] = lambda: rope(q, k, **kw)
     calls["Meta complex"] = lambda: (meta_complex_rotary(q, freqs_cis), meta_complex_rotary(k, freqs_cis))
+    from ropekit.compat.vllm import rotary_embedding
+
+    tokens = q.shape[0] * q.shape[1]
+    cache = torch.cat([cos, sin], dim=-1)  # vLLM's (P, R) [cos | sin] cache
+    flat = case.positions.reshape(-1)  # (T,)
+    q_flat, k_flat = q_in.view(tokens, -1), k_in.view(tokens, -1)  # vLLM's (T, H * D), the in-place tensors
+    head = q.shape[-1]
+    calls["compat.vllm"] = lambda: rotary_embedding(flat, q_flat, k_flat, head, cache, True)
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     except ImportError:

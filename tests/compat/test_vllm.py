@@ -438,3 +438,32 @@ def test_fused_qk_norm_rope_signature_and_errors_are_vllms():
     with pytest.raises(ValueError, match=r"^cos_sin_cache: "):
         fused_qk_norm_rope(*args[:8], cache[:, :5], True, torch.tensor([0, 1, 2]))
     assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
+    """From the second step on, rotary_embedding runs the core's per-sequence-offset plan (each token a
+    sequence of its own): every step equals the float64 reference, and a position past the cache on a planned
+    step is still a ValueError naming positions, with query and key unchanged."""
+    import ropekit.backends.plan as plan
+
+    cache = get_rope(64, 64, is_neox, {"rope_theta": 10000.0}).cos_sin_cache
+    cos, sin = cache[:, :32], cache[:, 32:]
+    g = torch.Generator().manual_seed(3)
+    plan.clear_plans()
+    for _ in range(3):
+        positions = torch.randint(0, 64, (5,), generator=g)
+        query, key = torch.randn(5, 4 * 64, generator=g), torch.randn(5, 2 * 64, generator=g)
+        rows, pair = positions.numpy(), dict(interleaved=not is_neox)
+        want_q = reference_rotation(query.view(5, 4, 64), cos, sin, rows, **pair)
+        want_k = reference_rotation(key.view(5, 2, 64), cos, sin, rows, **pair)
+        rotary_embedding(positions, query, key, 64, cache, is_neox)
+        torch.testing.assert_close(query.view(5, 4, 64), want_q.float(), atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(key.view(5, 2, 64), want_k.float(), atol=2e-6, rtol=2e-6)
+        assert len(plan._plans) == 1  # the first step made the plan, later ones used it
+    bad = torch.tensor([0, 1, 64, 2, 3])
+    query, key = torch.randn(5, 4 * 64), torch.randn(5, 2 * 64)
+    before = query.clone(), key.clone()
+    with pytest.raises(ValueError, match=r"^positions: largest position 64 is past the cos/sin table"):
+        rotary_embedding(bad, query, key, 64, cache, is_neox)
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])

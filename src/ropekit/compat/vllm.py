@@ -30,6 +30,8 @@ from torch import nn
 from torch._C import _increment_version
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ropekit.backends import select_backend
+from ropekit.backends.plan import launch_planned, remember
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -114,13 +116,28 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
     q = _token_heads("query", query, tokens, head_size)
     k = None if key is None else _token_heads("key", key, tokens, head_size)
     cos, sin = _halves(c)
+    # Each token as a sequence of its own, (T, 1, H, D) views, whose offset is its position: the core's
+    # launch plan for per-sequence offsets then serves a steady step (one lookup, pointers, one C call; the
+    # loop checks every row before it writes).
+    q_tok, k_tok = q.transpose(0, 1), None if k is None else k.transpose(0, 1)  # (T, 1, H, D)
+    flat = positions.view(tokens) if positions.dtype == torch.int64 and positions.is_contiguous() else None
+    interleaved = not is_neox
+    if inplace and flat is not None:
+        out = launch_planned(q_tok, k_tok, cos, sin, flat, interleaved, True, backend, False)
+        if out is not None:
+            return out
     rows = positions.view(1, tokens) if positions.is_contiguous() else positions.reshape(1, tokens)
     try:  # not peer_names: a context manager costs a decode step more than all the checks above
         # The functional API's own two steps (apply_rotary_qk minus its table forms, which vLLM has none of).
         pos = resolve(q, positions=rows, name="query")
-        return apply_resolved(q, k, cos, sin, pos, interleaved=not is_neox, inplace=inplace, backend=backend)
+        out = apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
     except ValueError as err:
         raise renamed(err, _NAMES) from None
+    if inplace and flat is not None:  # checked and served: later steps of this kind take the plan
+        remember(
+            select_backend(backend, q, cos), q_tok, k_tok, cos, sin, flat, interleaved, True, backend, False
+        )
+    return out
 
 
 def _rotary_embedding_op(
