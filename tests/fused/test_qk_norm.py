@@ -342,7 +342,9 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     from ropekit.backends.qk_norm_triton_kernel import aot_specializations
 
     spec = next(
-        s for s in aot_specializations() if s[2]["BF16"] and s[2]["ALL_HEADS"] and s[2]["CAST_BEFORE"]
+        s
+        for s in aot_specializations()
+        if s[1]["qkv_ptr"] == "*bf16" and s[2]["ALL_HEADS"] and s[2]["CAST_BEFORE"]
     )
     kernel, signature, constexprs, num_warps = spec
     compiled = triton.compile(
