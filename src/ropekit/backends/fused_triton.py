@@ -23,7 +23,14 @@ import triton.language as tl
 
 from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
 
-__all__ = ["COMPILE_OPTIONS", "OCCUPANCY_TARGET", "aot_specializations", "fused_kernel", "launch_config"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "OCCUPANCY_TARGET",
+    "VECTORISED_ARGS",
+    "aot_specializations",
+    "fused_kernel",
+    "launch_config",
+]
 
 # Passed at every launch (launch) and every ahead-of-time compile (ropekit.tools.triton_aot).
 # enable_fp_fusion: no a * c - b * s contracted into an FMA: the FP8 rounding contract and the C loop's
@@ -33,14 +40,21 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 72}
 # 7 blocks of 4 warps an SM (896 of 2,048 threads, 44% occupancy): 72 registers a thread. Full occupancy
 # allows 32, but a thread holds the token's cos/sin run (kept across the three channels), a tile's a and b
 # halves and their rotated values, 64-bit addresses from the three channels' int64 strides, and the FP8
-# paths' correctly rounded division (div.rn) and integer rounding: ptxas wants 23-68 with
-# MAX_BLOCK_ELEMENTS = 256 (56-122 with the 4,096-element tiles it had; up to 96, with spills, at 512), and
-# capped at 64 it spills 8 bytes in the FP8 specializations on sm_100. The kernel is memory-bound (each
-# element is read once and written once, a few float operations apiece): it needs bytes in flight rather
-# than warps, and 28 resident warps an SM, each with its tile's loads outstanding, keep the memory system
-# busy. maxnreg makes the cap a compile option; the AOT check holds every specialization to
+# paths' correctly rounded division (div.rn) and integer rounding: with MAX_BLOCK_ELEMENTS = 256 ptxas
+# allocates 23-71 under this cap, no spills (56-122 with the 4,096-element tiles it had; up to 96 and
+# spills at 512), and capped at 64 it spills 8 bytes in FP8 specializations on sm_100. The kernel is
+# memory-bound (each element is read once and written once, a few float operations apiece): it needs bytes
+# in flight rather than warps, and 28 resident warps an SM, each with its tile's loads outstanding, keep the
+# memory system busy. maxnreg makes the cap a compile option; the AOT check holds every specialization to
 # ropekit.tools.ptx_check.register_budget(4, OCCUPANCY_TARGET) = 72 and to no spills.
 OCCUPANCY_TARGET = 0.4375
+# No pointer is held to 128-bit loads and stores, and this is a known gap, not a property: the signatures
+# below do not claim 16-byte alignment, and a tile gives each thread 2 elements of a run. Compiled with
+# 16-byte-aligned signatures (as the JIT specializes torch's allocations), a sample of the fp16
+# specializations (512-element tiles, sm_90) moved 16-64 bits an access: interleaved pairs are stride-2
+# 16-bit loads, the other runs 32-64 bits. 128-bit accesses need triton_kernel's layout (one 16-byte vector
+# of each run a thread, the interleaved run loaded whole and split in registers) within the register cap.
+VECTORISED_ARGS: tuple[str, ...] = ()
 
 CHANNELS = ("q", "k", "v")
 # Elements of one tile of heads (BLOCK_H x the widest run of a head): with 4 warps, 2 elements of each tile a

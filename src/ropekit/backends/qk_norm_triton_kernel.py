@@ -20,7 +20,13 @@ import triton.language as tl
 
 from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
 
-__all__ = ["COMPILE_OPTIONS", "OCCUPANCY_TARGET", "aot_specializations", "qk_norm_rotary_kernel"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "OCCUPANCY_TARGET",
+    "VECTORISED_ARGS",
+    "aot_specializations",
+    "qk_norm_rotary_kernel",
+]
 
 # Passed at every launch (ropekit.backends.qk_norm_triton.launch) and every ahead-of-time compile.
 # enable_fp_fusion: no x * c - y * s (nor a * a + b * b) contracted into an FMA, so each product and sum
@@ -29,12 +35,17 @@ __all__ = ["COMPILE_OPTIONS", "OCCUPANCY_TARGET", "aot_specializations", "qk_nor
 COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 64}
 # Half occupancy (1,024 threads an SM) at 4 warps: 64 registers a thread. Full occupancy allows 32, but a
 # thread holds the token's cos/sin run across both parts, a tile's two halves and tail, their weights and
-# the normalised, weighted and rotated values of each: ptxas wants REGS with tiles of
-# qk_norm_triton.MAX_BLOCK_ELEMENTS = 512 elements (75-116 with 4,096). The kernel is memory-bound (each
+# the normalised, weighted and rotated values: ptxas allocates 22-60, no spills, with tiles of
+# qk_norm_triton.MAX_BLOCK_ELEMENTS = 512 elements (up to 116 with 4,096). Memory-bound (each
 # element is read once, or twice with OLMo 2's all-heads norm, and written once), so half the warps an SM
 # suffice to keep loads in flight. The AOT check holds every specialization to
 # ropekit.tools.ptx_check.register_budget(4, 0.5) = 64 and to no spills.
 OCCUPANCY_TARGET = 0.5
+# No pointer is held to 128-bit loads and stores (a known gap): the signatures do not claim 16-byte
+# alignment (qkv's token stride is any multiple of head_dim), pairs in the interleaved layout are stride-2
+# loads, and a tile gives each thread a few elements of a run. 128-bit accesses need triton_kernel's layout
+# (one 16-byte vector of each run a thread, the interleaved run loaded whole and split in registers).
+VECTORISED_ARGS: tuple[str, ...] = ()
 
 
 @triton.jit
