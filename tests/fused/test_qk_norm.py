@@ -339,7 +339,7 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ropekit.backends.qk_norm_triton_kernel import aot_specializations
+    from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, aot_specializations
 
     spec = next(
         s
@@ -350,7 +350,7 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps},
+        options={"num_warps": num_warps, **COMPILE_OPTIONS},
     )
     assert "qk_norm_rotary_kernel" in compiled.asm["ptx"]
 
