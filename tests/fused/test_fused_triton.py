@@ -47,7 +47,7 @@ def test_an_fp8_specialization_compiles_for_sm90_without_fma_and_with_exact_divi
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "enable_fp_fusion": False},
+        options={"num_warps": num_warps, **fused_triton.COMPILE_OPTIONS},
     )
     ptx = compiled.asm["ptx"]
     assert "fma.rn" not in ptx and "div.full" not in ptx

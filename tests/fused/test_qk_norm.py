@@ -339,16 +339,18 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ropekit.backends.qk_norm_triton_kernel import aot_specializations
+    from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, aot_specializations
 
     spec = next(
-        s for s in aot_specializations() if s[2]["BF16"] and s[2]["ALL_HEADS"] and s[2]["CAST_BEFORE"]
+        s
+        for s in aot_specializations()
+        if s[1]["qkv_ptr"] == "*bf16" and s[2]["ALL_HEADS"] and s[2]["CAST_BEFORE"]
     )
     kernel, signature, constexprs, num_warps = spec
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps},
+        options={"num_warps": num_warps, **COMPILE_OPTIONS},
     )
     assert "qk_norm_rotary_kernel" in compiled.asm["ptx"]
 

@@ -3,11 +3,12 @@
 
 Each channel's switches (present, rotated, addressed by slot, FP8 kind, in place, width) are compile-time
 constants, so each combination compiles to straight-line code. Math runs in float32. Stores round to nearest
-even in integer arithmetic, as the C loop does: bf16 through :func:`_bf16_round_to_nearest_even` (the
-interpreter truncates a plain cast), FP8 through :func:`_fp8_bits`; the quotient ``r / scale`` is
-``div_rn`` (a plain ``/`` compiles to an approximate division on GPUs), and the launch passes
-``enable_fp_fusion=False``, so the rotation's products and sums round separately (no FMA), which the FP8
-rounding contract needs bit for bit.
+even: fp16 / bf16 through the hardware conversion (``cvt.rn``) in compiled code, and through
+:func:`_bf16_round_to_nearest_even` in integer arithmetic under the interpreter (whose float -> bfloat16 cast
+truncates: ``ROUND_BF16_IN_INTEGERS``); FP8 through :func:`_fp8_bits`, in integer arithmetic as the C loop
+does; the quotient ``r / scale`` is ``div_rn`` (a plain ``/`` compiles to an approximate division on GPUs),
+and every launch passes :data:`COMPILE_OPTIONS` (``enable_fp_fusion=False``), so the rotation's products and
+sums round separately (no FMA), which the FP8 rounding contract needs bit for bit.
 
 Values are checked without a host sync: a table row or slot outside its range clears a flag (asserted on the
 device by the launcher), the row is clamped into the table and the slot's writes are skipped.
@@ -22,10 +23,43 @@ import triton.language as tl
 
 from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
 
-__all__ = ["aot_specializations", "fused_kernel", "launch_config"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "OCCUPANCY_TARGET",
+    "VECTORISED_ARGS",
+    "aot_specializations",
+    "fused_kernel",
+    "launch_config",
+]
+
+# Passed at every launch (launch) and every ahead-of-time compile (ropekit.tools.triton_aot).
+# enable_fp_fusion: no a * c - b * s contracted into an FMA: the FP8 rounding contract and the C loop's
+#   results bit for bit need the products and the sum rounded separately.
+# maxnreg: see OCCUPANCY_TARGET.
+COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 72}
+# 7 blocks of 4 warps an SM (896 of 2,048 threads, 44% occupancy): 72 registers a thread. Full occupancy
+# allows 32, but a thread holds the token's cos/sin run (kept across the three channels), a tile's a and b
+# halves and their rotated values, 64-bit addresses from the three channels' int64 strides, and the FP8
+# paths' correctly rounded division (div.rn) and integer rounding: with MAX_BLOCK_ELEMENTS = 256 ptxas
+# allocates 23-71 under this cap, no spills (56-122 with the 4,096-element tiles it had; up to 96 and
+# spills at 512), and capped at 64 it spills 8 bytes in FP8 specializations on sm_100. The kernel is
+# memory-bound (each element is read once and written once, a few float operations apiece): it needs bytes
+# in flight rather than warps, and 28 resident warps an SM, each with its tile's loads outstanding, keep the
+# memory system busy. maxnreg makes the cap a compile option; the AOT check holds every specialization to
+# ropekit.tools.ptx_check.register_budget(4, OCCUPANCY_TARGET) = 72 and to no spills.
+OCCUPANCY_TARGET = 0.4375
+# No pointer is held to 128-bit loads and stores, and this is a known gap, not a property: the signatures
+# below do not claim 16-byte alignment, and a tile gives each thread 2 elements of a run. Compiled with
+# 16-byte-aligned signatures (as the JIT specializes torch's allocations), a sample of the fp16
+# specializations (512-element tiles, sm_90) moved 16-64 bits an access: interleaved pairs are stride-2
+# 16-bit loads, the other runs 32-64 bits. 128-bit accesses need triton_kernel's layout (one 16-byte vector
+# of each run a thread, the interleaved run loaded whole and split in registers) within the register cap.
+VECTORISED_ARGS: tuple[str, ...] = ()
 
 CHANNELS = ("q", "k", "v")
-MAX_BLOCK_ELEMENTS = 4096
+# Elements of one tile of heads (BLOCK_H x the widest run of a head): with 4 warps, 2 elements of each tile a
+# thread, which keeps the FP8 paths within the register cap (see OCCUPANCY_TARGET).
+MAX_BLOCK_ELEMENTS = 256
 
 
 @triton.jit
@@ -56,11 +90,12 @@ def _fp8_bits(v, KIND: tl.constexpr):
 
 
 @triton.jit
-def _store(ptr, x, mask, scale, KIND: tl.constexpr, BF16: tl.constexpr):
+def _store(ptr, x, mask, scale, KIND: tl.constexpr, ROUND_BF16_IN_INTEGERS: tl.constexpr):
     if KIND == 0:
-        if BF16:
-            x = _bf16_round_to_nearest_even(x)
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+        if ROUND_BF16_IN_INTEGERS:  # the interpreter only (its cast truncates)
+            tl.store(ptr, _bf16_round_to_nearest_even(x), mask=mask)
+        else:  # cvt.rn: round to nearest even
+            tl.store(ptr, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:
         tl.store(ptr, _fp8_bits(tl.math.div_rn(x, scale), KIND), mask=mask)
 
@@ -95,7 +130,7 @@ def _channel(
     IN_PLACE: tl.constexpr,
     COPY_TAIL: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    BF16: tl.constexpr,
+    ROUND_BF16_IN_INTEGERS: tl.constexpr,
 ):
     """One channel's heads of one token: rotate (ROTATE) and store at dst's slot (see fused_launch)."""
     dst = dst_ptr + (slot // page_size) * dst_sp + (slot % page_size) * dst_si
@@ -134,15 +169,17 @@ def _channel(
             xb = tl.load(x_row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             ra = xa * c - xb * s
             rb = xb * c + xa * s
-            _store(o_row + a_idx[None, :], ra, mask, scale, KIND, BF16)
-            _store(o_row + b_idx[None, :], rb, mask, scale, KIND, BF16)
+            _store(o_row + a_idx[None, :], ra, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
+            _store(o_row + b_idx[None, :], rb, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
         if COPY_TAIL:
             tmask = h_ok[:, None] & tail_mask[None, :]  # (BLOCK_H, BLOCK_TAIL)
             tail = tl.load(x_row + tail_idx[None, :], mask=tmask, other=0.0)
             if KIND == 0:
                 tl.store(o_row + tail_idx[None, :], tail, mask=tmask)
             else:
-                _store(o_row + tail_idx[None, :], tail.to(tl.float32), tmask, scale, KIND, BF16)
+                _store(
+                    o_row + tail_idx[None, :], tail.to(tl.float32), tmask, scale, KIND, ROUND_BF16_IN_INTEGERS
+                )
 
 
 @triton.jit(do_not_specialize=["offset"])
@@ -200,7 +237,7 @@ def fused_kernel(
     HAS_SLOTS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
-    BF16: tl.constexpr,
+    ROUND_BF16_IN_INTEGERS: tl.constexpr,
     Q_ON: tl.constexpr,
     Q_ROTATE: tl.constexpr,
     Q_BY_SLOT: tl.constexpr,
@@ -262,7 +299,7 @@ def fused_kernel(
         _channel(
                 q_src, q_dst, q_scale, q_slot, q_ok, b, t, q_heads, q_sb, q_ss, q_sh, q_ps, q_dp, q_di, q_dh,
                 q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL, Q_BLOCK_H, Q_ROTATE, Q_KIND,
-                Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, BF16,
+                Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
     if K_ON:
         k_slot, k_ok = token, token >= 0
@@ -271,7 +308,7 @@ def fused_kernel(
         _channel(
                 k_src, k_dst, k_scale, k_slot, k_ok, b, t, k_heads, k_sb, k_ss, k_sh, k_ps, k_dp, k_di, k_dh,
                 k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL, K_BLOCK_H, K_ROTATE, K_KIND,
-                K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, BF16,
+                K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
     if V_ON:
         v_slot, v_ok = token, token >= 0
@@ -280,7 +317,7 @@ def fused_kernel(
         _channel(
                 v_src, v_dst, v_scale, v_slot, v_ok, b, t, v_heads, v_sb, v_ss, v_sh, v_ps, v_dp, v_di, v_dh,
                 v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL, V_BLOCK_H, V_ROTATE, V_KIND,
-                V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, BF16,
+                V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
 
 
@@ -310,9 +347,12 @@ def channel_constexprs(prefix: str, spec: dict | None, half: int) -> dict[str, o
     }
 
 
-def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool, bf16: bool,
-                  channels: dict[str, dict | None]) -> tuple[dict[str, object], int]:  # fmt: skip
-    """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them."""
+def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool,
+                  round_bf16_in_integers: bool, channels: dict) -> tuple[dict[str, object], int]:  # fmt: skip
+    """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them.
+
+    ``round_bf16_in_integers``: bf16 storage under Triton's interpreter, whose float -> bfloat16 cast
+    truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even)."""
     constexprs: dict[str, object] = {
         "HALF": half,
         "BLOCK_HALF": _next_pow2(half),
@@ -320,7 +360,7 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
         "HAS_SLOTS": has_slots,
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
-        "BF16": bf16,
+        "ROUND_BF16_IN_INTEGERS": round_bf16_in_integers,
     }
     for prefix in CHANNELS:
         spec = channels.get(prefix)
@@ -349,14 +389,13 @@ def aot_specializations():
     the shift, in fp32 / fp16 / bf16, both pairings, offset or positions, head_dim 64, 80, 128, 256 (and
     partial rotary at 128)."""
     specs = []
-    dtypes = {"fp32": False, "fp16": False, "bf16": True}
-    for dtype, bf16 in dtypes.items():
+    for dtype in ("fp32", "fp16", "bf16"):
         for head_dim, half in ((64, 32), (80, 40), (128, 64), (256, 128), (128, 32)):
             for interleaved in (False, True):
                 for has_pos in (False, True):
                     for _op, channels, kinds, has_slots, conjugate in _op_forms(head_dim):
                         constexprs, warps = launch_config(
-                            half, has_pos, has_slots, interleaved, conjugate, bf16, channels
+                            half, has_pos, has_slots, interleaved, conjugate, False, channels
                         )
                         specs.append((fused_kernel, _signature(dtype, kinds, constexprs), constexprs, warps))
     return specs
@@ -420,6 +459,7 @@ def launch(plan, *, checked: bool = False) -> None:
 
     from ropekit.backends.fused_launch import check_launch, slot_error
     from ropekit.backends.kernel_op import check_offset_rows, row_error
+    from ropekit.backends.triton import interpreter_enabled
 
     if not checked:  # see fused_cpu.launch
         check_launch(plan)
@@ -453,14 +493,14 @@ def launch(plan, *, checked: bool = False) -> None:
         specs[prefix] = spec
     constexprs, num_warps = launch_config(
         half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
-        plan.dtype == torch.bfloat16, specs,
+        plan.dtype == torch.bfloat16 and interpreter_enabled(), specs,
     )  # fmt: skip
     device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
     with device_guard:
         fused_kernel[(tokens,)](
             cos, sin, flag if plan.positions is None else plan.positions,
             flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
-            cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, enable_fp_fusion=False,
+            cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS,
         )  # fmt: skip
     if not host:
         torch._assert_async(

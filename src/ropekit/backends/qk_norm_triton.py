@@ -17,8 +17,9 @@ from ropekit.backends.kernel_op import check_offset_rows, row_error
 __all__ = ["NUM_WARPS", "block_sizes", "launch"]
 
 NUM_WARPS = 4
-# Elements of one block of heads: enough to keep the loads wide, small enough for registers.
-MAX_BLOCK_ELEMENTS = 4096
+# Elements of one block of heads: enough to keep the loads wide, small enough for registers (see
+# qk_norm_triton_kernel.OCCUPANCY_TARGET).
+MAX_BLOCK_ELEMENTS = 512
 
 
 def _next_pow2(n: int) -> int:
@@ -48,7 +49,8 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
     Raises:
         ValueError: a host-checked table row outside the table.
     """
-    from ropekit.backends.qk_norm_triton_kernel import qk_norm_rotary_kernel
+    from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
+    from ropekit.backends.triton import interpreter_enabled
 
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
@@ -91,8 +93,9 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             INTERLEAVED=spec.interleaved,
             ALL_HEADS=spec.all_heads,
             CAST_BEFORE=spec.cast_before_weight,
-            BF16=qkv.dtype == torch.bfloat16,
+            ROUND_BF16_IN_INTEGERS=qkv.dtype == torch.bfloat16 and interpreter_enabled(),
             num_warps=NUM_WARPS,
+            **COMPILE_OPTIONS,
         )
     if device_check:
         torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")

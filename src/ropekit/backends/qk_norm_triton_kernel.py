@@ -3,7 +3,10 @@
 One program per token: it loads the token's cos/sin row once, then normalises, weights and rotates the q heads
 and the k heads in blocks of heads, each head loaded as its two rotary halves and its tail, so the pair
 partners of the rotation sit in the same lanes. Switches (pair layout, OLMo 2's all-heads norm, where the
-rounding falls, positions tensor or int offset, bfloat16 rounding) are compile-time constants.
+rounding falls, positions tensor or int offset, bfloat16 rounding under the interpreter) are compile-time
+constants. Every rounding to the storage dtype is to nearest even: the hardware conversion (``cvt.rn``) in
+compiled code, integer arithmetic under Triton's interpreter, whose float -> bfloat16 cast truncates
+(``ROUND_BF16_IN_INTEGERS``). Every launch passes :data:`COMPILE_OPTIONS`.
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run on the CPU.
 """
@@ -17,15 +20,46 @@ import triton.language as tl
 
 from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
 
-__all__ = ["aot_specializations", "qk_norm_rotary_kernel"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "OCCUPANCY_TARGET",
+    "VECTORISED_ARGS",
+    "aot_specializations",
+    "qk_norm_rotary_kernel",
+]
+
+# Passed at every launch (ropekit.backends.qk_norm_triton.launch) and every ahead-of-time compile.
+# enable_fp_fusion: no x * c - y * s (nor a * a + b * b) contracted into an FMA, so each product and sum
+#   rounds as in the C loop and torch.
+# maxnreg: see OCCUPANCY_TARGET.
+COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 64}
+# Half occupancy (1,024 threads an SM) at 4 warps: 64 registers a thread. Full occupancy allows 32, but a
+# thread holds the token's cos/sin run across both parts, a tile's two halves and tail, their weights and
+# the normalised, weighted and rotated values: ptxas allocates 22-60, no spills, with tiles of
+# qk_norm_triton.MAX_BLOCK_ELEMENTS = 512 elements (up to 116 with 4,096). Memory-bound (each
+# element is read once, or twice with OLMo 2's all-heads norm, and written once), so half the warps an SM
+# suffice to keep loads in flight. The AOT check holds every specialization to
+# ropekit.tools.ptx_check.register_budget(4, 0.5) = 64 and to no spills.
+OCCUPANCY_TARGET = 0.5
+# No pointer is held to 128-bit loads and stores (a known gap): the signatures do not claim 16-byte
+# alignment (qkv's token stride is any multiple of head_dim), pairs in the interleaved layout are stride-2
+# loads, and a tile gives each thread a few elements of a run. 128-bit accesses need triton_kernel's layout
+# (one 16-byte vector of each run a thread, the interleaved run loaded whole and split in registers).
+VECTORISED_ARGS: tuple[str, ...] = ()
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr, BF16: tl.constexpr):
+def _to_storage(x, DTYPE: tl.constexpr, ROUND_BF16_IN_INTEGERS: tl.constexpr):
+    """x (float32) in the storage dtype, rounded to nearest even."""
+    if ROUND_BF16_IN_INTEGERS:  # the interpreter only: its cast truncates
+        return _bf16_round_to_nearest_even(x)
+    return x.to(DTYPE, fp_downcast_rounding="rtne")  # cvt.rn
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, ROUND_BF16_IN_INTEGERS: tl.constexpr):
     """x (float32) rounded to the storage dtype and back: where Hugging Face's RMSNorm casts."""
-    if BF16:
-        return _bf16_round_to_nearest_even(x).to(tl.float32)
-    return x.to(DTYPE).to(tl.float32)
+    return _to_storage(x, DTYPE, ROUND_BF16_IN_INTEGERS).to(tl.float32)
 
 
 @triton.jit
@@ -56,7 +90,7 @@ def _norm_rotate_heads(
     INTERLEAVED: tl.constexpr,
     ALL_HEADS: tl.constexpr,
     CAST_BEFORE: tl.constexpr,
-    BF16: tl.constexpr,
+    ROUND_BF16_IN_INTEGERS: tl.constexpr,
 ):
     """Normalise, weight and rotate n_heads heads of one token in place; x_ptr points at head 0, feature 0."""
     dtype = x_ptr.dtype.element_ty
@@ -102,16 +136,22 @@ def _norm_rotate_heads(
         wt = tl.load(w_row + tail_idx[None, :], mask=tmask, other=0.0) + weight_offset
         na, nb, nt = a * r, b * r, t * r
         if CAST_BEFORE:  # Qwen3 / Llama: the normalised value is rounded before the weight multiplies it
-            na, nb, nt = _round(na, dtype, BF16), _round(nb, dtype, BF16), _round(nt, dtype, BF16)
-        ya, yb, yt = _round(na * wa, dtype, BF16), _round(nb * wb, dtype, BF16), _round(nt * wt, dtype, BF16)
+            na, nb, nt = (
+                _round(na, dtype, ROUND_BF16_IN_INTEGERS),
+                _round(nb, dtype, ROUND_BF16_IN_INTEGERS),
+                _round(nt, dtype, ROUND_BF16_IN_INTEGERS),
+            )
+        ya, yb, yt = (
+            _round(na * wa, dtype, ROUND_BF16_IN_INTEGERS),
+            _round(nb * wb, dtype, ROUND_BF16_IN_INTEGERS),
+            _round(nt * wt, dtype, ROUND_BF16_IN_INTEGERS),
+        )
         ra = ya * c - yb * s
         rb = yb * c + ya * s
-        if BF16:
-            ra, rb = _bf16_round_to_nearest_even(ra), _bf16_round_to_nearest_even(rb)
-        tl.store(row + a_idx[None, :], ra.to(dtype), mask=mask)
-        tl.store(row + b_idx[None, :], rb.to(dtype), mask=mask)
+        tl.store(row + a_idx[None, :], _to_storage(ra, dtype, ROUND_BF16_IN_INTEGERS), mask=mask)
+        tl.store(row + b_idx[None, :], _to_storage(rb, dtype, ROUND_BF16_IN_INTEGERS), mask=mask)
         if TAIL > 0:
-            tl.store(row + tail_idx[None, :], yt.to(dtype), mask=tmask)
+            tl.store(row + tail_idx[None, :], _to_storage(yt, dtype, ROUND_BF16_IN_INTEGERS), mask=tmask)
 
 
 @triton.jit(do_not_specialize=["offset"])
@@ -145,7 +185,7 @@ def qk_norm_rotary_kernel(
     INTERLEAVED: tl.constexpr,
     ALL_HEADS: tl.constexpr,
     CAST_BEFORE: tl.constexpr,
-    BF16: tl.constexpr,
+    ROUND_BF16_IN_INTEGERS: tl.constexpr,
 ):
     """Token ``program_id(0)`` of qkv (batch, seq, width): q then k normalised and rotated in place.
 
@@ -173,11 +213,11 @@ def qk_norm_rotary_kernel(
     flags = (HALF, TAIL)
     _norm_rotate_heads(
         x, wq_ptr, q_heads, head_dim, eps, weight_offset, c, s, half_idx, half_mask, tail_idx, tail_mask,
-        *flags, BLOCK_HQ, INTERLEAVED, ALL_HEADS, CAST_BEFORE, BF16,
+        *flags, BLOCK_HQ, INTERLEAVED, ALL_HEADS, CAST_BEFORE, ROUND_BF16_IN_INTEGERS,
     )  # fmt: skip
     _norm_rotate_heads(
         x + q_heads * head_dim, wk_ptr, k_heads, head_dim, eps, weight_offset, c, s, half_idx, half_mask,
-        tail_idx, tail_mask, *flags, BLOCK_HK, INTERLEAVED, ALL_HEADS, CAST_BEFORE, BF16,
+        tail_idx, tail_mask, *flags, BLOCK_HK, INTERLEAVED, ALL_HEADS, CAST_BEFORE, ROUND_BF16_IN_INTEGERS,
     )  # fmt: skip
 
 
@@ -210,7 +250,7 @@ def aot_specializations():
             INTERLEAVED=interleaved,
             ALL_HEADS=all_heads,
             CAST_BEFORE=cast,
-            BF16=dtype == "bf16",
+            ROUND_BF16_IN_INTEGERS=False,  # compiled code rounds with cvt.rn
         )
         signature = {}
         for name in qk_norm_rotary_kernel.arg_names:
