@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -268,16 +268,7 @@ def fused_kernel(
 ):
     """Token ``program_id(0)``: its row is ``positions[token]`` (HAS_POS) or ``offset + t``; its slot
     ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token index."""
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + token)
-    else:
-        pos = offset + t
-    bad = (pos < 0) | (pos >= table_len)
-    tl.store(flag_ptr, 0, mask=bad)
-    pos = tl.where(bad, 0, pos)
+    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
     slot = token
     write = token >= 0
     if HAS_SLOTS:

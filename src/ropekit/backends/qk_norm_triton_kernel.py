@@ -18,7 +18,7 @@ import itertools
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -192,16 +192,7 @@ def qk_norm_rotary_kernel(
     The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
     clears ``flag`` and reads row 0 instead (the launcher asserts the flag on the device).
     """
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + token)
-    else:
-        pos = offset + t
-    bad = (pos < 0) | (pos >= table_len)
-    tl.store(flag_ptr, 0, mask=bad)
-    pos = tl.where(bad, 0, pos)
+    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
 
     half_idx = tl.arange(0, BLOCK_HALF)
     half_mask = half_idx < HALF

@@ -177,6 +177,23 @@ def _store_rounded(ptr, value, mask, ROUND_BF16_IN_INTEGERS: tl.constexpr):
 
 
 @triton.jit
+def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr):
+    """This program's token (``program_id(0)``), its batch row b and index t in the sequence, and its table
+    row: ``positions[token]`` (HAS_POS) or ``offset + t``. A row outside [0, table_len) clears ``flag`` and
+    reads row 0 instead, so no kernel reads outside the table and its launcher can fail the call."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    t = token % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + token)
+    else:
+        pos = offset + t
+    bad = (pos < 0) | (pos >= table_len)
+    tl.store(flag_ptr, 0, mask=bad)
+    return token, b, t, tl.where(bad, 0, pos)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
@@ -277,16 +294,7 @@ def rotary_kernel(
     outside [0, table_len) clears ``flag`` and reads row 0 instead, so the kernel never reads outside the
     table and the launcher can fail the call (see :func:`ropekit.backends.triton.launch`).
     """
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + token)
-    else:
-        pos = offset + t
-    bad = (pos < 0) | (pos >= table_len)
-    tl.store(flag_ptr, 0, mask=bad)
-    pos = tl.where(bad, 0, pos)
+    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
 
     pair = tl.arange(0, BLOCK_HALF)
     c = tl.load(cos_ptr + pos * cos_stride + pair, mask=pair < HALF, other=0.0)[None, :]  # (1, BLOCK_HALF)
