@@ -71,6 +71,18 @@ typedef int v8i __attribute__((vector_size(32)));
 #define F32_STORE(v) (v)
 #define F16_LOAD(v) ((float)(v))
 #define F16_STORE(v) ((_Float16)(v))
+/* -1 if every token's table row (pos[token], or offset + its index in the sequence when pos is NULL) lies
+   in [0, table_len), else the first token whose row does not: each loop checks before it writes anything. */
+static inline int64_t first_bad_row(const int64_t *pos, int64_t tokens, int64_t offset, int64_t seq,
+                                    int64_t table_len) {
+    if (pos) {
+        for (int64_t token = 0; token < tokens; ++token)
+            if (pos[token] < 0 || pos[token] >= table_len) return token;
+    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) {
+        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0;
+    }
+    return -1;
+}
 """
 
 _SOURCE = (
@@ -160,11 +172,9 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
         for (int64_t b = 0; b < batch && seq > 0; ++b) \
             if (pos[b] < 0 || pos[b] > table_len - seq) \
                 return b * seq + (pos[b] < 0 ? 0 : table_len - pos[b] > 0 ? table_len - pos[b] : 0); \
-    } else if (pos) { \
-        for (int64_t token = 0; token < tokens; ++token) \
-            if (pos[token] < 0 || pos[token] >= table_len) return token; \
-    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) { \
-        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0; \
+    } else { \
+        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
+        if (bad >= 0) return bad; \
     } \
     if (tokens > 0 && (copy_tail & 1)) /* an output of its own (out of place): see advise_huge */ \
         advise_huge(qo, ((batch - 1) * st[3] + (seq - 1) * st[4] + (q_heads - 1) * st[5] \

@@ -145,11 +145,9 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
     const float sign = conjugate ? -1.0f : 1.0f; \
     const int64_t tokens = batch * seq; \
-    if (pos) { \
-        for (int64_t token = 0; token < tokens; ++token) \
-            if (pos[token] < 0 || pos[token] >= table_len) return token; \
-    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) { \
-        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0; \
+    { \
+        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
+        if (bad >= 0) return bad; \
     } \
     if (slots) \
         for (int64_t token = 0; token < tokens; ++token) \

@@ -150,11 +150,9 @@ int64_t NAME(void *qkv, const float *wq, const float *wk, const float *cos, cons
     const int threads = (int)a[15]; \
     const float eps = (float)f[0], weight_offset = (float)f[1]; \
     int64_t tokens = batch * seq; \
-    if (pos) { \
-        for (int64_t token = 0; token < tokens; ++token) \
-            if (pos[token] < 0 || pos[token] >= table_len) return token; \
-    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) { \
-        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0; \
+    { \
+        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
+        if (bad >= 0) return bad; \
     } \
     int64_t nq = all_heads ? q_heads * head_dim : head_dim, nk = all_heads ? k_heads * head_dim : head_dim; \
     float wq2[nq], wk2[nk]; /* w + weight_offset in float32, once per call (Gemma's 1.0 + w.float()) */ \
