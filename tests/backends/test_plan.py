@@ -198,3 +198,21 @@ def test_an_output_large_enough_for_huge_pages_is_still_exact():
     want = apply_rotary(q, cos, sin, backend="torch")
     assert got.nbytes >= 8 << 20
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_key_without_a_plan_is_not_planned_again_every_call(monkeypatch):
+    """float64 tables: the C loop has no plan for them (it reads float32 rows). The first call learns that;
+    later calls of the same key take the checked path without asking the backend again, and stay exact."""
+    clear_backend_cache()
+    asked = []
+    cpu = BACKENDS["cpu"]
+    original = cpu.plan
+    monkeypatch.setattr(cpu, "plan", lambda *a, **kw: asked.append(1) or original(*a, **kw))
+    q, k = torch.randn(1, 1, 4, 32), torch.randn(1, 1, 2, 32)
+    angle = torch.rand(16, 16, dtype=torch.float64) * 6.0
+    cos, sin = angle.cos(), angle.sin()
+    first = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")
+    for _ in range(3):
+        again = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert len(asked) == 1

@@ -46,7 +46,7 @@ class Plan(NamedTuple):
     shared: dict[int, bool]
 
 
-_plans: dict[tuple, Plan] = {}
+_plans: dict[tuple, Plan | None] = {}  # None: the key's backend has no plan for it
 
 
 def clear_plans() -> None:
@@ -133,6 +133,9 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
         return
     if k is not None and k.numel() == 0:
         return
+    key = _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate)
+    if key in _plans:  # planned already, or known to have no plan: a miss must not redo this every call
+        return
     per_sequence = type(offset) is not int
     if per_sequence and not (
         offset.dtype == torch.int64
@@ -150,6 +153,7 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
             else make(q, k, cos, sin, **flags)
         )
         if run is None:
+            _keep(key, None)  # the key alone decided it (layout, dtype): the checked path serves this kind
             return
     elif per_sequence:
         return
@@ -169,7 +173,10 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
             )
 
     reach = (-_span(k), _span(q)) if inplace and k is not None else None
+    _keep(key, Plan(run, cos.shape[0] - q.shape[1], reach, {}))
+
+
+def _keep(key: tuple, plan: Plan | None) -> None:
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
-    key = _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate)
-    _plans[key] = Plan(run, cos.shape[0] - q.shape[1], reach, {})
+    _plans[key] = plan
