@@ -25,7 +25,7 @@ from qk_norm_cases import (
 import ropekit
 from ropekit.backends.qk_norm_cpu import NormSpec
 from ropekit.fused.qk_norm import qk_norm_rotary_, rms_norm
-from triton_interpreter import run_interpreter_cases
+from triton_interpreter import TIERS, run_interpreter_cases
 
 BACKENDS = ["torch", "cpu"]
 HERE = Path(__file__).parent
@@ -355,8 +355,9 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     assert "qk_norm_rotary_kernel" in compiled.asm["ptx"]
 
 
-def test_triton_kernel_cases_pass_under_the_interpreter():
-    run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900)
+@pytest.mark.parametrize("tier", TIERS)
+def test_triton_kernel_cases_pass_under_the_interpreter(tier):
+    run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900, tier=tier)
 
 
 def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():
