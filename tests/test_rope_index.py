@@ -242,9 +242,10 @@ def test_second_per_grid_ts_that_is_not_finite_and_non_negative_is_a_value_error
     config = transformers.Qwen2_5_VLConfig()
     mm = torch.tensor([[0] + [2] * 8 + [0]])  # a video of 2 frames of 2 x 2 merged tokens
     video = torch.tensor([[2, 4, 4]])
-    with pytest.raises(ValueError, match=r"^second_per_grid_ts: expected finite numbers >= 0"):
-        ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=torch.tensor([seconds]))
-    pos, _ = ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=torch.tensor([0.0]))
+    for bad in (torch.tensor([seconds]), [seconds]):
+        with pytest.raises(ValueError, match=r"^second_per_grid_ts: expected finite numbers >= 0"):
+            ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=bad)
+    pos, _ = ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=torch.zeros(1))
     assert pos[0, 0, 1:9].tolist() == [1] * 8
 
 

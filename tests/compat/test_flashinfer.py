@@ -7,6 +7,8 @@ scales make ``r * s`` and ropekit's ``r / (1 / s)`` the same float32 number, so 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -152,7 +154,7 @@ def test_append_refuses_bad_input_and_leaves_the_caches_alone():
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(
             q_rope, k_rope, None, None, v, *args, quantize_dtype=torch.float8_e5m2
         )
-    with pytest.raises(ValueError, match="^kv_indices: "):  # a page index past the cache's 8 pages
+    with pytest.raises(ValueError, match=r"^kv_indices: "):  # a page index past the cache's 8 pages
         bad = (cache, pos, (k_cache, v_cache), torch.tensor([4, 1, 9]), kv_indptr, batch_indices, positions)
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, None, None, v, *bad)
     assert not k_cache.view(torch.uint8).any() and not v_cache.view(torch.uint8).any()
@@ -170,8 +172,10 @@ def test_a_quant_scale_is_checked_as_the_kernel_uses_it_and_named_as_flashinfer_
     error; inf was refused under ropekit's name q_scale with the value 0.0. The scale and its reciprocal
     must both be finite and > 0 in float32 (FlashInfer's kernels take the scale as a float32)."""
     q_rope, k_rope = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
-    with pytest.raises(ValueError, match=rf"^{name}: expected .*float32.*, got {bad!r}"):
-        flashinfer.rope_quantize_fp8(q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), **{name: bad})
+    with pytest.raises(ValueError, match=rf"^{name}: expected .*float32.*, got {re.escape(repr(bad))}"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), **{name: bad}
+        )
 
 
 def _append(kv_indices, kv_indptr, batch_indices, positions, *, page_size=16, caches=None, q_rope_out=None):
@@ -187,7 +191,7 @@ def _append(kv_indices, kv_indptr, batch_indices, positions, *, page_size=16, ca
 
 
 BAD_PAGE_TABLES = {
-    # Issue 24, defect 6: each wrote into another request's page, or a page of no request, or was an IndexError.
+    # Issue 24, defect 6: each wrote into another request's page or a page of no request, or was an IndexError
     "negative batch index wraps": ("batch_indices", dict(batch_indices=[0, 0, 0, -1, 1])),
     "batch index past kv_indptr": ("batch_indices", dict(batch_indices=[0, 0, 0, 2, 1])),
     "position -1": ("positions", dict(positions=[0, 1, -1, 17, 18])),
@@ -206,6 +210,7 @@ BAD_PAGE_TABLES = {
 @pytest.mark.parametrize("case", list(BAD_PAGE_TABLES))
 def test_the_page_table_is_checked_against_the_caches_before_any_write(case):
     name, change = BAD_PAGE_TABLES[case]
+    change = dict(change)  # shared with the next test
     kv_indices, kv_indptr, batch_indices, positions, _ = _page_table()
     args = dict(kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices, positions=positions)
     page_size = change.pop("page_size", 16) if "page_size" in change else 16
@@ -229,3 +234,25 @@ def test_caches_of_the_wrong_head_count_leave_the_callers_q_rope_out_unwritten()
             torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8))),
             q_rope_out=torch.zeros(5, 4, 7, dtype=FP8))  # fmt: skip
     assert not any(c.view(torch.uint8).any() for c in caches)
+
+
+def test_the_device_side_page_table_check_agrees_with_the_host_one(monkeypatch):
+    """CUDA tensors are checked with a device-side assert (no host sync). That branch is run here on the CPU
+    (is_compiling forced, where torch._assert_async raises at once): the same slots for a good table, and
+    every bad table of BAD_PAGE_TABLES whose values (not shapes) are wrong trips the assert."""
+    from ropekit.compat import flashinfer as module
+
+    kv_indices, kv_indptr, batch_indices, positions, slots = _page_table()
+    args = (kv_indices, kv_indptr, batch_indices, positions, 16, 8, 5, torch.device("cpu"))
+    assert torch.equal(module._page_slots(*args), slots)
+    monkeypatch.setattr(module, "is_compiling", lambda: True)
+    assert torch.equal(module._page_slots(*args), slots)
+    for case, (_, change) in BAD_PAGE_TABLES.items():
+        if "page_size" in case or "length" in case:
+            continue  # checked from shapes, before any value
+        table = dict(
+            kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices, positions=positions
+        )
+        table.update({key: torch.tensor(value, dtype=torch.int32) for key, value in change.items()})
+        with pytest.raises(RuntimeError, match="page table"):
+            module._page_slots(*table.values(), 16, 8, 5, torch.device("cpu"))

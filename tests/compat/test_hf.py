@@ -299,10 +299,8 @@ def test_rope_init_numerics_match_transformers_snapshots():
 
 NO_ORIGINAL = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "rope_theta": 1e4},  # fmt: skip
-    "longrope": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "factor": 4.0,
-                 "rope_theta": 1e4},  # fmt: skip
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=1e4),
+    "longrope": dict(rope_type="longrope", short_factor=SHORT, long_factor=LONG, factor=4.0, rope_theta=1e4),
 }
 
 

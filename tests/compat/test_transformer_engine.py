@@ -200,7 +200,9 @@ def test_fused_qkv_gradient_flows_back_into_the_packed_buffer():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize(("position", "t_dtype", "atol"), [(1e6, torch.float32, 1e-5), (1000, torch.float64, 1e-12)])
+@pytest.mark.parametrize(
+    ("position", "t_dtype", "atol"), [(1e6, torch.float32, 1e-5), (1000, torch.float64, 1e-12)]
+)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("fused_qkv", [False, True])
 def test_float64_angles_take_cos_and_sin_in_float64(position, t_dtype, atol, interleaved, fused_qkv):
