@@ -256,3 +256,15 @@ def test_the_device_side_page_table_check_agrees_with_the_host_one(monkeypatch):
         table.update({key: torch.tensor(value, dtype=torch.int32) for key, value in change.items()})
         with pytest.raises(RuntimeError, match="page table"):
             module._page_slots(*table.values(), 16, 8, 5, torch.device("cpu"))
+
+
+def test_a_bad_preallocated_output_leaves_the_other_outputs_unwritten():
+    """Every *_out is checked before the first is filled (q_rope_out was written, then k_rope_out refused)."""
+    q_rope, k_rope = torch.randn(2, 2, 8) * 10, torch.randn(2, 1, 8) * 10
+    q_out = torch.zeros(2, 2, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=r"^k_rope_out: expected a torch.float8_e4m3fn tensor of shape"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), q_rope_out=q_out,
+            k_rope_out=torch.zeros(2, 1, 7, dtype=FP8),
+        )  # fmt: skip
+    assert not q_out.view(torch.uint8).any()

@@ -186,6 +186,8 @@ def rope_quantize_fp8(
         outs = (outs[0], outs[1][:, 0], outs[2], outs[3][:, 0])
     names = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
     given = (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
+    for out, value, name in zip(given, outs, names, strict=True):  # all checked before the first is filled
+        _check_out(out, value, name)
     return tuple(_store(o, v, n) for o, v, n in zip(given, outs, names, strict=True))
 
 
