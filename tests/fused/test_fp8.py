@@ -118,3 +118,6 @@ def test_a_meta_table_is_a_value_error_naming_it():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
     with pytest.raises(ValueError, match=r"^cos: expected a tensor with values.* got a meta tensor"):
         ropekit.apply_rotary_qk_fp8(q, k, tabs["cos"], tabs["sin"], q_scale=1.0, k_scale=1.0)
+    meta_scale = torch.ones((), device="meta")  # a meta scale: no value to divide by either
+    with pytest.raises(ValueError, match=r"^k_scale: expected a tensor with values.* got a meta tensor"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=meta_scale)
