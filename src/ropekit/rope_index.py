@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ropekit.hf_config import load_hf_config
-from ropekit.validation import check_int, describe
+from ropekit.validation import check_int, check_movable, check_number, describe
 
 __all__ = ["ROPE_INDEX_FAMILIES", "get_rope_index", "mrope_decode_positions", "vision_position_ids"]
 
@@ -134,6 +134,7 @@ def get_rope_index(
     for name, value in (("mm_token_type_ids", mm_token_type_ids), ("attention_mask", attention_mask)):
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
             raise ValueError(f"{name}: expected a tensor of input_ids' shape {shape}, got {describe(value)}")
+    check_movable("mm_token_type_ids", mm_token_type_ids, torch.device("cpu"), where="the host device")
     types = mm_token_type_ids.to("cpu", torch.int64)
     if types.numel() and (types.min() < TEXT or types.max() > VIDEO):
         raise ValueError(
@@ -210,16 +211,24 @@ def _video_intervals(
     if second_per_grid_ts is None:
         seconds = torch.ones(count)
     else:
-        seconds = torch.as_tensor(second_per_grid_ts)
+        check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
+        seconds = torch.as_tensor(second_per_grid_ts).cpu()
         if seconds.dim() != 1 or seconds.shape[0] < count:
             raise ValueError(
                 f"second_per_grid_ts: expected one number per video ({count}), "
                 f"got {describe(second_per_grid_ts)}"
             )
+        # nan or inf seconds made frame positions of -2^63; negative ones run time backwards.
+        if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
+            raise ValueError(
+                f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
+                f"{seconds.tolist()[:8]}"
+            )
     tokens_per_second = vision.get("tokens_per_second")
     if tokens_per_second is None:
         raise ValueError("config['vision_config']['tokens_per_second']: Qwen2.5-VL needs it, got none")
-    return tokens_per_second * seconds.cpu()
+    check_number("config['vision_config']['tokens_per_second']", tokens_per_second, minimum=0)
+    return tokens_per_second * seconds
 
 
 def mrope_decode_positions(

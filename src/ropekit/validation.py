@@ -193,12 +193,13 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
     return rotary_dim
 
 
-def check_movable(name: str, t: Any, device: torch.device) -> None:
-    """t (if a tensor) can be moved to device: a meta tensor has no values to copy anywhere but meta. PyTorch
-    would raise NotImplementedError ("Cannot copy out of meta tensor") from inside the call."""
+def check_movable(name: str, t: Any, device: torch.device, *, where: str = "x's device") -> None:
+    """t (if a tensor) can be moved to device (``where`` says whose it is, for the message): a meta tensor
+    has no values to copy anywhere but meta. PyTorch would raise NotImplementedError ("Cannot copy out of
+    meta tensor") from inside the call."""
     if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
         raise ValueError(
-            f"{name}: expected a tensor with values, on x's device {device}, got a meta tensor (shape "
+            f"{name}: expected a tensor with values, on {where} {device}, got a meta tensor (shape "
             f"{tuple(t.shape)}: no data); build it on {device}, or fill it after to_empty()"
         )
 

@@ -440,6 +440,22 @@ def test_fused_qk_norm_rope_signature_and_errors_are_vllms():
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.parametrize(("index", "name"), [(4, "head_dim"), (2, "num_heads_k"), (1, "num_heads_q")])
+@pytest.mark.parametrize("bad", [None, "16", 0])
+def test_fused_qk_norm_rope_head_counts_and_head_dim_that_are_not_ints_are_value_errors(index, name, bad):
+    """Issue 24: head_dim=None was a TypeError from '<=' inside the cache check."""
+    from ropekit.compat.vllm import fused_qk_norm_rope
+
+    qkv, w = torch.randn(3, 6 * 16), torch.ones(16)
+    cache = get_rope(16, 8, True, {"rope_theta": 1e4}).cos_sin_cache
+    args = [qkv, 4, 1, 1, 16, 1e-6, w, w, cache, True, torch.tensor([0, 1, 2])]
+    args[index] = bad
+    before = qkv.clone()
+    with pytest.raises(ValueError, match=rf"^{name}: expected a positive int, got {bad!r}"):
+        fused_qk_norm_rope(*args)
+    assert torch.equal(qkv, before)
+
+
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
     """From the second step on, rotary_embedding runs the core's per-sequence-offset plan (each token a

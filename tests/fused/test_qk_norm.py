@@ -286,6 +286,8 @@ def _bad_calls():
     yield "offsets", dict(kw={**base, "offsets": -1})
     yield "backend", dict(kw={**base, "backend": "cuda"})
     yield "positions", dict(qkv=qkv[0].clone(), kw={**base, "positions": torch.tensor([1, 2])})
+    # Issue 24: a meta table was NotImplementedError ("Cannot copy out of meta tensor").
+    yield "cos: expected a tensor with values", dict(cos=cos.to("meta"), sin=cos.to("meta"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

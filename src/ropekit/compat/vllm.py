@@ -468,6 +468,8 @@ def fused_qk_norm_rope(
     from ropekit.fused.qk_norm import qk_norm_rotary_
 
     check_bool("is_neox", is_neox)
+    for name, value in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("head_dim", head_dim)):
+        check_int(name, value, minimum=1, expected="a positive int")  # head_dim=None was a TypeError from <=
     num_heads_v = check_int("num_heads_v", num_heads_v, minimum=1, expected="a positive int")
     if num_heads_v != num_heads_k:
         raise ValueError(
