@@ -1,5 +1,5 @@
-"""tests/engines/ runs in the engines environment (``make proofs``): a file whose engine is not installed is not
-collected here, so the main environment's ``make test`` never imports an engine."""
+"""tests/engines/ runs in the engines environment (``make proofs``): a file whose engine is not installed is
+not collected, so the main environment's ``make test`` never imports an engine."""
 
 import importlib.util
 
