@@ -95,6 +95,17 @@ def worker(rank):
             "want": (plain_q.grad, plain_k.grad),
         }
 
+    # RotaryEmbedding (its own tables, grown to the largest position) on tokens-sharded DTensors.
+    module = ropekit.RotaryEmbedding(head_dim=HEAD_DIM, base=100.0)
+    dq, dk = (distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k))
+    with CommDebugMode() as comms:
+        got = module(dq, dk, positions=positions)
+    results["module"] = {
+        "comms": comms.get_total_counts(),
+        "got": [t.full_tensor() for t in got],
+        "want": module(q, k, positions=positions),
+    }
+
     # The registered op itself, every tensor a DTensor.
     op_ = torch.ops.ropekit.cpu_rotary_
     dcos, dsin = (distribute_tensor(t, mesh, replicated) for t in (cos, sin))
@@ -164,9 +175,10 @@ def test_gradients_are_rotated_on_the_shards(ranks, sharding):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_the_registered_in_place_op_rotates_dtensors_locally(ranks):
+@pytest.mark.parametrize("caller", ["op", "module"])
+def test_the_registered_op_and_rotary_embedding_rotate_dtensors_locally(ranks, caller):
     for result in ranks:
-        case = result["op"]
+        case = result[caller]
         assert case["comms"] == 0
         for got, want in zip(case["got"], case["want"], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
