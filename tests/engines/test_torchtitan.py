@@ -150,6 +150,19 @@ def test_far_positions_are_rotated_closer_to_the_float64_truth_than_the_stock_mo
     assert ropekit_error < 1e-5 < stock_error / 10  # float32 rounding vs a float32 angle of 131056 rad
 
 
+@pytest.mark.parametrize("kind", list(STOCK))
+def test_the_module_compiles_in_one_graph_and_matches_eager(kind):
+    """torchtitan compiles its blocks: ropekit's module traces without a graph break (fullgraph)."""
+    _, ours = pair(kind, "yarn truncate")
+    torch.manual_seed(0)
+    q, k = torch.randn(BATCH, SEQ, HEADS, DIM), torch.randn(BATCH, SEQ, KV_HEADS, DIM)
+    grads = (torch.randn_like(q), torch.randn_like(k))
+    positions = positions_of("(B, S)")
+    want, got = run_both(ours, torch.compile(ours, fullgraph=True), q, k, positions, grads)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1.3e-6)
+
+
 def test_llama3_debug_model_logits_are_unchanged_by_the_override():
     """The whole model, forward only (its CPU attention backends have no backward)."""
     config = llama3_registry("debugmodel", attn_backend="flex").model
