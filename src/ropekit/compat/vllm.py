@@ -471,7 +471,13 @@ def _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, bac
     rotary_dim = _rotary_dim(head_size, params)
     interleaved = not is_neox_style
     if dual_chunk is not None:
-        sizes = {k: dual_chunk[k] for k in ("chunk_size", "local_size") if k in dual_chunk}
+        missing = [k for k in ("chunk_size", "local_size") if dual_chunk.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"dual_chunk_attention_config: expected chunk_size and local_size, missing {missing} "
+                f"in {dict(dual_chunk)!r:.120}"
+            )
+        sizes = {k: dual_chunk[k] for k in ("chunk_size", "local_size")}
         return v.DualChunkRotaryEmbedding(
             head_size, rotary_dim, max_position, base, is_neox_style, dtype, **sizes, backend=backend
         )

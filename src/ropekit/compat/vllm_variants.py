@@ -206,6 +206,7 @@ class FourierRotaryEmbedding(RotaryEmbedding):
         if heads < world:
             rank, world = rank // (world // heads), heads
         param.data.copy_(loaded_weight.chunk(world, dim=0)[rank])
+        self._built_for = None  # .data writes leave the version counter alone: rebuild on the next call
 
     def _cache(self, query: torch.Tensor) -> torch.Tensor:
         if self._coef_versions() != self._built_for:
