@@ -198,7 +198,7 @@ def test_deepseek_v4_rotates_the_trailing_slice_and_inverse_undoes_it():
     np.testing.assert_allclose(_heads(out, 24), want, **F32)
     back, _ = rope.forward_native(positions, out, inverse=True)
     np.testing.assert_allclose(_heads(back, 24), x, **F32)
-    torch.testing.assert_close(out[..., :16], q[..., :16], rtol=0, atol=0)  # the leading features pass through
+    torch.testing.assert_close(out[..., :16], q[..., :16], rtol=0, atol=0)  # the NoPE features pass
 
 
 def test_llama4_vision_matches_reference_and_vllm_call():
