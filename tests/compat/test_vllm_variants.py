@@ -44,12 +44,12 @@ def test_fope_parameters_build_fope_not_a_plain_rotation():
     assert tuple(rope.cos_sin_cache.shape) == (32, 2, 32)
 
 
-@pytest.mark.parametrize("num_inv_freq", [3, None])
-def test_fope_matches_reference(num_inv_freq):
+@pytest.mark.parametrize(("num_inv_freq", "backend"), [(3, "torch"), (None, "torch"), (3, "cpu")])
+def test_fope_matches_reference(num_inv_freq, backend):
     head_size, rotary_dim, kv_heads, heads, rows = 16, 12, 2, 4, 64
     rope = FourierRotaryEmbedding(
         head_size, rotary_dim, rows, 500.0, True, torch.float32, num_key_value_heads=kv_heads,
-        num_inv_freq=num_inv_freq,
+        num_inv_freq=num_inv_freq, backend=backend,
     )  # fmt: skip
     theta = ref.inv_freq(rotary_dim, 500.0)
     theta = theta[:num_inv_freq] if num_inv_freq else theta[theta > 2 * math.pi / rows]
@@ -117,10 +117,11 @@ def _bailing_axes(section):
         ({"mrope_section": [4, 2, 2], "rope_theta": 1000.0}, "chunked", True),
     ],
 )
-def test_multiaxis_variants_match_reference(params, axes, neox):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_multiaxis_variants_match_reference(params, axes, neox, backend):
     head_size, rotary_dim = 20, 16
     params = {**params, "partial_rotary_factor": rotary_dim / head_size}
-    rope = get_rope(head_size, 32, neox, params, torch.float32)
+    rope = get_rope(head_size, 32, neox, params, torch.float32, backend=backend)
     assert isinstance(rope, MRotaryEmbedding)
     base = 1000.0 * (1000.0 ** (rotary_dim / (rotary_dim - 2)) if axes == "xd" else 1.0)
     theta = ref.inv_freq(rotary_dim, base)
