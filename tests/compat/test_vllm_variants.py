@@ -257,3 +257,11 @@ def test_types_vllm_has_and_ropekit_does_not_mirror_are_refused():
     for kind in ("longrope", "ntk", "openpangu"):
         with pytest.raises(ValueError, match="rope_type"):
             get_rope(16, 16, True, {"rope_type": kind, "factor": 2.0}, torch.float32)
+
+
+def test_rope_dim_sets_the_rotary_width_as_in_vllm():
+    # vLLM's get_rope takes rope_dim before partial_rotary_factor; it was dropped with a log line.
+    rope = get_rope(64, 32, True, {"rope_theta": 1e4, "rope_dim": 16, "partial_rotary_factor": 0.5})
+    assert rope.rotary_dim == 16 and rope.cos_sin_cache.shape == (32, 16)
+    want = np.cos(np.arange(32)[:, None] * ref.inv_freq(16, 1e4))
+    np.testing.assert_allclose(rope.cos_sin_cache[:, :8].double().numpy(), want, rtol=0, atol=1e-6)

@@ -532,8 +532,9 @@ def _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, bac
         config = RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=interleaved,
                             scaling={"rope_type": "ntk_alpha", "alpha": params["alpha"]})  # fmt: skip
         return RotaryEmbedding.from_config(config, max_position, dtype, backend=backend)
+    params = {k: v for k, v in params.items() if k != "rope_dim"}  # read above, as vLLM reads it
     hf = {"head_dim": head_size, "rope_parameters": params, "max_position_embeddings": max_position}
-    config = RopeConfig.from_hf(hf, interleaved=interleaved)
+    config = RopeConfig.from_hf(hf, interleaved=interleaved, rotary_dim=rotary_dim)
     if kind in _GROWS_WITH_FACTOR:
         length = max_position
         if kind == "yarn":
