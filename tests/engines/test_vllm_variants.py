@@ -306,3 +306,24 @@ def test_dual_chunk_equals_vllm_own_tables_and_forward():
         ours.forward_native(positions, q, k), theirs.forward_native(positions, q, k), strict=True
     ):
         torch.testing.assert_close(got, other, rtol=0, atol=APPLY_ATOL + 5 * _atol(rows))
+
+
+def test_mrope_with_yarn_equals_vllm():
+    # vLLM measures the YaRN ramp against original * mrope_positions_factor (its enlarged cache length).
+    params = {
+        "mrope_section": [6, 5, 5],
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    params["rope_theta"] = 1e6
+    theirs = _vllm(32, 256, True, params, torch.float32)
+    ours = rk.get_rope(32, 256, True, params, torch.float32)
+    assert theirs.cos_sin_cache.shape == ours.cos_sin_cache.shape == (64 * 4 * 4, 32)
+    _same_cache(ours.cos_sin_cache, theirs.cos_sin_cache, scale=1.2)
+    positions = torch.randint(0, 1024, (3, 6), generator=torch.Generator().manual_seed(4))
+    q, k = _qk(6, 2, 1, 32)
+    for got, other in zip(
+        ours.forward_native(positions, q, k), theirs.forward_native(positions, q, k), strict=True
+    ):
+        torch.testing.assert_close(got, other, rtol=0, atol=APPLY_ATOL + 5 * _atol(1024))

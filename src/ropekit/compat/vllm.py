@@ -488,7 +488,7 @@ def _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, bac
     if kind in ("default", "yarn", "bailing_mrope", "xdrope") and (
         "mrope_section" in params or kind in ("bailing_mrope", "xdrope")
     ):
-        config = v.multiaxis_config(head_size, rotary_dim, base, is_neox_style, params, kind)
+        config = v.multiaxis_config(head_size, rotary_dim, base, is_neox_style, params, kind, factor4)
         if kind == "yarn":
             rows = math.ceil(params["original_max_position_embeddings"] * factor4 * float(factor_of(params)))
         else:

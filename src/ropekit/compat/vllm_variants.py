@@ -439,11 +439,18 @@ class Llama4VisionRotaryEmbedding(nn.Module):
 
 
 def multiaxis_config(
-    head_size: int, rotary_dim: int, base: float, is_neox_style: bool, params: Mapping[str, Any], kind: str
+    head_size: int,
+    rotary_dim: int,
+    base: float,
+    is_neox_style: bool,
+    params: Mapping[str, Any],
+    kind: str,
+    positions_factor: int = 4,
 ) -> RopeConfig:
     """The RopeConfig of vLLM's M-RoPE family members: ``"default"`` / ``"yarn"`` with mrope_section,
     ``"bailing_mrope"`` ([T, H, W], H == W: H / W alternate, T last, ropekit's "ernie" layout) and
-    ``"xdrope"`` (``alpha`` + ``xdrope_section``: NTK-alpha frequencies, chunked sections)."""
+    ``"xdrope"`` (``alpha`` + ``xdrope_section``: NTK-alpha frequencies, chunked sections). With yarn, the
+    ramp's length is original_max_position_embeddings * positions_factor, as in vLLM."""
     section = params.get("xdrope_section" if kind == "xdrope" else "mrope_section")
     if not isinstance(section, Sequence) or isinstance(section, str):
         key = "xdrope_section" if kind == "xdrope" else "mrope_section"
@@ -468,4 +475,9 @@ def multiaxis_config(
             keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale")
             keys += ("mscale_all_dim", "attention_factor", "truncate")
             scaling.update({"rope_type": "yarn", **{k: params[k] for k in keys if k in params}})
+            # vLLM's MRotaryEmbedding hands YaRN its enlarged cache length (original * positions_factor) as
+            # the length its ramp is measured against; Hugging Face's YaRN uses the original length.
+            original = params.get("original_max_position_embeddings")
+            if isinstance(original, int) and not isinstance(original, bool):
+                scaling["original_max_position_embeddings"] = original * positions_factor
     return RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=not is_neox_style, scaling=scaling)
