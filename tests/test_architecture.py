@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ropekit.module",
             "ropekit.multiaxis",
             "ropekit.rope_index",
+            "ropekit.rope_index_omni",
+            "ropekit.shared_kv",
             "ropekit.sinusoidal",
             "ropekit.convert",
         ),

@@ -257,7 +257,7 @@ def test_get_rope_reads_one_form_and_an_int_in_third_place_is_a_value_error():
     for legacy in (1, 256):
         with pytest.raises(ValueError, match=rf"^is_neox_style: expected a bool, got {legacy} \(the third"):
             get_rope(64, 256, legacy, params)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"^is_neox_style: expected a bool, got 2048"):
         get_rope(80, 32, 2048, 5000.0, False, None, torch.float32)  # the old 7-argument form
     with pytest.raises(TypeError):
         get_rope(80, 2048, rotary_dim=32)
