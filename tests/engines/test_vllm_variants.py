@@ -21,11 +21,11 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-vllm_rope = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
-vllm_config = pytest.importorskip("vllm.config")
+import vllm.config as vllm_config
+import vllm.model_executor.layers.rotary_embedding as vllm_rope
 
-from ropekit import reference as ref  # noqa: E402
-from ropekit.compat import vllm as rk  # noqa: E402
+from ropekit import reference as ref
+from ropekit.compat import vllm as rk
 
 pytestmark = pytest.mark.engine
 
