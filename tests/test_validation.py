@@ -456,8 +456,8 @@ def test_views_of_one_packed_buffer_are_not_mistaken_for_shared_memory():
     same_strides=st.booleans(),
 )
 def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed, starts, steps, same_strides):
-    """validation._share_elements against the brute force: mark one view's elements, look for the other's."""
-    from ropekit.validation import _share_elements
+    """validation.shares_memory against the brute force: mark one view's elements, look for the other's."""
+    from ropekit.validation import shares_memory
 
     base = torch.zeros(4000)
     g = torch.Generator().manual_seed(perm_seed)
@@ -477,7 +477,7 @@ def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed,
     marks = torch.zeros(4000, dtype=torch.bool)
     marks.as_strided(shape, strides, starts[0]).fill_(True)
     want = bool(marks.as_strided(shape, other, starts[1]).any())
-    assert _share_elements(a, b) == want
+    assert shares_memory(a, b) == want
 
 
 def _meta(*shape, dtype=torch.float32):
@@ -515,12 +515,12 @@ def test_a_meta_argument_for_an_input_with_values_is_a_value_error_naming_it(cas
 def test_q_and_k_slices_of_one_packed_qkv_buffer_do_not_share_memory(q_heads, k_heads):
     """Views with the same strides but different head counts (GQA q and k of a packed projection): the offset
     between them must be solved with each view's own index range (a wrong sign flagged these as shared)."""
-    from ropekit.validation import _share_elements
+    from ropekit.validation import shares_memory
 
     head_dim = 16
     qkv = torch.zeros(5, (q_heads + 2 * k_heads) * head_dim)
     q = qkv[:, : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
     k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].unflatten(-1, (k_heads, head_dim))
-    assert not _share_elements(q, k) and not _share_elements(k, q)
+    assert not shares_memory(q, k) and not shares_memory(k, q)
     wider = qkv[:, : (q_heads + 1) * head_dim].unflatten(-1, (q_heads + 1, head_dim))  # reaches k's head 0
-    assert _share_elements(wider, k) and _share_elements(k, wider)
+    assert shares_memory(wider, k) and shares_memory(k, wider)

@@ -110,7 +110,7 @@ def test_cpu_op_in_place_on_an_expanded_tensor_is_the_value_error_pytorch_users_
 
 def test_cpu_op_in_place_on_q_and_k_sharing_memory_is_a_value_error():
     x = Q.clone()
-    with pytest.raises(ValueError, match=r"k_out: inplace=True writes q_out and k_out, which share memory"):
+    with pytest.raises(ValueError, match=r"k: inplace=True writes q and k, which share memory"):
         torch.ops.ropekit.cpu_rotary_(x, x, COS, SIN, None, False, False)
     assert torch.equal(x, Q)
 
