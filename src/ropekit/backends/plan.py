@@ -107,6 +107,9 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
     if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):
         return None
     if plan.spans is not None:  # in place: the memory rule, from this call's addresses (docs/safety.md)
+        inference = q.is_inference() or (k is not None and k.is_inference())
+        if inference and not torch.is_inference_mode_enabled():
+            return None  # PyTorch refuses this write: the checked path raises as it would, writing nothing
         q_span, k_span, cos_span, sin_span = plan.spans
         q_lo, cos_lo, sin_lo = q.data_ptr(), cos.data_ptr(), sin.data_ptr()
         if (cos_lo <= q_lo + q_span and q_lo <= cos_lo + cos_span) or (
