@@ -137,7 +137,7 @@ def apply_rotary_qk_and_cache(
         check_writable("q", q)
         for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
             check_disjoint("q", q, name, t)
-    name = select(backend, q4, cos)
+    name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
     sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
     q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
     plan = FusedLaunch(

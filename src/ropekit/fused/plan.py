@@ -19,7 +19,7 @@ import numbers
 import torch
 
 from ropekit.backends import select_backend
-from ropekit.backends.fused_launch import FP8_KINDS, FusedLaunch
+from ropekit.backends.fused_launch import FP8_KINDS, MAX_WIDTH, FusedLaunch
 from ropekit.validation import check_writable, describe, is_compiling
 
 __all__ = [
@@ -142,14 +142,22 @@ def check_slots(name: str, slots: object, shape: tuple[int, ...], device) -> tor
     return slots.reshape(-1).contiguous()
 
 
-def select(backend: str, x: torch.Tensor, cos: torch.Tensor) -> str:
+def select(backend: str, x: torch.Tensor, cos: torch.Tensor, widest: int = 0) -> str:
     """The backend name that runs a fused op on inputs like x: the dispatch's choice (it raises for an
-    explicit backend that cannot serve x), then whether that backend has a fused kernel here."""
+    explicit backend that cannot serve x), then whether that backend has a fused kernel here, for heads of
+    ``widest`` features (the C loop and the Triton kernel serve up to MAX_WIDTH; "auto" then takes torch)."""
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     name = select_backend(backend, x, cos).name
     if name not in FUSED_BACKENDS:
         raise ValueError(f"backend: {name!r} has no fused serving kernel (use 'torch', 'cpu' or 'triton')")
+    if name != "torch" and widest > MAX_WIDTH:
+        if backend == "auto":
+            return "torch"
+        raise ValueError(
+            f"backend: {name!r} serves heads of up to {MAX_WIDTH} features, got a head of {widest}; use "
+            f"backend='torch' (or 'auto', which takes it for such heads)"
+        )
     if name == "cpu":
         from ropekit.backends import fused_cpu
 

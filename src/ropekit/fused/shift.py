@@ -75,7 +75,7 @@ def shift_cache_(
         flat_slots = check_slots("slots", slots, (n,), k_cache.device)
     else:
         n, flat_slots = num_slots, None
-    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos)
+    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos, widest=width)
     # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
     half = cos.shape[1]
     if cos.device != k_cache.device:
