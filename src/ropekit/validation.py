@@ -286,7 +286,8 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...]) -> None:
         written: (name, tensor) for each tensor written (an output, an input rotated in place, a cache).
         read: (name, tensor) for each tensor read (tables, sources, weights, scales, positions, slots). A
             tensor rotated in place is read as its own source: list it in both under one name, and that one
-            pair (the same elements, same layout) is allowed. None entries are skipped.
+            pair (the same elements, same layout) is allowed. Entries that are not tensors (None, a float
+            scale) are skipped.
 
     Decided from where the elements lie in memory (data pointers, strides, element sizes), never from which
     storage object holds them: two ``torch.from_numpy`` of one array are two storages over one memory. Each
@@ -298,13 +299,13 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...]) -> None:
     """
     compiling = is_compiling()
     for i, (w_name, w) in enumerate(written):
-        if w is None:
+        if not isinstance(w, torch.Tensor):
             continue
         for r_name, r in written[i + 1 :]:
-            if r is not None and ((r is w) if compiling else shares_memory(w, r)):
+            if isinstance(r, torch.Tensor) and ((r is w) if compiling else shares_memory(w, r)):
                 check_disjoint(w_name, w, r_name, r)  # raises, in its own words
         for r_name, r in read:
-            if r is None or (r_name == w_name and (compiling or _same_elements(w, r))):
+            if not isinstance(r, torch.Tensor) or (r_name == w_name and (compiling or _same_elements(w, r))):
                 continue
             if (r is w) if compiling else shares_memory(w, r):
                 raise ValueError(

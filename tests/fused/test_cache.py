@@ -102,7 +102,7 @@ def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
     qk = torch.randn(3, 2, 8)
     before = qk.clone()
     cache = torch.zeros(4, 2, 8)
-    with pytest.raises(ValueError, match="k: inplace=True writes q and k"):
+    with pytest.raises(ValueError, match="q: it is written and shares memory with k, which the call reads"):
         ropekit.apply_rotary_qk_and_cache(
             qk, qk, torch.randn(3, 2, 8), cos, sin, k_cache=cache, v_cache=cache.clone(),
             slot_mapping=torch.arange(3), cache_layout="flat", positions=torch.arange(3), inplace=True,

@@ -36,7 +36,16 @@ from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
 from ropekit.backends.qk_norm_cpu import launch as cpu_launch
 from ropekit.positions import resolve
-from ropekit.validation import check_bool, check_int, check_positive, check_tables, check_writable, describe
+from ropekit.validation import (
+    check_bool,
+    check_in_place_allowed,
+    check_int,
+    check_no_alias,
+    check_positive,
+    check_tables,
+    check_writable,
+    describe,
+)
 
 __all__ = ["qk_norm_rotary_", "rms_norm"]
 
@@ -273,7 +282,13 @@ def qk_norm_rotary_(
             "qkv: a leaf tensor that requires grad cannot be modified in place; pass qkv.clone() (the output "
             "of the qkv projection is not a leaf)"
         )
+    check_in_place_allowed("qkv", qkv)  # a view of such a leaf, an inference tensor outside inference mode
     check_writable("qkv", qkv)
+    check_no_alias(  # the memory rule: qkv is rotated in place of itself; what it reads stays apart
+        (("qkv", qkv),),
+        (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin),
+         ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)),
+    )  # fmt: skip
     if cos.device != qkv.device:
         cos, sin = cos.to(qkv.device), sin.to(qkv.device)
 
