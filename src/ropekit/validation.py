@@ -260,25 +260,28 @@ def check_in_place_allowed(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+def check_disjoint(
+    name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, *, optional: bool = True
+) -> None:
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
     Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While
     torch.compile traces, storage identity is not traceable: only one tensor passed twice is caught then, and
-    the kernels' ops check the rest as the graph runs."""
+    the kernels' ops check the rest as the graph runs. optional=False: the writes are the call's purpose (a
+    cache), not an inplace=True the caller could turn off."""
     shared = (a is b) if is_compiling() else shares_memory(a, b)
     if shared:
+        verb, fix = ("inplace=True writes", " or inplace=False") if optional else ("the call writes", "")
         raise ValueError(
-            f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
-            f"{tuple(a.shape)} and {tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint "
-            f"tensors or inplace=False"
+            f"{name_b}: {verb} {name_a} and {name_b}, which share memory (shapes {tuple(a.shape)} and "
+            f"{tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint tensors{fix}"
         )
 
 
 Named = tuple[str, Any]  # (the argument's name, a tensor or None)
 
 
-def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...]) -> None:
+def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...], *, optional: bool = True) -> None:
     """The memory rule of every op (docs/safety.md): a tensor the op writes may share memory with no tensor
     it reads and no other tensor it writes, except when it is written exactly in place of its own source.
 
@@ -288,6 +291,8 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...]) -> None:
             tensor rotated in place is read as its own source: list it in both under one name, and that one
             pair (the same elements, same layout) is allowed. Entries that are not tensors (None, a float
             scale) are skipped.
+        optional: the writes come from an ``inplace=True`` the caller could turn off (the message says so);
+            False for writes that are the call's purpose (caches).
 
     Decided from where the elements lie in memory (data pointers, strides, element sizes), never from which
     storage object holds them: two ``torch.from_numpy`` of one array are two storages over one memory. Each
@@ -303,7 +308,7 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...]) -> None:
             continue
         for r_name, r in written[i + 1 :]:
             if isinstance(r, torch.Tensor) and ((r is w) if compiling else shares_memory(w, r)):
-                check_disjoint(w_name, w, r_name, r)  # raises, in its own words
+                check_disjoint(w_name, w, r_name, r, optional=optional)  # raises, in its own words
         for r_name, r in read:
             if not isinstance(r, torch.Tensor) or (r_name == w_name and (compiling or _same_elements(w, r))):
                 continue

@@ -149,7 +149,7 @@ def _check_memory(launch: FusedLaunch) -> None:
             in_place = ch.src is None or ch.src.data_ptr() == ch.dst.data_ptr()
             written.append((name if in_place else f"{name} destination", ch.dst))
             read += [(name, ch.dst if ch.src is None else ch.src), (f"{name} scale", ch.scale)]
-    check_no_alias(tuple(written), tuple(read))
+    check_no_alias(tuple(written), tuple(read), optional=False)
 
 
 def _check_channel(name: str, ch: Channel, launch: FusedLaunch, device, dtype) -> None:

@@ -151,6 +151,7 @@ def apply_rotary_qk_and_cache(
         (("q", None if cache_only else q), ("k", k), ("v", v), ("cos", cos), ("sin", sin),
          ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens),
          ("slot_mapping", slot_mapping), ("k_scale", k_scale), ("v_scale", v_scale)),
+        optional=False,
     )  # fmt: skip
     name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
     sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]

@@ -129,7 +129,7 @@ def check_scale(name: str, scale: object, heads: int, device: torch.device) -> t
 
 
 def check_slots(name: str, slots: object, shape: tuple[int, ...], device) -> torch.Tensor:
-    """slot_mapping: an int64 tensor of the given shape on device, no slot twice; returned flat and contiguous.
+    """slot_mapping: an int64 tensor of the given shape on device, no slot twice; returned flat, contiguous.
 
     Its range (each -1 or in [0, num_slots)) is checked once, by whichever launcher runs: the C loop and the
     torch reference on the host before any write, Triton on the host (interpreter) or the device. Distinct
@@ -163,8 +163,8 @@ def check_distinct_slots(name: str, flat: torch.Tensor) -> None:
         slot = int(ordered[1:][repeated][0])
         first, second = (flat == slot).nonzero().flatten()[:2].tolist()
         raise ValueError(
-            f"{name}: slot {slot} is given twice (tokens {first} and {second}); expected distinct slots (-1, a "
-            f"skipped token, may repeat): two writes to one slot race on a parallel backend"
+            f"{name}: slot {slot} is given twice (tokens {first} and {second}); expected distinct slots (-1, "
+            f"a skipped token, may repeat): two writes to one slot race on a parallel backend"
         )
 
 

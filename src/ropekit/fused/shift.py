@@ -77,7 +77,8 @@ def shift_cache_(
     else:
         n, flat_slots = num_slots, None
     # The memory rule: the cache is rotated in place of itself; the tables and slots it reads stay apart.
-    check_no_alias((("k_cache", k_cache),), (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots)))
+    reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))
+    check_no_alias((("k_cache", k_cache),), reads, optional=False)
     name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos, widest=width)
     # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
     half = cos.shape[1]
