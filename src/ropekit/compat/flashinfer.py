@@ -24,7 +24,7 @@ import torch
 
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8
-from ropekit.validation import check_bool, check_int, describe
+from ropekit.validation import check_bool, check_int, check_no_alias, describe
 
 __all__ = [
     "apply_rope_with_cos_sin_cache",
@@ -71,15 +71,22 @@ def _with_heads(name: str, t: object, mla: bool) -> torch.Tensor:
     return t.unsqueeze(1) if mla else t
 
 
-def _store(out: torch.Tensor | None, value: torch.Tensor, name: str) -> torch.Tensor:
-    """Copy value into a caller's preallocated output (FlashInfer's *_out), or return value."""
-    if out is None:
-        return value
-    if not isinstance(out, torch.Tensor) or out.shape != value.shape or out.dtype != value.dtype:
-        raise ValueError(
-            f"{name}: expected a {value.dtype} tensor of shape {tuple(value.shape)}, got {describe(out)}"
-        )
-    return out.copy_(value)
+def _check_outs(outs, values, names) -> None:
+    """Each given preallocated output (FlashInfer's *_out) has its value's shape and dtype."""
+    for out, value, name in zip(outs, values, names, strict=True):
+        if out is not None and (
+            not isinstance(out, torch.Tensor) or out.shape != value.shape or out.dtype != value.dtype
+        ):
+            raise ValueError(
+                f"{name}: expected a {value.dtype} tensor of shape {tuple(value.shape)}, got {describe(out)}"
+            )
+
+
+def _store(outs, values, names) -> tuple[torch.Tensor, ...]:
+    """Copy each value into the caller's preallocated output, or return the value. Every output is checked
+    before the first is written, so a bad one leaves them all as they were."""
+    _check_outs(outs, values, names)
+    return tuple(v if o is None else o.copy_(v) for o, v in zip(outs, values, strict=True))
 
 
 def rope_quantize_fp8(
@@ -131,6 +138,15 @@ def rope_quantize_fp8(
         k_nope = _with_heads("k_nope", k_nope, mla)
     if not isinstance(pos_ids, torch.Tensor):
         raise ValueError(f"pos_ids: expected an integer tensor (nnz,), got {describe(pos_ids)}")
+    names = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
+    given = (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
+    # The memory rule: the outputs share memory with no input and no other output.
+    check_no_alias(
+        tuple(zip(names, given, strict=True)),
+        (("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
+         ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids)),
+        optional=False,
+    )  # fmt: skip
     outs = apply_rotary_qk_fp8(
         q_rope, k, cos, sin, q_scale=_scale("quant_scale_q", quant_scale_q),
         k_scale=_scale("quant_scale_kv", quant_scale_kv), fp8_dtype=dtype, q_nope=q_nope, k_nope=k_nope,
@@ -138,9 +154,7 @@ def rope_quantize_fp8(
     )  # fmt: skip
     if mla:  # back to FlashInfer's 2-D MLA keys
         outs = (outs[0], outs[1][:, 0], outs[2], outs[3][:, 0])
-    names = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
-    given = (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
-    return tuple(_store(o, v, n) for o, v, n in zip(given, outs, names, strict=True))
+    return _store(given, outs, names)
 
 
 def mla_rope_quantize_fp8(
@@ -245,10 +259,22 @@ def rope_quantize_fp8_append_paged_kv_cache(
         raise ValueError(f"v: expected None for MLA (k_nope is the compressed kv), got {describe(v)}")
     if not mla and v is None:
         raise ValueError("v: expected a (nnz, num_kv_heads, head_dim) tensor for GQA / MHA, got None")
+    # Nothing of the caller's is written until every check has passed: q is quantised into new tensors, the
+    # cache write checks its own arguments before it writes, and q's outputs are filled last.
+    check_no_alias(
+        (("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out), ("paged_kv_cache[0]", cache_0),
+         ("paged_kv_cache[1]", cache_1)),
+        (("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope), ("v", v),
+         ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids), ("kv_indices", kv_indices),
+         ("kv_indptr", kv_indptr), ("batch_indices", batch_indices), ("positions", positions)),
+        optional=False,
+    )  # fmt: skip
     q_rope_8, _, q_nope_8, _ = rope_quantize_fp8(
         q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, dtype, quant_scale_q, quant_scale_kv,
-        q_rope_out, None, q_nope_out, None, enable_pdl, backend=backend,
+        None, None, None, None, enable_pdl, backend=backend,
     )  # fmt: skip
+    q_outs, q_values, q_names = (q_rope_out, q_nope_out), (q_rope_8, q_nope_8), ("q_rope_out", "q_nope_out")
+    _check_outs(q_outs, q_values, q_names)
     cos, sin = _tables(cos_sin_cache)
     scale = _scale("quant_scale_kv", quant_scale_kv)
     common = dict(
@@ -266,7 +292,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
             None, k_rope[:, None], k_nope[:, None], cos, sin, k_cache=kpe_cache[:, :, None],
             v_cache=ckv_cache[:, :, None], cache_layout="nhd", **common,
         )  # fmt: skip
-        return q_rope_8, q_nope_8
+        return _store(q_outs, q_values, q_names)
     k_full = k_rope if k_nope is None or k_nope.shape[-1] == 0 else torch.cat([k_rope, k_nope], dim=-1)
     apply_rotary_qk_and_cache(
         None,
@@ -279,4 +305,4 @@ def rope_quantize_fp8_append_paged_kv_cache(
         cache_layout=_LAYOUTS[kv_layout],
         **common,
     )
-    return q_rope_8, q_nope_8
+    return _store(q_outs, q_values, q_names)
