@@ -302,23 +302,48 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...], *, optio
     Raises:
         ValueError: naming the written tensor and the one it shares memory with.
     """
-    compiling = is_compiling()
+    if is_compiling():  # only a tensor passed twice is visible to a trace
+        for i, (w_name, w) in enumerate(written):
+            for r_name, r in (*written[i + 1 :], *read):
+                if r is w and isinstance(w, torch.Tensor) and r_name != w_name:
+                    _refuse(w_name, w, r_name, r, optional, written=(r_name, r) in written)
+        return
+    spans = {id(t): _span(t) for _, t in (*written, *read) if isinstance(t, torch.Tensor)}
     for i, (w_name, w) in enumerate(written):
-        if not isinstance(w, torch.Tensor):
+        w_span = spans.get(id(w))
+        if w_span is None:
             continue
-        for r_name, r in written[i + 1 :]:
-            if isinstance(r, torch.Tensor) and ((r is w) if compiling else shares_memory(w, r)):
-                check_disjoint(w_name, w, r_name, r, optional=optional)  # raises, in its own words
-        for r_name, r in read:
-            if not isinstance(r, torch.Tensor) or (r_name == w_name and (compiling or _same_elements(w, r))):
-                continue
-            if (r is w) if compiling else shares_memory(w, r):
-                raise ValueError(
-                    f"{w_name}: it is written and shares memory with {r_name}, which the call reads "
-                    f"({w_name} {tuple(w.shape)} with strides {w.stride()}, {r_name} {tuple(r.shape)} with "
-                    f"strides {r.stride()}); a written tensor may overlap only itself, written in place: "
-                    f"pass {r_name}.clone() or a separate {w_name}"
-                )
+        for j, (r_name, r) in enumerate((*written[i + 1 :], *read)):
+            r_span = spans.get(id(r))
+            if r_span is None or r_span[0] != w_span[0] or r_span[2] < w_span[1] or w_span[2] < r_span[1]:
+                continue  # no memory, another device, or separate byte ranges: the common case
+            is_written = j < len(written) - i - 1
+            if not is_written and r_name == w_name and _same_elements(w, r):
+                continue  # written exactly in place of its own source
+            if shares_memory(w, r):
+                _refuse(w_name, w, r_name, r, optional, written=is_written)
+
+
+def _refuse(w_name, w, r_name, r, optional: bool, *, written: bool) -> None:
+    if written:
+        check_disjoint(w_name, w, r_name, r, optional=optional)  # raises, in its own words
+    raise ValueError(
+        f"{w_name}: it is written and shares memory with {r_name}, which the call reads ({w_name} "
+        f"{tuple(w.shape)} with strides {w.stride()}, {r_name} {tuple(r.shape)} with strides {r.stride()}); "
+        f"a written tensor may overlap only itself, written in place: pass {r_name}.clone() or a separate "
+        f"{w_name}"
+    )
+
+
+def _span(t: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """(device, first byte, last byte) of t's elements; None when t has no memory (meta, empty)."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    first, last = t.data_ptr(), 0
+    for n, s in zip(t.shape, t.stride(), strict=True):  # byte_extent, inlined: this runs for every tensor
+        last += (n - 1) * s
+    size = t.element_size()
+    return t.device, first, first + last * size + size - 1
 
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -371,8 +396,11 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def byte_extent(t: torch.Tensor) -> int:
     """Bytes from t's first byte to its last (strides are never negative in torch): t's elements lie in
     ``[t.data_ptr(), t.data_ptr() + byte_extent(t)]``."""
+    last = 0
+    for n, s in zip(t.shape, t.stride(), strict=True):  # a loop, not sum(generator): a frame fewer per call
+        last += (n - 1) * s
     size = t.element_size()
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) * size + size - 1
+    return last * size + size - 1
 
 
 def _solve(residual: int, ranges: list[tuple[int, int, int]], budget: list[int]) -> bool | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 from ropekit.backends import select_backend
@@ -154,12 +155,14 @@ def check_distinct_slots(name: str, flat: torch.Tensor) -> None:
     (a device-side assert, no host sync). Checked before anything is written."""
     if flat.numel() < 2:
         return
-    ordered = flat.sort().values  # (n,): equal slots are neighbours
-    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
     if flat.device.type != "cpu" or is_compiling():
+        ordered = flat.sort().values  # (n,): equal slots are neighbours
+        repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
         torch._assert_async(~repeated.any(), f"ropekit: {name} holds a slot twice (slots must be distinct)")
         return
-    if bool(repeated.any()):
+    ordered = np.sort(flat.numpy())  # the host's data, no copy; NumPy costs less per call than torch here
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    if repeated.any():
         slot = int(ordered[1:][repeated][0])
         first, second = (flat == slot).nonzero().flatten()[:2].tolist()
         raise ValueError(
