@@ -304,9 +304,9 @@ def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...], *, optio
     """
     if is_compiling():  # only a tensor passed twice is visible to a trace
         for i, (w_name, w) in enumerate(written):
-            for r_name, r in (*written[i + 1 :], *read):
+            for j, (r_name, r) in enumerate((*written[i + 1 :], *read)):
                 if r is w and isinstance(w, torch.Tensor) and r_name != w_name:
-                    _refuse(w_name, w, r_name, r, optional, written=(r_name, r) in written)
+                    _refuse(w_name, w, r_name, r, optional, written=j < len(written) - i - 1)
         return
     spans = {id(t): _span(t) for _, t in (*written, *read) if isinstance(t, torch.Tensor)}
     for i, (w_name, w) in enumerate(written):
