@@ -37,15 +37,16 @@ MAX_PLANS = 256
 class Plan(NamedTuple):
     """One key's launch. ``last_offset``: the largest int offset whose rows fit the table (table_len - S).
     For per-sequence offsets ``last_offset`` is unused: the kernel checks each row.
-    ``spans``: in place, the bytes from the first to the last byte of q, k (0 without k), cos and sin, which
-    the key fixes; each call compares the byte ranges its pointers give. ``shared``: for in-place q and k
+    ``spans``: in place, the bytes from the first to the last byte of q, k (0 without k), cos, sin and the
+    per-sequence offsets (-1 for an int offset), which the key fixes; each call compares the byte ranges its
+    pointers give. ``shared``: for in-place q and k
     whose ranges meet, whether they share an element, per byte distance k - q: the key fixes both layouts,
     so the answer (decided from addresses, :func:`~ropekit.validation.shares_memory`) is a function of the
     distance alone, whichever storages the tensors belong to."""
 
     run: Run
     last_offset: int
-    spans: tuple[int, int, int, int] | None
+    spans: tuple[int, int, int, int, int] | None
     shared: dict[int, bool]
 
 
@@ -110,12 +111,18 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
         inference = q.is_inference() or (k is not None and k.is_inference())
         if inference and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path raises as it would, writing nothing
-        q_span, k_span, cos_span, sin_span = plan.spans
+        q_span, k_span, cos_span, sin_span, offsets_span = plan.spans
         q_lo, cos_lo, sin_lo = q.data_ptr(), cos.data_ptr(), sin.data_ptr()
         if (cos_lo <= q_lo + q_span and q_lo <= cos_lo + cos_span) or (
             sin_lo <= q_lo + q_span and q_lo <= sin_lo + sin_span
         ):
             return None  # q's bytes meet a table's: the checked path decides, and raises
+        if offsets_span >= 0:  # per-sequence offsets, read by the kernel as it writes
+            off_lo = offset.data_ptr()
+            if (off_lo <= q_lo + q_span and q_lo <= off_lo + offsets_span) or (
+                k is not None and off_lo <= k.data_ptr() + k_span and k.data_ptr() <= off_lo + offsets_span
+            ):
+                return None
         if k is not None:
             k_lo = k.data_ptr()
             if (cos_lo <= k_lo + k_span and k_lo <= cos_lo + cos_span) or (
@@ -189,7 +196,8 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
                 offset=offset,
             )
 
-    spans = (_span(q), _span(k), _span(cos), _span(sin)) if inplace else None
+    offsets_span = byte_extent(offset) if per_sequence and offset.numel() else -1  # -1: no bytes to meet
+    spans = (_span(q), _span(k), _span(cos), _span(sin), offsets_span) if inplace else None
     _keep(key, Plan(run, cos.shape[0] - q.shape[1], spans, {}))
 
 
