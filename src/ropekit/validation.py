@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ropekit.dtensor_inputs import local
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "InPlaceError",
@@ -198,12 +200,13 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
     return rotary_dim
 
 
-def check_movable(name: str, t: Any, device: torch.device) -> None:
-    """t (if a tensor) can be moved to device: a meta tensor has no values to copy anywhere but meta. PyTorch
-    would raise NotImplementedError ("Cannot copy out of meta tensor") from inside the call."""
+def check_movable(name: str, t: Any, device: torch.device, *, where: str = "x's device") -> None:
+    """t (if a tensor) can be moved to device (``where`` says whose it is, for the message): a meta tensor
+    has no values to copy anywhere but meta. PyTorch would raise NotImplementedError ("Cannot copy out of
+    meta tensor") from inside the call."""
     if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
         raise ValueError(
-            f"{name}: expected a tensor with values, on x's device {device}, got a meta tensor (shape "
+            f"{name}: expected a tensor with values, on {where} {device}, got a meta tensor (shape "
             f"{tuple(t.shape)}: no data); build it on {device}, or fill it after to_empty()"
         )
 
@@ -211,6 +214,7 @@ def check_movable(name: str, t: Any, device: torch.device) -> None:
 def check_writable(name: str, x: torch.Tensor) -> None:
     """x is written in place: no two of its elements may share memory (an expanded or stride-0 view would be
     rotated once per alias). The same rule, in nearly the same words, as PyTorch's ``add_`` on such a view."""
+    x = local(x)  # a DTensor: the shard this rank writes
     if is_compiling():  # torch's overlap query is not traceable: catch the common case, a stride-0 axis
         overlapping = any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride(), strict=True))
     else:  # 1: provably overlapping; 2: too hard to tell (as torch, which refuses 1 only)
@@ -237,7 +241,7 @@ def check_in_place_allowed(name: str, t: torch.Tensor) -> None:
         InPlaceError: naming t and what PyTorch would say.
     """
     compiling = is_compiling()  # views and inference tensors are not traced as such: PyTorch checks the graph
-    if not compiling and t.is_inference() and not torch.is_inference_mode_enabled():
+    if not compiling and local(t).is_inference() and not torch.is_inference_mode_enabled():
         raise InPlaceError(
             f"{name}: an inference tensor (made under torch.inference_mode()) cannot be written in place "
             f"outside inference mode, as PyTorch refuses any in-place op on it; write it inside "
@@ -337,6 +341,8 @@ def _refuse(w_name, w, r_name, r, optional: bool, *, written: bool) -> None:
 
 def _span(t: torch.Tensor) -> tuple[torch.device, int, int] | None:
     """(device, first byte, last byte) of t's elements; None when t has no memory (meta, empty)."""
+    if type(t) is not torch.Tensor:
+        t = local(t)  # a DTensor: the shard this rank holds
     if t.is_meta or t.numel() == 0:
         return None
     first, last = t.data_ptr(), 0
@@ -348,7 +354,10 @@ def _span(t: torch.Tensor) -> tuple[torch.device, int, int] | None:
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """a and b are the same elements laid out the same way (a tensor and its own view as itself)."""
-    return a is b or (
+    if a is b:
+        return True
+    a, b = local(a), local(b)
+    return (
         a.data_ptr() == b.data_ptr()
         and a.dtype == b.dtype
         and a.shape == b.shape
@@ -371,6 +380,8 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     Decided from addresses alone: each tensor's first byte (``data_ptr``), its strides and its element size.
     Separate byte ranges (the common case) answer at once; tensors whose ranges meet (views of one buffer,
     or two storages over one memory) are solved exactly."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+        a, b = local(a), local(b)  # a DTensor: the shard this rank holds
     if a.is_meta or b.is_meta or a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False  # meta tensors have no memory; each device has its own
     a_lo, b_lo = a.data_ptr(), b.data_ptr()

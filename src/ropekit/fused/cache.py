@@ -16,6 +16,7 @@ from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
+    check_movable,
     check_no_alias,
     check_tables,
     check_writable,
@@ -118,6 +119,8 @@ def apply_rotary_qk_and_cache(
     if v4.shape[2] != k_heads:
         raise ValueError(f"v: expected k's {k_heads} heads, got shape {tuple(v.shape)}")
     check_tables(cos, sin, head_dim)
+    check_movable("cos", cos, q.device, where="q's device")
+    check_movable("sin", sin, q.device, where="q's device")
     if cos.device != q.device:
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])

@@ -40,6 +40,7 @@ from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
     check_int,
+    check_movable,
     check_no_alias,
     check_positive,
     check_tables,
@@ -259,6 +260,8 @@ def qk_norm_rotary_(
         check_bool("cast_before_weight", cast_before_weight), check_bool("interleaved", interleaved),
     )  # fmt: skip
     check_tables(cos, sin, head_dim)
+    check_movable("cos", cos, qkv.device, where="qkv's device")
+    check_movable("sin", sin, qkv.device, where="qkv's device")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError(
             "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"
