@@ -13,6 +13,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from boundary_checks import (
+    check_inference_tensor_is_refused_before_writing,
+    check_table_aliasing_the_input_is_refused,
+    check_view_of_a_leaf_is_refused_before_writing,
+)
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit import reference as ref
 
@@ -382,3 +387,19 @@ def test_a_meta_tensor_beside_a_cpu_x_is_a_value_error_naming_it(meta):
         ValueError, match=rf"^{name}: expected a tensor with values, on x's device cpu, got a meta"
     ):
         calls[meta]()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_in_place_with_a_table_that_aliases_the_input_is_a_value_error(backend):
+    """Issue 24, repro 1 (the cpu backend was off by 6.3): see boundary_checks."""
+    check_table_aliasing_the_input_is_refused(backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises_before_writing(backend):
+    check_view_of_a_leaf_is_refused_before_writing(backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
+def test_in_place_on_an_inference_tensor_outside_inference_mode_raises_before_writing(backend):
+    check_inference_tensor_is_refused_before_writing(backend)

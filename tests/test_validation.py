@@ -456,8 +456,8 @@ def test_views_of_one_packed_buffer_are_not_mistaken_for_shared_memory():
     same_strides=st.booleans(),
 )
 def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed, starts, steps, same_strides):
-    """validation._share_elements against the brute force: mark one view's elements, look for the other's."""
-    from ropekit.validation import _share_elements
+    """validation.shares_memory against the brute force: mark one view's elements, look for the other's."""
+    from ropekit.validation import shares_memory
 
     base = torch.zeros(4000)
     g = torch.Generator().manual_seed(perm_seed)
@@ -477,7 +477,7 @@ def test_shared_memory_check_agrees_with_marking_every_element(shape, perm_seed,
     marks = torch.zeros(4000, dtype=torch.bool)
     marks.as_strided(shape, strides, starts[0]).fill_(True)
     want = bool(marks.as_strided(shape, other, starts[1]).any())
-    assert _share_elements(a, b) == want
+    assert shares_memory(a, b) == want
 
 
 def _meta(*shape, dtype=torch.float32):
@@ -515,12 +515,52 @@ def test_a_meta_argument_for_an_input_with_values_is_a_value_error_naming_it(cas
 def test_q_and_k_slices_of_one_packed_qkv_buffer_do_not_share_memory(q_heads, k_heads):
     """Views with the same strides but different head counts (GQA q and k of a packed projection): the offset
     between them must be solved with each view's own index range (a wrong sign flagged these as shared)."""
-    from ropekit.validation import _share_elements
+    from ropekit.validation import shares_memory
 
     head_dim = 16
     qkv = torch.zeros(5, (q_heads + 2 * k_heads) * head_dim)
     q = qkv[:, : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
     k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].unflatten(-1, (k_heads, head_dim))
-    assert not _share_elements(q, k) and not _share_elements(k, q)
+    assert not shares_memory(q, k) and not shares_memory(k, q)
     wider = qkv[:, : (q_heads + 1) * head_dim].unflatten(-1, (q_heads + 1, head_dim))  # reaches k's head 0
-    assert _share_elements(wider, k) and _share_elements(k, wider)
+    assert shares_memory(wider, k) and shares_memory(k, wider)
+
+
+def test_two_storages_over_one_memory_are_one_memory():
+    """Issue 24, repro 7: two torch.from_numpy of one array are two storage objects; the overlap is decided
+    from addresses, so they share memory where their elements meet, and not where they do not."""
+    from ropekit.validation import shares_memory
+
+    memory = np.zeros(64, dtype=np.float32)
+    a, b = torch.from_numpy(memory), torch.from_numpy(memory[8:])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert shares_memory(a[:16], b[:4]) and shares_memory(b[:4], a[:16])
+    assert not shares_memory(a[:8], b[:4])  # a's first 8 floats end where b begins
+    assert shares_memory(a[::2][4:8], b[::2][:2])  # strided views of the two storages meet at float 8
+
+
+def test_tensors_of_different_dtypes_share_memory_by_bytes():
+    """A float32 table read as bytes or as float16 halves overlaps the bytes it occupies, and only those."""
+    from ropekit.validation import shares_memory
+
+    x = torch.zeros(4, 8)
+    raw = x.view(torch.uint8)  # (4, 32)
+    assert shares_memory(x[1], raw[1, 3:4]) and not shares_memory(x[1], raw[2])
+    halves = x.view(torch.float16)  # (4, 16)
+    assert shares_memory(x[:, 0], halves[:, 1]) and not shares_memory(x[:, 0], halves[:, 2])
+    assert not shares_memory(x, torch.zeros(4, 8)) and not shares_memory(x, x.to("meta"))
+
+
+def test_check_no_alias_allows_only_a_write_in_place_of_its_own_source():
+    from ropekit.validation import check_no_alias
+
+    x, table = torch.randn(2, 3, 4, 16), torch.randn(8, 8)
+    check_no_alias((("x", x),), (("x", x), ("cos", table)))  # x over x: in place
+    check_no_alias((("x", x),), (("x", x.view(2, 3, 4, 16)), ("cos", table)))  # the same elements, a new view
+    with pytest.raises(ValueError, match=r"x: it is written and shares memory with x_source"):
+        check_no_alias((("x", x),), (("x_source", x),))  # the same memory under another argument's name
+    with pytest.raises(ValueError, match=r"x: it is written and shares memory with x"):
+        check_no_alias((("x", x[:, :, :2]),), (("x", x[:, :, 1:3]),))  # its own source, shifted
+    with pytest.raises(ValueError, match=r"b: the call writes a and b, which share memory"):
+        check_no_alias((("a", x), ("b", x[0])), (), optional=False)
+    check_no_alias((("x", x), ("k", None)), (("scale", 0.5), ("cos", None)))  # non-tensors are skipped

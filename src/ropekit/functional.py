@@ -33,8 +33,9 @@ from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
 from ropekit.validation import (
     check_bool,
-    check_disjoint,
+    check_in_place_allowed,
     check_movable,
+    check_no_alias,
     check_tables,
     check_writable,
     check_x,
@@ -224,7 +225,7 @@ def apply_resolved(
             )
         return _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse)
     if inplace:
-        _check_inplace(q, k)
+        _check_inplace(q, k, cos, sin, pos.tensor)
     table_cos = cos
     if cos.device != q.device:
         check_movable("cos", cos, q.device)
@@ -298,19 +299,17 @@ def _lift_dtensor(q, k, cos, sin, pos, impl):
     return cos, sin, rows, offset
 
 
-def _check_inplace(q: torch.Tensor, k: torch.Tensor | None) -> None:
-    """What PyTorch itself refuses for an in-place op, as ValueErrors naming the tensor."""
-    for name, t in (("q" if k is not None else "x", q), ("k", k)):
-        if t is None:
-            continue
-        if t.is_leaf and t.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                f"{name}: inplace=True on a leaf tensor that requires grad would overwrite the value "
-                f"autograd differentiates with respect to; pass {name}.clone() or inplace=False"
-            )
-        check_writable(name, t)
-    if k is not None:
-        check_disjoint("q", q, "k", k)
+def _check_inplace(q, k, cos, sin, rows) -> None:
+    """What PyTorch itself refuses for an in-place op, and the memory rule, as ValueErrors naming the
+    tensors, before anything is written."""
+    name = "q" if k is not None else "x"
+    for t_name, t in ((name, q), ("k", k)):
+        if t is not None:
+            check_in_place_allowed(t_name, t)
+            check_writable(t_name, t)
+    check_no_alias(
+        ((name, q), ("k", k)), ((name, q), ("k", k), ("cos", cos), ("sin", sin), ("positions", rows))
+    )
 
 
 def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse):

@@ -14,14 +14,18 @@ from ropekit.dtensor_inputs import local
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "InPlaceError",
+    "byte_extent",
     "check_base",
     "check_bool",
     "check_disjoint",
     "check_even",
     "check_fraction",
     "check_head_dim",
+    "check_in_place_allowed",
     "check_int",
     "check_movable",
+    "check_no_alias",
     "check_number",
     "check_positive",
     "check_rotary_dim",
@@ -31,6 +35,7 @@ __all__ = [
     "check_x",
     "describe",
     "is_compiling",
+    "shares_memory",
 ]
 
 
@@ -222,51 +227,191 @@ def check_writable(name: str, x: torch.Tensor) -> None:
         )
 
 
-def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+class InPlaceError(ValueError, RuntimeError):
+    """An in-place write PyTorch itself refuses (a leaf that requires grad, a view of one, an inference tensor
+    outside inference mode). A ValueError like every argument error of ropekit, and the RuntimeError PyTorch
+    raises for the same write, so code written for PyTorch's in-place ops catches it as it did."""
+
+
+def check_in_place_allowed(name: str, t: torch.Tensor) -> None:
+    """t is about to be written in place: refuse, before anything is written, what PyTorch's in-place ops
+    refuse (their checks run before the kernel; ropekit's kernels write through pointers, so it asks first).
+
+    Raises:
+        InPlaceError: naming t and what PyTorch would say.
+    """
+    compiling = is_compiling()  # views and inference tensors are not traced as such: PyTorch checks the graph
+    if not compiling and local(t).is_inference() and not torch.is_inference_mode_enabled():
+        raise InPlaceError(
+            f"{name}: an inference tensor (made under torch.inference_mode()) cannot be written in place "
+            f"outside inference mode, as PyTorch refuses any in-place op on it; write it inside "
+            f"torch.inference_mode(), or pass {name}.clone()"
+        )
+    if not t.requires_grad or not torch.is_grad_enabled():
+        return
+    if t.is_leaf:
+        raise InPlaceError(
+            f"{name}: inplace=True on a leaf tensor that requires grad would overwrite the value autograd "
+            f"differentiates with respect to; pass {name}.clone() or inplace=False"
+        )
+    if compiling:
+        return
+    base = t._base
+    if base is not None and base.is_leaf and base.requires_grad:
+        raise InPlaceError(
+            f"{name}: a view of a leaf tensor that requires grad cannot be written in place (PyTorch refuses "
+            f"it: the write would change the leaf); pass {name}.clone() or inplace=False"
+        )
+
+
+def check_disjoint(
+    name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, *, optional: bool = True
+) -> None:
     """a and b are both written in place: they must not share an element (e.g. q and k the same tensor).
 
     Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While
     torch.compile traces, storage identity is not traceable: only one tensor passed twice is caught then, and
-    the kernels' ops check the rest as the graph runs."""
-    shared = (a is b) if is_compiling() else _share_elements(local(a), local(b))
+    the kernels' ops check the rest as the graph runs. optional=False: the writes are the call's purpose (a
+    cache), not an inplace=True the caller could turn off."""
+    shared = (a is b) if is_compiling() else shares_memory(a, b)
     if shared:
+        verb, fix = ("inplace=True writes", " or inplace=False") if optional else ("the call writes", "")
         raise ValueError(
-            f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "
-            f"{tuple(a.shape)} and {tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint "
-            f"tensors or inplace=False"
+            f"{name_b}: {verb} {name_a} and {name_b}, which share memory (shapes {tuple(a.shape)} and "
+            f"{tuple(b.shape)}, strides {a.stride()} and {b.stride()}); pass disjoint tensors{fix}"
         )
 
 
-def _extent(x: torch.Tensor) -> tuple[int, int]:
-    """The [first, last] storage elements x can touch."""
-    start = x.storage_offset()
-    return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
+Named = tuple[str, Any]  # (the argument's name, a tensor or None)
 
 
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two strided tensors (each without internal overlap) address a common storage element."""
-    if a.is_meta or b.is_meta or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False  # the common case: separate allocations
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.dtype != b.dtype:
-        return False
-    (a_lo, a_hi), (b_lo, b_hi) = _extent(a), _extent(b)
+def check_no_alias(written: tuple[Named, ...], read: tuple[Named, ...], *, optional: bool = True) -> None:
+    """The memory rule of every op (docs/safety.md): a tensor the op writes may share memory with no tensor
+    it reads and no other tensor it writes, except when it is written exactly in place of its own source.
+
+    Args:
+        written: (name, tensor) for each tensor written (an output, an input rotated in place, a cache).
+        read: (name, tensor) for each tensor read (tables, sources, weights, scales, positions, slots). A
+            tensor rotated in place is read as its own source: list it in both under one name, and that one
+            pair (the same elements, same layout) is allowed. Entries that are not tensors (None, a float
+            scale) are skipped.
+        optional: the writes come from an ``inplace=True`` the caller could turn off (the message says so);
+            False for writes that are the call's purpose (caches).
+
+    Decided from where the elements lie in memory (data pointers, strides, element sizes), never from which
+    storage object holds them: two ``torch.from_numpy`` of one array are two storages over one memory. Each
+    call decides afresh. While torch.compile traces, memory is not traceable: only one tensor passed twice is
+    caught then (the kernels' ops check as the graph runs).
+
+    Raises:
+        ValueError: naming the written tensor and the one it shares memory with.
+    """
+    if is_compiling():  # only a tensor passed twice is visible to a trace
+        for i, (w_name, w) in enumerate(written):
+            for j, (r_name, r) in enumerate((*written[i + 1 :], *read)):
+                if r is w and isinstance(w, torch.Tensor) and r_name != w_name:
+                    _refuse(w_name, w, r_name, r, optional, written=j < len(written) - i - 1)
+        return
+    spans = {id(t): _span(t) for _, t in (*written, *read) if isinstance(t, torch.Tensor)}
+    for i, (w_name, w) in enumerate(written):
+        w_span = spans.get(id(w))
+        if w_span is None:
+            continue
+        for j, (r_name, r) in enumerate((*written[i + 1 :], *read)):
+            r_span = spans.get(id(r))
+            if r_span is None or r_span[0] != w_span[0] or r_span[2] < w_span[1] or w_span[2] < r_span[1]:
+                continue  # no memory, another device, or separate byte ranges: the common case
+            is_written = j < len(written) - i - 1
+            if not is_written and r_name == w_name and _same_elements(w, r):
+                continue  # written exactly in place of its own source
+            if shares_memory(w, r):
+                _refuse(w_name, w, r_name, r, optional, written=is_written)
+
+
+def _refuse(w_name, w, r_name, r, optional: bool, *, written: bool) -> None:
+    if written:
+        check_disjoint(w_name, w, r_name, r, optional=optional)  # raises, in its own words
+    raise ValueError(
+        f"{w_name}: it is written and shares memory with {r_name}, which the call reads ({w_name} "
+        f"{tuple(w.shape)} with strides {w.stride()}, {r_name} {tuple(r.shape)} with strides {r.stride()}); "
+        f"a written tensor may overlap only itself, written in place: pass {r_name}.clone() or a separate "
+        f"{w_name}"
+    )
+
+
+def _span(t: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """(device, first byte, last byte) of t's elements; None when t has no memory (meta, empty)."""
+    if type(t) is not torch.Tensor:
+        t = local(t)  # a DTensor: the shard this rank holds
+    if t.is_meta or t.numel() == 0:
+        return None
+    first, last = t.data_ptr(), 0
+    for n, s in zip(t.shape, t.stride(), strict=True):  # byte_extent, inlined: this runs for every tensor
+        last += (n - 1) * s
+    size = t.element_size()
+    return t.device, first, first + last * size + size - 1
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same elements laid out the same way (a tensor and its own view as itself)."""
+    if a is b:
+        return True
+    a, b = local(a), local(b)
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
+
+
+def _byte_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """t's elements as a lattice of bytes: (stride in bytes, count) per axis that moves (count > 1, stride >
+    0), plus the bytes of one element (stride 1); sorted by stride."""
+    size = t.element_size()
+    dims = [(s * size, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1 and s]
+    return sorted(dims + ([(1, size)] if size > 1 else []))
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors (each without internal overlap) touch a common byte of memory.
+
+    Decided from addresses alone: each tensor's first byte (``data_ptr``), its strides and its element size.
+    Separate byte ranges (the common case) answer at once; tensors whose ranges meet (views of one buffer,
+    or two storages over one memory) are solved exactly."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+        a, b = local(a), local(b)  # a DTensor: the shard this rank holds
+    if a.is_meta or b.is_meta or a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False  # meta tensors have no memory; each device has its own
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    a_hi, b_hi = a_lo + byte_extent(a), b_lo + byte_extent(b)
     if a_hi < b_lo or b_hi < a_lo:
-        return False
-    dims_a = sorted((s, n) for n, s in zip(a.shape, a.stride(), strict=True) if n > 1)
-    dims_b = sorted((s, n) for n, s in zip(b.shape, b.stride(), strict=True) if n > 1)
+        return False  # the common case: separate byte ranges
+    dims_a, dims_b = _byte_dims(a), _byte_dims(b)
     if [s for s, _ in dims_a] == [s for s, _ in dims_b]:
         # Same strides (views of one buffer): a's index i and b's index j meet where sum (i_d - j_d) s_d =
         # b_start - a_start, so c_d = i_d - j_d runs over -(nb_d - 1) .. na_d - 1. Solved exactly by a short
         # depth-first search, largest stride first.
         ranges = [(s, -(nb - 1), na - 1) for (s, na), (_, nb) in zip(dims_a, dims_b, strict=True)][::-1]
-        found = _solve(b.storage_offset() - a.storage_offset(), ranges, budget=[4096])
+        found = _solve(b_lo - a_lo, ranges, budget=[4096])
         if found is not None:
             return found
-    # Anything else: mark a's elements and look for one of b's (rare; costs one pass over the span).
+    # Anything else: mark a's bytes and look for one of b's (rare; costs one pass over the span).
     lo, hi = min(a_lo, b_lo), max(a_hi, b_hi)
     marks = torch.zeros(hi - lo + 1, dtype=torch.bool, device=a.device)
-    marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
-    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
+    marks.as_strided([n for _, n in dims_a], [s for s, _ in dims_a], a_lo - lo).fill_(True)
+    return bool(marks.as_strided([n for _, n in dims_b], [s for s, _ in dims_b], b_lo - lo).any())
+
+
+def byte_extent(t: torch.Tensor) -> int:
+    """Bytes from t's first byte to its last (strides are never negative in torch): t's elements lie in
+    ``[t.data_ptr(), t.data_ptr() + byte_extent(t)]``."""
+    last = 0
+    for n, s in zip(t.shape, t.stride(), strict=True):  # a loop, not sum(generator): a frame fewer per call
+        last += (n - 1) * s
+    size = t.element_size()
+    return last * size + size - 1
 
 
 def _solve(residual: int, ranges: list[tuple[int, int, int]], budget: list[int]) -> bool | None:

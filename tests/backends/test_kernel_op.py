@@ -110,7 +110,7 @@ def test_cpu_op_in_place_on_an_expanded_tensor_is_the_value_error_pytorch_users_
 
 def test_cpu_op_in_place_on_q_and_k_sharing_memory_is_a_value_error():
     x = Q.clone()
-    with pytest.raises(ValueError, match=r"k_out: inplace=True writes q_out and k_out, which share memory"):
+    with pytest.raises(ValueError, match=r"k: inplace=True writes q and k, which share memory"):
         torch.ops.ropekit.cpu_rotary_(x, x, COS, SIN, None, False, False)
     assert torch.equal(x, Q)
 
@@ -206,3 +206,12 @@ def test_cpu_op_with_one_argument_on_meta_is_a_value_error_not_garbage(meta, inp
     with pytest.raises(ValueError, match=rf"(cos|{name}): expected .*on q's device cpu"):
         (torch.ops.ropekit.cpu_rotary_ if inplace else op)(q, k, cos, sin, pos, False, False, 0)
     assert torch.equal(q, Q)
+
+
+def test_cpu_op_refuses_an_output_sharing_memory_with_a_table():
+    """The kernel wall keeps the memory rule for the registered ops too (issue 24, repro 1 through the op)."""
+    x = torch.randn(1, 4, 1, 16)
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"q: it is written and shares memory with cos"):
+        torch.ops.ropekit.cpu_rotary_(x, None, x[0, :, 0, :8], torch.zeros(4, 8), None, False, False)
+    assert torch.equal(x, before)

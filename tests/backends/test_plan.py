@@ -11,6 +11,12 @@ import torch
 from rotary_cases import tables
 
 import ropekit
+from boundary_checks import (
+    COMPAT_ENTRIES,
+    CORE_ENTRIES,
+    assert_planned_write_bumps_the_version,
+    check_aliasing_storages_are_refused_when_planned,
+)
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS, clear_backend_cache, plan
 
@@ -216,3 +222,31 @@ def test_a_key_without_a_plan_is_not_planned_again_every_call(monkeypatch):
         again = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")
         torch.testing.assert_close(again, first, atol=0, rtol=0)
     assert len(asked) == 1
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_q_and_k_aliasing_through_two_storages_are_refused_by_a_plan_and_after_it(backend):
+    """Issue 24, repro 7: see boundary_checks."""
+    check_aliasing_storages_are_refused_when_planned(backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("entry", sorted(CORE_ENTRIES))
+def test_a_planned_in_place_write_bumps_the_version_counter(entry, backend):
+    """Issue 24: deleting the bump from the C launch plan's run passed every test (each called once, so the
+    checked path served it). The second call of a kind runs the plan."""
+    assert_planned_write_bumps_the_version(*CORE_ENTRIES[entry], backend)
+
+
+@pytest.mark.parametrize("entry", sorted(COMPAT_ENTRIES))
+def test_a_planned_compat_in_place_write_bumps_the_version_counter(entry):
+    assert_planned_write_bumps_the_version(*COMPAT_ENTRIES[entry], "auto")
+
+
+def test_the_plan_served_the_planned_version_test():
+    """The planned-version tests above reach a plan's run, not the checked path again."""
+    cos, sin = tables(16)
+    x = torch.randn(1, 4, 2, 16)
+    apply_rotary(x, cos, sin, inplace=True, backend="cpu")
+    calls = ropekit_calls(lambda: apply_rotary(x, cos, sin, inplace=True, backend="cpu"))
+    assert "run" in calls and "check_x" not in calls

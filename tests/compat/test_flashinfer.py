@@ -268,3 +268,68 @@ def test_a_bad_preallocated_output_leaves_the_other_outputs_unwritten():
             k_rope_out=torch.zeros(2, 1, 7, dtype=FP8),
         )  # fmt: skip
     assert not q_out.view(torch.uint8).any()
+
+
+def test_append_with_caches_of_the_wrong_head_count_writes_nothing_not_even_q_rope_out():
+    """Issue 24: caches of the wrong head count filled the caller's q_rope_out, then raised."""
+    q_rope, k_rope, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    cache, pos = _cache(), torch.tensor([0, 1, 2, 17, 18])
+    k_cache, v_cache = (
+        torch.zeros(8, 16, 3, 8, dtype=FP8),
+        torch.zeros(8, 16, 3, 8, dtype=FP8),
+    )  # 3 heads, not 2
+    q_rope_out = torch.zeros(5, 4, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=r"paged_kv_cache\[0\]"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, None, None, v, cache, pos, (k_cache, v_cache), *_page_table()[:4],
+            q_rope_out=q_rope_out,
+        )  # fmt: skip
+    assert not q_rope_out.view(torch.uint8).any()
+    assert not k_cache.view(torch.uint8).any() and not v_cache.view(torch.uint8).any()
+
+
+def test_a_bad_second_output_leaves_the_first_unwritten():
+    q_rope, k_rope = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    q_rope_out = torch.zeros(5, 4, 8, dtype=FP8)
+    with pytest.raises(ValueError, match="k_rope_out"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.arange(5), q_rope_out=q_rope_out,
+            k_rope_out=torch.zeros(5, 3, 8, dtype=FP8),
+        )  # fmt: skip
+    assert not q_rope_out.view(torch.uint8).any()
+
+
+def test_outputs_and_caches_that_share_memory_with_an_input_or_each_other_are_refused():
+    """The memory rule on the compat surface: an output aliasing another output (or a cache aliasing the
+    value it is written from) is a ValueError naming both, before anything is written."""
+    q_rope, k_rope, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    both = torch.zeros(5, 4, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=r"k_rope_out: the call writes q_rope_out and k_rope_out"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.arange(5), q_rope_out=both, k_rope_out=both[:, :2],
+        )  # fmt: skip
+    assert not both.view(torch.uint8).any()
+    k_cache, v_cache = torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8)
+    q_rope_out = k_cache.view(-1)[: 5 * 4 * 8].view(5, 4, 8)
+    with pytest.raises(
+        ValueError, match=r"paged_kv_cache\[0\]: the call writes q_rope_out and paged_kv_cache\[0\]"
+    ):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, None, None, v, _cache(), torch.tensor([0, 1, 2, 17, 18]), (k_cache, v_cache),
+            *_page_table()[:4], q_rope_out=q_rope_out,
+        )  # fmt: skip
+    assert not k_cache.view(torch.uint8).any() and not v_cache.view(torch.uint8).any()
+
+
+def test_append_bumps_the_caches_version_counters():
+    """Every in-place path bumps what it wrote (issue 24: each path has its version test)."""
+    q_rope, k_rope, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    k_cache, v_cache = torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8)
+    q_rope_out = torch.zeros(5, 4, 8, dtype=FP8)
+    versions = k_cache._version, v_cache._version, q_rope_out._version
+    flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, None, None, v, _cache(), torch.tensor([0, 1, 2, 17, 18]), (k_cache, v_cache),
+        *_page_table()[:4], q_rope_out=q_rope_out,
+    )  # fmt: skip
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    assert q_rope_out._version > versions[2]

@@ -315,3 +315,107 @@ def check_errors_write_nothing(backend):
         )
     for t, s in zip((k_cache, v_cache, fp8_cache, q), saved, strict=True):
         assert torch.equal(t.view(torch.uint8), s.view(torch.uint8))
+
+
+def check_memory_rule(backend):
+    """Issue 24, repro 2 and its kin: a written tensor (a cache, q in place) that shares memory with a tensor
+    the call reads (k, v, a table, the slots) or another written one is a ValueError naming both, and nothing
+    is written. Repro 2 (k a slice of the key cache) was off by 3.7 on the cpu backend."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    kc, vc = torch.randn(10, 1, 16), torch.randn(10, 1, 16)  # "flat" caches (slots, heads, head_dim)
+    q, v = torch.randn(6, 2, 16), torch.randn(6, 1, 16)
+    common = dict(
+        slot_mapping=torch.arange(1, 7), positions=torch.arange(6), cache_layout="flat", backend=backend
+    )
+    shared = torch.randn(12, 1, 16)
+    cases = [  # (written, read, arguments)
+        ("k_cache", "k", dict(k=kc[0:6])),  # repro 2
+        ("v_cache", "v", dict(v=vc[4:10])),
+        ("k_cache", "cos", dict(cos=kc.view(-1)[:48].view(6, 8), sin=sin[:6])),  # a table in the cache
+        ("v_cache", "k_cache", dict(k_cache=shared[:10], v_cache=shared[2:])),
+        ("q", "k", dict(q=q, k=q[:, :1], inplace=True)),
+        ("q", "v_cache", dict(inplace=True)),  # q: the value cache's first six slots, rotated in place
+    ]
+    for written, read, change in cases:
+        args = dict(q=None, k=torch.randn(6, 1, 16), v=v, cos=cos, sin=sin, k_cache=kc, v_cache=vc) | change
+        if written == "q" and read == "v_cache":  # q a view of the value cache, rotated in place
+            args["q"] = vc[:6]
+        saved = [t.clone() for t in (kc, vc, shared, q)]
+        names = rf"({written}|{read})"  # two written tensors are named in either order
+        with pytest.raises(
+            ValueError, match=rf"{names}: (it is written and shares memory with|the call writes) {names}"
+        ):
+            ropekit.apply_rotary_qk_and_cache(
+                args.pop("q"),
+                args.pop("k"),
+                args.pop("v"),
+                args.pop("cos"),
+                sin=args.pop("sin"),
+                **args,
+                **common,
+            )
+        for t, s in zip((kc, vc, shared, q), saved, strict=True):
+            assert torch.equal(t, s), (written, read)
+    cache = torch.randn(4, 2, 1, 16)  # nhd: 8 slots
+    before = cache.clone()
+    with pytest.raises(ValueError, match=r"k_cache: it is written and shares memory with cos"):
+        ropekit.shift_cache_(cache, cache.view(-1)[:64].view(8, 8), sin[:8], 1, backend=backend)
+    assert torch.equal(cache, before)
+    # The same memory through two storages (two from_numpy of one array): still one memory.
+    memory = np.random.default_rng(0).standard_normal(10 * 16).astype(np.float32)
+    k_cache = torch.from_numpy(memory).view(10, 1, 16)
+    k_alias = torch.from_numpy(memory[16:]).view(9, 1, 16)[
+        :6
+    ]  # the cache's slots 1..6, through another storage
+    before = memory.copy()
+    with pytest.raises(ValueError, match=r"k_cache: it is written and shares memory with k"):
+        ropekit.apply_rotary_qk_and_cache(None, k_alias, v, cos, sin, k_cache=k_cache, v_cache=vc, **common)
+    assert np.array_equal(memory, before)
+
+
+def check_duplicate_slots_are_refused(backend):
+    """Issue 24, defect 3: shift_cache_ with slots [3, 3] rotated slot 3 twice on the cpu backend and once on
+    torch; a slot twice in slot_mapping was "last token wins" on two backends and a race on a parallel one.
+    Refused everywhere, before anything is written; -1 (a skipped token, vLLM's padding) may repeat."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    cache = torch.randn(5, 1, 16)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=r"slots: slot 3 is given twice \(tokens 0 and 1\)"):
+        ropekit.shift_cache_(
+            cache, cos, sin, 3, cache_layout="flat", slots=torch.tensor([3, 3]), backend=backend
+        )
+    assert torch.equal(cache, before)
+    ropekit.shift_cache_(
+        cache, cos, sin, 3, cache_layout="flat", slots=torch.tensor([-1, 3, -1]), backend=backend
+    )
+    once = before.clone()
+    ropekit.shift_cache_(once[3:4], cos, sin, 3, cache_layout="flat", backend="torch")
+    torch.testing.assert_close(cache, once, **tolerance(torch.float32))
+    k, v = torch.randn(4, 1, 16), torch.randn(4, 1, 16)
+    kc, vc = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
+    kw = dict(k_cache=kc, v_cache=vc, positions=torch.arange(4), cache_layout="flat", backend=backend)
+    with pytest.raises(ValueError, match=r"slot_mapping: slot 5 is given twice \(tokens 1 and 3\)"):
+        ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, slot_mapping=torch.tensor([0, 5, 2, 5]), **kw)
+    assert not kc.any() and not vc.any()
+    ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, slot_mapping=torch.tensor([-1, 5, -1, 2]), **kw)
+    assert torch.equal(vc[5], v[1]) and torch.equal(vc[2], v[3]) and not vc[[0, 1, 3, 4, 6, 7]].any()
+
+
+def check_wide_heads(backend):
+    """Issue 24, defect 8: a head past the kernels' MAX_WIDTH (16,384 features) passed silently (20,000) or
+    crashed the process (4,000,000: a scratch row sized by the input on the C stack). An explicit kernel
+    backend refuses it; "auto" serves it with torch, exactly."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    k = torch.randn(2, 1, 16)
+    for width in (20000, 16385):
+        v = torch.randn(2, 1, width)
+        kc, vc = torch.zeros(4, 1, 16), torch.zeros(4, 1, width)
+        kw = dict(k_cache=kc, v_cache=vc, slot_mapping=torch.tensor([0, 1]), positions=torch.arange(2),
+                  cache_layout="flat")  # fmt: skip
+        with pytest.raises(
+            ValueError, match=rf"backend: '{backend}' serves heads of up to 16384 features, got"
+        ):
+            ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, **kw, backend=backend)
+        assert not vc.any()
+        ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, **kw, backend="auto")
+        assert torch.equal(vc[:2], v)

@@ -13,10 +13,13 @@ from fused_cases import (
     LAYOUTS,
     check_cache_write,
     check_cache_write_fp8,
+    check_duplicate_slots_are_refused,
     check_errors_write_nothing,
     check_fp8,
     check_fp8_mla,
+    check_memory_rule,
     check_shift,
+    check_wide_heads,
 )
 
 from ropekit.backends.triton import interpreter_enabled
@@ -60,3 +63,15 @@ def test_triton_shift(layout, with_slots):
 
 def test_triton_errors_write_nothing():
     check_errors_write_nothing("triton")
+
+
+def test_triton_memory_rule():
+    check_memory_rule("triton")
+
+
+def test_triton_duplicate_slots_are_refused():
+    check_duplicate_slots_are_refused("triton")
+
+
+def test_triton_wide_heads_are_refused_and_auto_serves_them():
+    check_wide_heads("triton")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from fused_cases import (
@@ -9,7 +12,10 @@ from fused_cases import (
     LAYOUTS,
     check_cache_write,
     check_cache_write_fp8,
+    check_duplicate_slots_are_refused,
     check_errors_write_nothing,
+    check_memory_rule,
+    check_wide_heads,
     tables,
 )
 
@@ -102,7 +108,7 @@ def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
     qk = torch.randn(3, 2, 8)
     before = qk.clone()
     cache = torch.zeros(4, 2, 8)
-    with pytest.raises(ValueError, match="k: inplace=True writes q and k"):
+    with pytest.raises(ValueError, match="q: it is written and shares memory with k, which the call reads"):
         ropekit.apply_rotary_qk_and_cache(
             qk, qk, torch.randn(3, 2, 8), cos, sin, k_cache=cache, v_cache=cache.clone(),
             slot_mapping=torch.arange(3), cache_layout="flat", positions=torch.arange(3), inplace=True,
@@ -192,3 +198,60 @@ def test_a_meta_table_is_a_value_error_naming_it_and_writes_nothing():
             cache_layout="flat",
         )  # fmt: skip
     assert not kc.any() and not vc.any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_written_tensor_sharing_memory_with_a_read_one_is_a_value_error(backend):
+    """Issue 24, repro 2 (the cpu backend was off by 3.7): see fused_cases."""
+    check_memory_rule(backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_slot_given_twice_is_a_value_error_and_padding_may_repeat(backend):
+    """Issue 24, defect 3: see fused_cases."""
+    check_duplicate_slots_are_refused(backend)
+
+
+def test_a_head_past_the_kernel_bound_is_refused_by_cpu_and_served_by_auto():
+    """Issue 24, defect 8 (20,000 passed silently): see fused_cases."""
+    check_wide_heads("cpu")
+
+
+def test_a_very_wide_head_does_not_crash_the_process():
+    """Issue 24, defect 8: a v head of 4,000,000 floats killed the process (SIGSEGV) with backend "cpu" or
+    "auto". Run in a child so a crash fails this test instead of ending pytest."""
+    code = """
+import torch, ropekit
+cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 4_000_000)
+kw = dict(slot_mapping=torch.tensor([0, 1]), positions=torch.arange(2), cache_layout="flat")
+vc = torch.zeros(4, 1, 4_000_000)
+try:
+    ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, k_cache=torch.zeros(4, 1, 16), v_cache=vc,
+                                      backend="cpu", **kw)
+except ValueError as err:
+    print("refused:", err)
+ropekit.apply_rotary_qk_and_cache(None, k, v, cos, sin, k_cache=torch.zeros(4, 1, 16), v_cache=vc,
+                                  backend="auto", **kw)
+print("auto exact:", torch.equal(vc[:2], v))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "refused: backend: 'cpu' serves heads of up to 16384" in result.stdout
+    assert "auto exact: True" in result.stdout
+
+
+def test_the_c_loop_checks_its_own_width_bound_before_writing(monkeypatch):
+    """Defence in depth for defect 8: even if the Python bound were skipped, the C loop refuses a head wider
+    than its fixed scratch row (it returns before writing; the launcher raises)."""
+    from ropekit.backends import fused_cpu
+    from ropekit.backends.fused_launch import Channel, FusedLaunch
+
+    monkeypatch.setattr(fused_cpu, "check_bounds", lambda plan: None)
+    cos, sin = tables(16)
+    src, dst = torch.randn(1, 2, 1, 20000), torch.zeros(1, 2, 1, 20000)
+    plan = FusedLaunch(1, 2, cos, sin, None, 0, None, False, False,
+                       (None, None, Channel(src, dst, rotate=False, by_slot=False)))  # fmt: skip
+    with pytest.raises(ValueError, match="wider than the C loop's scratch row"):
+        fused_cpu.launch(plan, checked=True)
+    assert not dst.any()

@@ -376,3 +376,45 @@ def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():
     qk_norm_rotary_(auto, weight, weight, cos, sin, **kw)
     qk_norm_rotary_(torch_path, weight, weight, cos, sin, backend="torch", **kw)
     assert torch.equal(auto, torch_path) and not torch.equal(auto, qkv)
+
+
+def _packed(heads=(2, 1), head_dim=16, tokens=3):
+    """qkv (T, (Hq + 2 Hk) D), weights (D,) and a (64, D / 2) table."""
+    q_heads, k_heads = heads
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim)
+    kw = dict(num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=1e-6)
+    return qkv, torch.randn(head_dim), torch.randn(head_dim), *ropekit.RopeConfig(head_dim).cos_sin(64), kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("read", ["q_weight", "k_weight", "cos"])
+def test_a_weight_or_table_inside_qkv_is_a_value_error_and_nothing_is_written(backend, read):
+    """Issue 24, the memory rule: qkv is rotated in place of itself; a weight or table read from its own
+    memory (here its v part, which the kernel never writes: the rule is about memory, not luck) is refused."""
+    qkv, wq, wk, cos, sin, kw = _packed()
+    args = dict(q_weight=wq, k_weight=wk, cos=cos, sin=sin)
+    args[read] = qkv[0, -16:] if read != "cos" else qkv.view(-1)[: 3 * 8].view(3, 8)
+    if read == "cos":
+        args["sin"] = sin[:3]
+    before = qkv.clone()
+    with pytest.raises(ValueError, match=rf"qkv: it is written and shares memory with {read}"):
+        qk_norm_rotary_(
+            qkv, args["q_weight"], args["k_weight"], args["cos"], args["sin"], **kw, backend=backend
+        )
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_view_of_a_leaf_or_an_inference_qkv_is_refused_before_writing(backend):
+    """Issue 24: what PyTorch refuses in place (a view of a leaf that requires grad; an inference tensor
+    outside inference mode) is refused before the kernel writes, as the RuntimeError PyTorch raises."""
+    qkv, wq, wk, cos, sin, kw = _packed()
+    leaf = qkv.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="qkv: a view of a leaf tensor that requires grad"):
+        qk_norm_rotary_(leaf[:2], wq, wk, cos, sin, **kw, backend=backend)
+    assert torch.equal(leaf.detach(), qkv)
+    with torch.inference_mode():
+        frozen = qkv.clone()
+    with pytest.raises(RuntimeError, match="qkv: an inference tensor"):
+        qk_norm_rotary_(frozen, wq, wk, cos, sin, **kw, backend=backend)
+    assert torch.equal(frozen, qkv)

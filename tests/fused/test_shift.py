@@ -71,3 +71,34 @@ def test_a_slot_outside_the_cache_names_slots_the_argument_of_this_call(backend,
             cache, cos, sin, 3, cache_layout="flat", slots=torch.tensor([1, bad]), backend=backend
         )
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_slot_given_twice_is_refused_before_anything_rotates(backend):
+    """Issue 24, defect 3: slots [3, 3] rotated slot 3 twice on the cpu backend and once on torch."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    cache = torch.randn(5, 1, 16)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=r"slots: slot 3 is given twice"):
+        ropekit.shift_cache_(
+            cache, cos, sin, 3, cache_layout="flat", slots=torch.tensor([3, 3]), backend=backend
+        )
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_shift_bumps_the_version_counter_and_refuses_an_inference_cache_outside_inference_mode(backend):
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    cache = torch.randn(5, 1, 16)
+    version = cache._version
+    ropekit.shift_cache_(cache, cos, sin, 3, cache_layout="flat", backend=backend)
+    assert cache._version > version
+    with torch.inference_mode():
+        frozen = torch.randn(5, 1, 16)
+    before = frozen.clone()
+    with pytest.raises(RuntimeError, match=r"k_cache: an inference tensor"):
+        ropekit.shift_cache_(frozen, cos, sin, 3, cache_layout="flat", backend=backend)
+    assert torch.equal(frozen, before)
+    with torch.inference_mode():
+        ropekit.shift_cache_(frozen, cos, sin, 3, cache_layout="flat", backend=backend)
+    assert not torch.equal(frozen, before)

@@ -51,8 +51,12 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 PARALLEL_THRESHOLD = 1 << 16
 
 # What every C kernel of ropekit shares: bf16 loads and round-to-nearest-even stores (the rounding contract of
-# docs/safety.md), fp16 through _Float16, float32 as is, and the 8-float vector type.
-C_PRELUDE = r"""
+# docs/safety.md), fp16 through _Float16, float32 as is, the 8-float vector type, and ROPEKIT_MAX_HALF: every
+# scratch row on a C stack has a size fixed at compile time (never one sized by the input), and each loop
+# checks the input's width against it before it writes anything.
+C_PRELUDE = (
+    f"#define ROPEKIT_MAX_HALF {MAX_HALF}\n"
+    + r"""
 #include <stdint.h>
 #include <string.h>
 
@@ -84,6 +88,7 @@ static inline int64_t first_bad_row(const int64_t *pos, int64_t tokens, int64_t 
     return -1;
 }
 """
+)
 
 _SOURCE = (
     C_PRELUDE
@@ -113,7 +118,7 @@ static void advise_huge(void *p, int64_t bytes) {
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
                          int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
                          int interleaved, int copy_tail, int direct) { \
-    float ra[2 * half], rb[half], xf[2 * half]; \
+    float ra[2 * ROPEKIT_MAX_HALF], rb[ROPEKIT_MAX_HALF], xf[2 * ROPEKIT_MAX_HALF]; /* half <= the bound */ \
     for (int64_t h = 0; h < heads; ++h) { \
         const T *xr = x + h * sx; \
         T *orow = out + h * so; \
@@ -151,9 +156,10 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
         if (copy_tail) memcpy(orow + 2 * half, xr + 2 * half, (size_t)tail * sizeof(T)); \
     } \
 } \
-/* a: the integer arguments, as _INT_ARGS. Returns -1 when done, else the first token whose table row \
-   (pos[token]; pos[batch row] + its index in the sequence with per_seq; offset + that index when pos is \
-   NULL) is outside [0, table_len); nothing is written then. */ \
+/* a: the integer arguments, as _INT_ARGS. Returns -1 when done, -2 if half is outside [1, ROPEKIT_MAX_HALF] \
+   (the scratch rows' size), else the first token whose table row (pos[token]; pos[batch row] + its index in \
+   the sequence with per_seq; offset + that index when pos is NULL) is outside [0, table_len); nothing is \
+   written then. */ \
 int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos, const float *sin, \
              const int64_t *pos, const int64_t *a, int64_t offset, int64_t nthreads) { \
     const int64_t *st = a, batch = a[12], seq = a[13], q_heads = a[14], k_heads = a[15]; \
@@ -168,6 +174,7 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
        written directly: decode-64 in place 30 -> 22 us; above, a scratch row per head: prefill-4k in place \
        0.80 -> 0.70 x copy_ (2-core Xeon, one thread). */ \
     const int direct = tokens * (q_heads + k_heads) * (2 * half + tail) <= DIRECT_ELEMENTS; \
+    if (half < 1 || half > ROPEKIT_MAX_HALF) return -2; \
     if (pos && per_seq) { /* pos[b]: sequence b's offset; its rows are pos[b] + t */ \
         for (int64_t b = 0; b < batch && seq > 0; ++b) \
             if (pos[b] < 0 || pos[b] > table_len - seq) \
@@ -187,7 +194,7 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
         int64_t b = token / seq, t = token % seq; \
         int64_t row = pos ? (per_seq ? pos[b] + t : pos[token]) : offset + t; \
         const float *c = cos + row * cos_stride; \
-        float s[half], c2[2 * half], s2[2 * half]; \
+        float s[ROPEKIT_MAX_HALF], c2[2 * ROPEKIT_MAX_HALF], s2[2 * ROPEKIT_MAX_HALF]; \
         for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
         if (interleaved) \
             for (int64_t i = 0; i < half; ++i) { \
@@ -447,6 +454,8 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         offset,
         _threads(q, k),
     )
+    if bad == -2:  # check_launch bounds the width first: reached only if the two bounds ever disagree
+        raise ValueError(f"cos: expected 1 <= rotary_dim // 2 <= {MAX_HALF}, got {cos.shape[1]}")
     if bad >= 0:
         position = int(positions[bad]) if positions is not None else offset + bad
         raise row_error(position, table_len, bad if positions is not None else None)
@@ -524,7 +533,7 @@ class CpuBackend(KernelBackend):
                 0 if per_sequence else offset,
                 torch.get_num_threads() if parallel else 1,
             )
-            if bad >= 0:
+            if bad != -1:  # a row outside the table (or a width past the bound): nothing was written
                 return None
             if inplace:  # what the dispatcher would do: tell autograd that q and k changed
                 torch._C._increment_version((q,) if k is None else (q, k))

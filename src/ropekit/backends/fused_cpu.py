@@ -21,13 +21,14 @@ import struct
 import torch
 
 from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
-from ropekit.backends.fused_launch import FusedLaunch, check_launch, slot_error
+from ropekit.backends.fused_launch import MAX_WIDTH, FusedLaunch, check_bounds, check_launch, slot_error
 from ropekit.backends.kernel_op import row_error
 
 __all__ = ["launch", "unavailable_reason"]
 
 _SOURCE = (
     C_PRELUDE
+    + f"#define ROPEKIT_MAX_WIDTH {MAX_WIDTH}\n"
     + r"""
 
 /* float32 -> FP8 bits, round to nearest even, after clamping to +-max (NaN stays NaN): branch-free, so the
@@ -96,8 +97,8 @@ INLINE void NAME##_token_body(const T *src, int64_t src_h, \
                          int64_t width, int64_t half, int rotate, int interleaved, const float *c, \
                          const float *s, int kind, const float *scale, int64_t scale_h) { \
     int64_t rot = rotate ? 2 * half : 0; \
+    float buf[ROPEKIT_MAX_WIDTH]; /* a head of float32: width <= the bound (checked by the caller) */ \
     if (kind == 0) { \
-        float buf[width]; \
         for (int64_t h = 0; h < heads; ++h) { \
             const T *x = src + h * src_h; \
             T *o = (T *)dst + h * dst_h; \
@@ -107,7 +108,6 @@ INLINE void NAME##_token_body(const T *src, int64_t src_h, \
         } \
         return; \
     } \
-    float buf[width]; \
     for (int64_t h = 0; h < heads; ++h) { \
         NAME##_rotate(src + h * src_h, buf, width, half, rotate, interleaved, c, s, 1); \
         fp8_row(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
@@ -136,7 +136,8 @@ static void NAME##_token(const T *src, int64_t src_h, char *dst, int64_t dst_h, 
 } \
 /* p: cos, sin, positions, slots, then (src, dst, scale) per channel. a: GLOBALS, then CH_INTS per channel. \
    Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
-   outside [-1, num_slots). Nothing is written when it returns an error. */ \
+   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
+   size). Nothing is written when it returns an error. */ \
 int64_t NAME(const uint64_t *p, const int64_t *a) { \
     const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = a[4]; \
     const int64_t cos_stride = a[5], sin_stride = a[6], num_slots = a[10]; \
@@ -145,6 +146,12 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
     const float sign = conjugate ? -1.0f : 1.0f; \
     const int64_t tokens = batch * seq; \
+    if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        const int64_t w = ca[WIDTH]; \
+        if (ca[ON] && (w < 1 || w > ROPEKIT_MAX_WIDTH || (ca[ROTATE] && 2 * half > w))) return INT64_MIN; \
+    } \
     { \
         int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
         if (bad >= 0) return bad; \
@@ -170,7 +177,7 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
             int64_t b = token / seq, t = token % seq; \
             int64_t row = pos ? pos[token] : offset + t; \
             const float *c = cos + row * cos_stride; \
-            float s[half]; \
+            float s[ROPEKIT_MAX_HALF]; \
             if (rotate) \
                 for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
             char *dst = (char *)p[5 + 3 * ch] + \
@@ -196,6 +203,7 @@ _GLOBALS = struct.Struct("11q")
 _CHANNEL = struct.Struct("15q")
 _POINTERS = struct.Struct("13Q")
 _OFF = _CHANNEL.pack(*[0] * 15)
+_BAD_WIDTH = -(1 << 63)  # INT64_MIN: the C loop's answer for a width past its bounds
 
 _functions: dict[torch.dtype, ctypes._CFuncPtr] = {}
 _build_error: list[str] = []
@@ -261,6 +269,8 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
     """
     if not checked:
         check_launch(plan)
+    else:  # the fused ops checked the rest; the C loop's bounds hold on this path too
+        check_bounds(plan)
     if plan.cos.device.type != "cpu":
         raise ValueError(f"q: expected CPU tensors for the C kernel, got tensors on {plan.cos.device}")
     table_len, half = plan.cos.shape
@@ -284,6 +294,8 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         *(ptr for c in chans for ptr in c[1]),
     )
     bad = _function(plan.dtype)(pointers, ints)
+    if bad == _BAD_WIDTH:  # check_bounds ran first: reached only if the two bounds ever disagree
+        raise ValueError(f"a head wider than the C loop's scratch row ({MAX_WIDTH} floats): nothing written")
     if bad >= 0:
         position = int(plan.positions[bad]) if plan.positions is not None else plan.offset + bad
         raise row_error(position, table_len, bad if plan.positions is not None else None)

@@ -25,13 +25,23 @@ from typing import NamedTuple
 import torch
 
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.validation import check_writable, describe
+from ropekit.validation import check_no_alias, check_writable, describe
 
-__all__ = ["FP8_KINDS", "MAX_WIDTH", "Channel", "FusedLaunch", "check_launch", "fp8_kind", "slot_error"]
+__all__ = [
+    "FP8_KINDS",
+    "MAX_WIDTH",
+    "Channel",
+    "FusedLaunch",
+    "check_bounds",
+    "check_launch",
+    "fp8_kind",
+    "slot_error",
+]
 
 # FP8 storage formats: the kernels' code for each (0 stores the source dtype).
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-# The widest head a channel serves: the C loop keeps one head of float32 on its stack (64 KB).
+# The widest head a channel of the C loop or the Triton kernel serves: the C loop keeps one head of float32 in
+# a scratch row of this fixed size on its stack (64 KB). Wider heads take the torch backend.
 MAX_WIDTH = 16384
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,6 +89,24 @@ def _fail(name: str, expected: str, got: str) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def check_bounds(launch: FusedLaunch) -> None:
+    """The kernels' fixed bounds: 1 <= half <= MAX_HALF and each channel's head width in [2 * half (when it
+    rotates), MAX_WIDTH]. Part of :func:`check_launch`, and run on its own by the launchers when a fused op
+    checked everything else (their ``checked=True`` path)."""
+    half = launch.cos.shape[1]
+    if not 1 <= half <= MAX_HALF:
+        _fail("cos", f"1 <= rotary_dim // 2 <= {MAX_HALF}", f"width {half}")
+    for name, ch in zip(("q", "k", "v"), launch.channels, strict=True):
+        if ch is not None:
+            width = ch.dst.shape[-1]
+            if not 0 < width <= MAX_WIDTH or (ch.rotate and 2 * half > width):
+                _fail(
+                    f"{name} destination",
+                    f"a head width in [2 * rotary_dim // 2, {MAX_WIDTH}] (wider heads: backend='torch')",
+                    str(width),
+                )
+
+
 def check_launch(launch: FusedLaunch) -> None:
     """Everything the fused kernels rely on to stay inside their tensors; a ValueError naming the part if not.
 
@@ -93,9 +121,6 @@ def check_launch(launch: FusedLaunch) -> None:
             _fail(name, "a last axis of stride 1", f"strides {t.stride()}")
     if sin.shape != cos.shape or sin.device != cos.device:
         _fail("sin", f"cos's shape {tuple(cos.shape)} on {cos.device}", f"{tuple(sin.shape)} on {sin.device}")
-    half = cos.shape[1]
-    if not 1 <= half <= MAX_HALF:
-        _fail("cos", f"1 <= rotary_dim // 2 <= {MAX_HALF}", f"width {half}")
     device = cos.device
     for name, t in (("positions", launch.positions), ("slot_mapping", launch.slots)):
         if t is None:
@@ -109,17 +134,30 @@ def check_launch(launch: FusedLaunch) -> None:
         _fail("q", f"a tensor of {[str(d) for d in KERNEL_DTYPES]}", str(dtype))
     for name, ch in zip(("q", "k", "v"), launch.channels, strict=True):
         if ch is not None:
-            _check_channel(name, ch, launch, half, device, dtype)
+            _check_channel(name, ch, launch, device, dtype)
+    check_bounds(launch)
+    _check_memory(launch)
 
 
-def _check_channel(name: str, ch: Channel, launch: FusedLaunch, half: int, device, dtype) -> None:
+def _check_memory(launch: FusedLaunch) -> None:
+    """The memory rule (docs/safety.md): no destination shares memory with anything the launch reads or
+    another destination, except a channel's destination that is its own source (in place)."""
+    written, read = [], [("cos", launch.cos), ("sin", launch.sin), ("positions", launch.positions),
+                         ("slot_mapping", launch.slots)]  # fmt: skip
+    for name, ch in zip(("q", "k", "v"), launch.channels, strict=True):
+        if ch is not None:
+            in_place = ch.src is None or ch.src.data_ptr() == ch.dst.data_ptr()
+            written.append((name if in_place else f"{name} destination", ch.dst))
+            read += [(name, ch.dst if ch.src is None else ch.src), (f"{name} scale", ch.scale)]
+    check_no_alias(tuple(written), tuple(read), optional=False)
+
+
+def _check_channel(name: str, ch: Channel, launch: FusedLaunch, device, dtype) -> None:
     dst = ch.dst
     want_dst = torch.uint8 if ch.fp8 else dtype
     if not isinstance(dst, torch.Tensor) or dst.dim() != 4 or dst.dtype != want_dst or dst.device != device:
         _fail(f"{name} destination", f"a 4-D {want_dst} tensor on {device}", describe(dst))
     pages, page_size, heads, width = dst.shape
-    if not 0 < width <= MAX_WIDTH or (ch.rotate and 2 * half > width):
-        _fail(f"{name} destination", f"a head width in [2 * rotary_dim // 2, {MAX_WIDTH}]", str(width))
     if dst.stride(3) != 1 and width > 1:
         _fail(f"{name} destination", "a last axis of stride 1", f"strides {dst.stride()}")
     check_writable(f"{name} destination", dst)

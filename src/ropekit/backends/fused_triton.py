@@ -448,12 +448,14 @@ def launch(plan, *, checked: bool = False) -> None:
 
     import torch
 
-    from ropekit.backends.fused_launch import check_launch, slot_error
+    from ropekit.backends.fused_launch import check_bounds, check_launch, slot_error
     from ropekit.backends.kernel_op import check_offset_rows, row_error
     from ropekit.backends.triton import interpreter_enabled
 
     if not checked:  # see fused_cpu.launch
         check_launch(plan)
+    else:
+        check_bounds(plan)
     tokens = plan.batch * plan.seq
     if tokens == 0:
         return

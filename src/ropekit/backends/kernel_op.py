@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.dtensor_inputs import is_dtensor
-from ropekit.validation import check_disjoint, check_writable, describe
+from ropekit.validation import check_no_alias, check_writable, describe
 
 __all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "row_error"]
 
@@ -62,7 +62,6 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
     _check_pair("q", q, q_out, q, device)
     if k is not None or k_out is not None:
         _check_pair("k", k, k_out, q, device)
-        check_disjoint("q_out", q_out, "k_out", k_out)
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
             _fail(name, "a 2-D float32 tensor (table_len, rotary_dim // 2)", describe(t))
@@ -89,6 +88,18 @@ def check_launch(q, k, q_out, k_out, cos, sin, positions, offset, dtypes) -> Non
         _fail("offset", "a non-negative int64 when positions is None", repr(offset))
     if tokens and table_len == 0:
         _fail("cos", "at least one row", "an empty table")
+    _check_memory(q, k, q_out, k_out, cos, sin, positions)
+
+
+def _check_memory(q, k, q_out, k_out, cos, sin, positions) -> None:
+    """The memory rule (docs/safety.md): the outputs share memory with nothing the kernel reads, except an
+    output that is its own input (in place: the same elements, perhaps through another view object)."""
+    q_name = "q" if q_out.data_ptr() == q.data_ptr() else "q_out"
+    k_name = "k" if k_out is not None and k_out.data_ptr() == k.data_ptr() else "k_out"
+    check_no_alias(
+        ((q_name, q_out), (k_name, k_out)),
+        (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("positions", positions)),
+    )
 
 
 def _check_pair(name: str, x, out, q: torch.Tensor, device: torch.device) -> None:
@@ -166,8 +177,7 @@ def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interl
         for name, out in (("q", q_out), ("k", k_out)):
             if out is not None:
                 check_writable(name, out)
-        if k_out is not None:
-            check_disjoint("q", q_out, "k", k_out)
+        _check_memory(q, k, q_out, k_out, cos, sin, positions)
     dense = torch.contiguous_format
     scratch = [
         out if out is None or out.stride(-1) == 1 else torch.empty_like(out, memory_format=dense)

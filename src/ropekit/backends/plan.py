@@ -4,9 +4,9 @@ A decode loop calls with the same shapes, strides, dtypes and flags every step; 
 offset change. The first call of a kind takes the checked path (:mod:`ropekit.functional`: every argument
 checked, the backend chosen); once it has succeeded, :func:`remember` stores a plan for its key: the chosen
 backend's launch with everything that depends on the key alone (strides, the packed kernel arguments, the
-table bound) worked out. A later call with the same key runs the plan after the checks that depend on values:
-the offset against the table, and, when q and k are written in place and lie within one buffer, whether they
-share an element.
+table bound) worked out. A later call with the same key runs the plan after the checks that depend on values
+and addresses: the offset against the table and, in place, the memory rule (docs/safety.md) from this call's
+data pointers: q and k may not meet the tables' bytes, nor share an element with each other.
 
 A plan never changes an answer: every fact a check relied on is in the key (shape, stride, dtype and device
 of q, k, cos and sin; the flags; the backend name), so a changed stride, shape or dtype misses and takes the
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.validation import _share_elements
+from ropekit.validation import byte_extent, shares_memory
 
 __all__ = ["Plan", "clear_plans", "launch_planned", "remember"]
 
@@ -37,12 +37,16 @@ MAX_PLANS = 256
 class Plan(NamedTuple):
     """One key's launch. ``last_offset``: the largest int offset whose rows fit the table (table_len - S).
     For per-sequence offsets ``last_offset`` is unused: the kernel checks each row.
-    ``reach``: for in-place q and k, the byte distances k - q at which their spans can meet; ``shared``:
-    per such distance seen, whether they share an element (then the checked path raises)."""
+    ``spans``: in place, the bytes from the first to the last byte of q, k (0 without k), cos, sin and the
+    per-sequence offsets (-1 for an int offset), which the key fixes; each call compares the byte ranges its
+    pointers give. ``shared``: for in-place q and k
+    whose ranges meet, whether they share an element, per byte distance k - q: the key fixes both layouts,
+    so the answer (decided from addresses, :func:`~ropekit.validation.shares_memory`) is a function of the
+    distance alone, whichever storages the tensors belong to."""
 
     run: Run
     last_offset: int
-    reach: tuple[int, int] | None
+    spans: tuple[int, int, int, int, int] | None
     shared: dict[int, bool]
 
 
@@ -103,22 +107,42 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
     plan = _plans.get(_key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate))
     if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):
         return None
-    if plan.reach is not None:  # in place, q and k: may they share an element?
-        distance = k.data_ptr() - q.data_ptr()
-        if plan.reach[0] < distance < plan.reach[1]:
-            shared = plan.shared.get(distance)
-            if shared is None:
-                shared = _share_elements(q, k)
-                if len(plan.shared) < MAX_PLANS:
-                    plan.shared[distance] = shared
-            if shared:
+    if plan.spans is not None:  # in place: the memory rule, from this call's addresses (docs/safety.md)
+        inference = q.is_inference() or (k is not None and k.is_inference())
+        if inference and not torch.is_inference_mode_enabled():
+            return None  # PyTorch refuses this write: the checked path raises as it would, writing nothing
+        q_span, k_span, cos_span, sin_span, offsets_span = plan.spans
+        q_lo, cos_lo, sin_lo = q.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        if (cos_lo <= q_lo + q_span and q_lo <= cos_lo + cos_span) or (
+            sin_lo <= q_lo + q_span and q_lo <= sin_lo + sin_span
+        ):
+            return None  # q's bytes meet a table's: the checked path decides, and raises
+        if offsets_span >= 0:  # per-sequence offsets, read by the kernel as it writes
+            off_lo = offset.data_ptr()
+            if (off_lo <= q_lo + q_span and q_lo <= off_lo + offsets_span) or (
+                k is not None and off_lo <= k.data_ptr() + k_span and k.data_ptr() <= off_lo + offsets_span
+            ):
                 return None
+        if k is not None:
+            k_lo = k.data_ptr()
+            if (cos_lo <= k_lo + k_span and k_lo <= cos_lo + cos_span) or (
+                sin_lo <= k_lo + k_span and k_lo <= sin_lo + sin_span
+            ):
+                return None
+            if k_lo <= q_lo + q_span and q_lo <= k_lo + k_span:  # views of one buffer (packed qkv)
+                distance = k_lo - q_lo
+                shared = plan.shared.get(distance)
+                if shared is None:
+                    shared = shares_memory(q, k)
+                    if len(plan.shared) < MAX_PLANS:
+                        plan.shared[distance] = shared
+                if shared:
+                    return None
     return plan.run(q, k, cos, sin, offset)
 
 
-def _span(t: torch.Tensor) -> int:
-    """Bytes from t's first element to one past its last (strides are never negative in torch)."""
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+def _span(t: torch.Tensor | None) -> int:
+    return 0 if t is None else byte_extent(t)
 
 
 def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> None:
@@ -172,8 +196,9 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
                 offset=offset,
             )
 
-    reach = (-_span(k), _span(q)) if inplace and k is not None else None
-    _keep(key, Plan(run, cos.shape[0] - q.shape[1], reach, {}))
+    offsets_span = byte_extent(offset) if per_sequence and offset.numel() else -1  # -1: no bytes to meet
+    spans = (_span(q), _span(k), _span(cos), _span(sin), offsets_span) if inplace else None
+    _keep(key, Plan(run, cos.shape[0] - q.shape[1], spans, {}))
 
 
 def _keep(key: tuple, plan: Plan | None) -> None:

@@ -53,10 +53,17 @@ class NormSpec(NamedTuple):
     interleaved: bool
 
 
+# The C loop keeps a head of float32 per thread in a scratch row of MAX_HEAD_DIM floats on its stack (64 KB),
+# and the weights plus weight_offset on the heap (OLMo 2's weights span every head); wider inputs take torch.
+MAX_HEAD_DIM = 1 << 14
+MAX_PART_FEATURES = 1 << 16
+
 _SOURCE = (
     C_PRELUDE
+    + f"#define ROPEKIT_MAX_HEAD_DIM {MAX_HEAD_DIM}\n#define ROPEKIT_MAX_PART_FEATURES {MAX_PART_FEATURES}\n"
     + r"""
 #include <math.h>
+#include <stdlib.h>
 
 
 /* Sum of squares of n values in eight float32 lanes, then the lanes in order: a fixed order. */
@@ -89,7 +96,7 @@ static inline __attribute__((always_inline)) void NAME##_heads( \
         T *restrict x, int64_t heads, int64_t head_dim, int64_t half, const float *restrict w, \
         int all_heads, float eps, int cast_before, int interleaved, const float *restrict c, \
         const float *restrict s, const T *next) { \
-    float xf[head_dim]; \
+    float xf[ROPEKIT_MAX_HEAD_DIM]; /* head_dim <= the bound (checked on entry) */ \
     float r = 0.0f; \
     if (all_heads) { /* OLMo 2: one mean square over every head, the heads' sums added in order */ \
         float total = 0.0f; \
@@ -139,8 +146,9 @@ static void NAME##_part(T *x, int64_t heads, int64_t head_dim, int64_t half, con
     else \
         NAME##_heads(x, heads, head_dim, half, w, all_heads, eps, cast_before, interleaved, c, s, next); \
 } \
-/* Returns -1 when done, else the first token whose table row is outside [0, table_len); nothing is written \
-   then. */ \
+/* Returns -1 when done, -2 when head_dim, half or a part's features are past the bounds (or the weights' \
+   scratch cannot be allocated), else the first token whose table row is outside [0, table_len); nothing is \
+   written then. */ \
 int64_t NAME(void *qkv, const float *wq, const float *wk, const float *cos, const float *sin, \
              const int64_t *pos, const int64_t *a, const double *f) { \
     const int64_t stride_b = a[0], stride_s = a[1], batch = a[2], seq = a[3], q_heads = a[4]; \
@@ -150,12 +158,20 @@ int64_t NAME(void *qkv, const float *wq, const float *wk, const float *cos, cons
     const int threads = (int)a[15]; \
     const float eps = (float)f[0], weight_offset = (float)f[1]; \
     int64_t tokens = batch * seq; \
+    if (head_dim < 1 || head_dim > ROPEKIT_MAX_HEAD_DIM || half < 1 || 2 * half > head_dim || q_heads < 1 \
+        || k_heads < 1 || q_heads > ROPEKIT_MAX_PART_FEATURES / head_dim \
+        || k_heads > ROPEKIT_MAX_PART_FEATURES / head_dim) \
+        return -2; \
     { \
         int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
         if (bad >= 0) return bad; \
     } \
     int64_t nq = all_heads ? q_heads * head_dim : head_dim, nk = all_heads ? k_heads * head_dim : head_dim; \
-    float wq2[nq], wk2[nk]; /* w + weight_offset in float32, once per call (Gemma's 1.0 + w.float()) */ \
+    /* w + weight_offset in float32, once per call (Gemma's 1.0 + w.float()), on the heap: OLMo 2's span \
+       every head */ \
+    float *wq2 = (float *)malloc((size_t)(nq + nk) * sizeof(float)); \
+    if (!wq2) return -2; \
+    float *wk2 = wq2 + nq; \
     for (int64_t i = 0; i < nq; ++i) wq2[i] = wq[i] + weight_offset; \
     for (int64_t i = 0; i < nk; ++i) wk2[i] = wk[i] + weight_offset; \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
@@ -171,6 +187,7 @@ int64_t NAME(void *qkv, const float *wq, const float *wk, const float *cos, cons
         NAME##_part(x + q_heads * head_dim, k_heads, head_dim, half, wk2, all_heads, eps, cast_before, \
                     interleaved, c, s, next ? next + q_heads * head_dim : NULL); \
     } \
+    free(wq2); \
     return -1; \
 }
 
@@ -187,10 +204,6 @@ SUPPORTED_DTYPES = tuple(_ENTRY)
 _ARGTYPES = [ctypes.c_void_p] * 8
 _INT_ARGS = struct.Struct("16q")
 _FLOAT_ARGS = struct.Struct("2d")
-# The C loop keeps a head of floats per thread and the weights on the stack (OLMo 2's weights span every
-# head); wider inputs take the torch path.
-MAX_HEAD_DIM = 1 << 14
-MAX_PART_FEATURES = 1 << 16
 
 _functions: dict[torch.dtype, object] = {}
 _build_error: str | None = None
@@ -263,6 +276,11 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec)
         ints,
         floats,
     )
+    if bad == -2:  # unavailable_reason bounds the packing first: reached only if the bounds ever disagree
+        raise ValueError(
+            f"qkv: expected head_dim <= {MAX_HEAD_DIM} and q / k rows of <= {MAX_PART_FEATURES} features for "
+            f"the C loop (or its weights' scratch could not be allocated): nothing written"
+        )
     if bad >= 0:
         position = int(positions[bad]) if positions is not None else offset + bad
         raise row_error(position, table_len, bad if positions is not None else None)

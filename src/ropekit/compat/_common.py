@@ -33,7 +33,7 @@ def renamed(err: ValueError, names: Mapping[str, str]) -> ValueError:
     """
     name, sep, rest = str(err).partition(":")
     if sep and name in names:
-        return ValueError(f"{names[name]}:{rest}")
+        return type(err)(f"{names[name]}:{rest}")  # the same class (InPlaceError is a RuntimeError too)
     return err
 
 

@@ -29,7 +29,7 @@ import torch
 from ropekit.compat._common import peer_names
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8
-from ropekit.validation import check_bool, check_int, describe, is_compiling
+from ropekit.validation import check_bool, check_int, check_no_alias, describe, is_compiling
 
 __all__ = [
     "apply_rope_with_cos_sin_cache",
@@ -176,6 +176,14 @@ def rope_quantize_fp8(
         k_nope = _with_heads("k_nope", k_nope, mla)
     if not isinstance(pos_ids, torch.Tensor):
         raise ValueError(f"pos_ids: expected an integer tensor (nnz,), got {describe(pos_ids)}")
+    # The memory rule: the outputs share memory with no input and no other output.
+    check_no_alias(
+        (("q_rope_out", q_rope_out), ("k_rope_out", k_rope_out), ("q_nope_out", q_nope_out),
+         ("k_nope_out", k_nope_out)),
+        (("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
+         ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids)),
+        optional=False,
+    )  # fmt: skip
     q_scale, k_scale = _scale("quant_scale_q", quant_scale_q), _scale("quant_scale_kv", quant_scale_kv)
     with peer_names(_FP8_NAMES):
         outs = apply_rotary_qk_fp8(
@@ -288,6 +296,15 @@ def rope_quantize_fp8_append_paged_kv_cache(
     slots = _page_slots(
         kv_indices, kv_indptr, batch_indices, positions, page_size, cache_0.shape[0], q_rope.shape[0],
         cache_0.device,
+    )  # fmt: skip
+    # The memory rule: q's outputs and the caches share memory with nothing read and with each other.
+    check_no_alias(
+        (("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out), ("paged_kv_cache[0]", cache_0),
+         ("paged_kv_cache[1]", cache_1)),
+        (("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope), ("v", v),
+         ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids), ("kv_indices", kv_indices),
+         ("kv_indptr", kv_indptr), ("batch_indices", batch_indices), ("positions", positions)),
+        optional=False,
     )  # fmt: skip
     # q first, into new tensors: the caller's q_rope_out / q_nope_out are filled only once the caches are.
     q_rope_8, _, q_nope_8, _ = rope_quantize_fp8(

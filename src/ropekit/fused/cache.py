@@ -15,8 +15,9 @@ from ropekit.fused.plan import cache_view, check_inference, check_scale, check_s
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
-    check_disjoint,
+    check_in_place_allowed,
     check_movable,
+    check_no_alias,
     check_tables,
     check_writable,
     describe,
@@ -60,7 +61,8 @@ def apply_rotary_qk_and_cache(
             (P, N, Hk, D) or "hnd" (P, Hk, N, D) (v_cache with Dv). Their dtype is q's, or an FP8 dtype
             (``torch.float8_e4m3fn`` / ``float8_e5m2``) with k_scale / v_scale.
         slot_mapping: int64 (T,) or (B, S): each token's flat slot ``page * page_size + index_in_page``;
-            -1 skips the token (padding), as in vLLM.
+            -1 skips the token (padding), as in vLLM. Distinct: a slot twice is an error (two tokens
+            written to one slot race on a parallel backend); -1 may repeat.
         cache_layout: "flat", "nhd" or "hnd"; always explicit, never guessed from the shapes.
         positions, offsets, cu_seqlens, interleaved: as in :func:`ropekit.apply_rotary`.
         inplace: rotate q in place and return it; otherwise q is untouched and a new tensor is returned.
@@ -74,8 +76,9 @@ def apply_rotary_qk_and_cache(
     Raises:
         ValueError: before anything is written, for: inputs that require grad (inference only), shapes that
             disagree, a cache of the wrong layout, shape, dtype or device, a slot outside [-1, num_slots)
-            (on the host for CPU tensors; a device-side assert otherwise), a missing, misshaped or
-            non-positive scale, or a backend that cannot serve the inputs.
+            or given twice (on the host for CPU tensors; a device-side assert otherwise), a missing,
+            misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
+            with another written or read one, or a backend that cannot serve the inputs.
     """
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
@@ -128,7 +131,6 @@ def apply_rotary_qk_and_cache(
             f"v_cache: expected k_cache's pages and page size {tuple(kc.shape[:2])}, got shape "
             f"{tuple(v_cache.shape)}"
         )
-    check_disjoint("k_cache", k_cache, "v_cache", v_cache)
     scales = []
     for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
         if fp8_kind(cache.dtype):
@@ -142,11 +144,19 @@ def apply_rotary_qk_and_cache(
         else:
             scales.append(None)
     slots = check_slots("slot_mapping", slot_mapping, (batch, seq), q.device)
-    if inplace:  # q is written before k and v are read: none of them may share q's memory
+    if inplace:
+        check_in_place_allowed("q", q)
         check_writable("q", q)
-        for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-            check_disjoint("q", q, name, t)
-    name = select(backend, q4, cos)
+    # The memory rule: q (in place), k_cache and v_cache share memory with nothing the call reads (a cache
+    # holding k's own memory would be written while k is read: issue 24, repro 2) nor with each other.
+    check_no_alias(
+        (("q", q if inplace else None), ("k_cache", k_cache), ("v_cache", v_cache)),
+        (("q", None if cache_only else q), ("k", k), ("v", v), ("cos", cos), ("sin", sin),
+         ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens),
+         ("slot_mapping", slot_mapping), ("k_scale", k_scale), ("v_scale", v_scale)),
+        optional=False,
+    )  # fmt: skip
+    name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
     sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
     q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
     plan = FusedLaunch(

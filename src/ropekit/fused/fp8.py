@@ -104,7 +104,8 @@ def apply_rotary_qk_fp8(
                 raise ValueError(
                     f"{name}: expected {heads} heads (as its rope part), got shape {tuple(t.shape)}"
                 )
-    name = select(backend, q4, cos)
+    widest = max([head_dim] + ([] if nopes is None else [t.shape[3] for t in nopes]))
+    name = select(backend, q4, cos, widest=widest)
     kind = FP8_KINDS[fp8_dtype]
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()
     outs = []

@@ -17,16 +17,18 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from ropekit.backends import select_backend
-from ropekit.backends.fused_launch import FP8_KINDS, FusedLaunch
-from ropekit.validation import check_movable, check_writable, describe, is_compiling
+from ropekit.backends.fused_launch import FP8_KINDS, MAX_WIDTH, FusedLaunch
+from ropekit.validation import check_in_place_allowed, check_movable, check_writable, describe, is_compiling
 
 __all__ = [
     "CACHE_LAYOUTS",
     "FUSED_BACKENDS",
     "cache_view",
+    "check_distinct_slots",
     "check_inference",
     "check_scale",
     "check_slots",
@@ -96,6 +98,7 @@ def cache_view(
         )
     if cache.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name}: expected a cache that does not require grad (it is written in place)")
+    check_in_place_allowed(name, cache)
     check_writable(name, cache)
     return view.view(torch.uint8) if cache.dtype in FP8_KINDS else view
 
@@ -137,10 +140,11 @@ def check_scale(name: str, scale: object, heads: int, device: torch.device) -> t
 
 
 def check_slots(name: str, slots: object, shape: tuple[int, ...], device) -> torch.Tensor:
-    """slot_mapping: an int64 tensor of the given shape on device; returned flat and contiguous.
+    """slot_mapping: an int64 tensor of the given shape on device, no slot twice; returned flat, contiguous.
 
-    Its values (each -1 or in [0, num_slots)) are checked once, by whichever launcher runs: the C loop and the
-    torch reference on the host before any write, Triton on the host (interpreter) or the device."""
+    Its range (each -1 or in [0, num_slots)) is checked once, by whichever launcher runs: the C loop and the
+    torch reference on the host before any write, Triton on the host (interpreter) or the device. Distinct
+    slots are checked here, where the data lives (:func:`check_distinct_slots`)."""
     if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
         raise ValueError(f"{name}: expected an int64 tensor (one flat slot per token), got {describe(slots)}")
     if tuple(slots.shape) != tuple(shape):
@@ -149,17 +153,50 @@ def check_slots(name: str, slots: object, shape: tuple[int, ...], device) -> tor
         )
     if slots.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {slots.device}")
-    return slots.reshape(-1).contiguous()
+    flat = slots.reshape(-1).contiguous()
+    check_distinct_slots(name, flat)
+    return flat
 
 
-def select(backend: str, x: torch.Tensor, cos: torch.Tensor) -> str:
+def check_distinct_slots(name: str, flat: torch.Tensor) -> None:
+    """No slot twice among the tokens' real slots (-1, a skipped token, may repeat): two tokens written to one
+    slot race on a multi-threaded loop or a GPU, and rotating one cached key twice (shift_cache_) is never
+    meant. On the host for CPU tensors (a ValueError naming the slot and two tokens); on the device otherwise
+    (a device-side assert, no host sync). Checked before anything is written."""
+    if flat.numel() < 2:
+        return
+    if flat.device.type != "cpu" or is_compiling():
+        ordered = flat.sort().values  # (n,): equal slots are neighbours
+        repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+        torch._assert_async(~repeated.any(), f"ropekit: {name} holds a slot twice (slots must be distinct)")
+        return
+    ordered = np.sort(flat.numpy())  # the host's data, no copy; NumPy costs less per call than torch here
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    if repeated.any():
+        slot = int(ordered[1:][repeated][0])
+        first, second = (flat == slot).nonzero().flatten()[:2].tolist()
+        raise ValueError(
+            f"{name}: slot {slot} is given twice (tokens {first} and {second}); expected distinct slots (-1, "
+            f"a skipped token, may repeat): two writes to one slot race on a parallel backend"
+        )
+
+
+def select(backend: str, x: torch.Tensor, cos: torch.Tensor, widest: int = 0) -> str:
     """The backend name that runs a fused op on inputs like x: the dispatch's choice (it raises for an
-    explicit backend that cannot serve x), then whether that backend has a fused kernel here."""
+    explicit backend that cannot serve x), then whether that backend has a fused kernel here, for heads of
+    ``widest`` features (the C loop and the Triton kernel serve up to MAX_WIDTH; "auto" then takes torch)."""
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     name = select_backend(backend, x, cos).name
     if name not in FUSED_BACKENDS:
         raise ValueError(f"backend: {name!r} has no fused serving kernel (use 'torch', 'cpu' or 'triton')")
+    if name != "torch" and widest > MAX_WIDTH:
+        if backend == "auto":
+            return "torch"
+        raise ValueError(
+            f"backend: {name!r} serves heads of up to {MAX_WIDTH} features, got a head of {widest}; use "
+            f"backend='torch' (or 'auto', which takes it for such heads)"
+        )
     if name == "cpu":
         from ropekit.backends import fused_cpu
 

@@ -38,8 +38,10 @@ from ropekit.backends.qk_norm_cpu import launch as cpu_launch
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
+    check_in_place_allowed,
     check_int,
     check_movable,
+    check_no_alias,
     check_positive,
     check_tables,
     check_writable,
@@ -283,7 +285,13 @@ def qk_norm_rotary_(
             "qkv: a leaf tensor that requires grad cannot be modified in place; pass qkv.clone() (the output "
             "of the qkv projection is not a leaf)"
         )
+    check_in_place_allowed("qkv", qkv)  # a view of such a leaf, an inference tensor outside inference mode
     check_writable("qkv", qkv)
+    check_no_alias(  # the memory rule: qkv is rotated in place of itself; what it reads stays apart
+        (("qkv", qkv),),
+        (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin),
+         ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)),
+    )  # fmt: skip
     if cos.device != qkv.device:
         cos, sin = cos.to(qkv.device), sin.to(qkv.device)
 

@@ -12,7 +12,7 @@ import torch
 
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.fused.plan import cache_view, check_slots, run, select
-from ropekit.validation import check_bool, check_int, check_movable, check_tables, describe
+from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
 
 __all__ = ["shift_cache_"]
 
@@ -46,7 +46,8 @@ def shift_cache_(
 
     Raises:
         ValueError: before anything is written, for a cache of the wrong layout, rank or dtype, |delta| past
-            the table, slots that are not int64 (n,) or outside [-1, num_slots), or an unusable backend.
+            the table, slots that are not int64 (n,), outside [-1, num_slots) or given twice, tables or
+            slots that share the cache's memory, or an unusable backend.
     """
     check_bool("interleaved", interleaved)
     delta = check_int("delta", delta, minimum=-(1 << 62), expected="an int (positions to move by)")
@@ -82,7 +83,10 @@ def shift_cache_(
         flat_slots = check_slots("slots", slots, (n,), k_cache.device)
     else:
         n, flat_slots = num_slots, None
-    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos)
+    # The memory rule: the cache is rotated in place of itself; the tables and slots it reads stay apart.
+    reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))
+    check_no_alias((("k_cache", k_cache),), reads, optional=False)
+    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos, widest=width)
     # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
     half = cos.shape[1]
     if cos.device != k_cache.device:
