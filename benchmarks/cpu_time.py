@@ -26,6 +26,7 @@ import torch
 
 import ropekit
 from ropekit.tools.bench import SHAPES, _hf_tables, make_case, meta_complex_rotary
+from ropekit.tools.bench_fused import copy_floor
 
 # (shape, row, baseline row, at most): issue 17's targets, each a ratio of two rows of one run.
 TARGETS = [
@@ -48,11 +49,10 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
     case = make_case(SHAPES[shape], torch.float32, torch.device("cpu"))
     q, k, cos, sin, kw = case.q, case.k, case.cos, case.sin, case.ropekit_kwargs
     q_in, k_in = q.clone(), k.clone()
-    q_buf, k_buf = torch.empty_like(q), torch.empty_like(k)
     calls: dict[str, Callable[[], object]] = {
         "out of place": lambda: ropekit.apply_rotary_qk(q, k, cos, sin, **kw),
         "in place": lambda: ropekit.apply_rotary_qk(q_in, k_in, cos, sin, inplace=True, **kw),
-        "copy_": lambda: (q_buf.copy_(q), k_buf.copy_(k)),
+        "copy_": copy_floor((q, k)),
         "clone": lambda: (q.clone(), k.clone()),
     }
     if shape.startswith("prefill"):
