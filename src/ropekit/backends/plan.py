@@ -25,7 +25,7 @@ import torch
 
 from ropekit.validation import _share_elements
 
-__all__ = ["Plan", "clear_plans", "launch_planned", "remember"]
+__all__ = ["Plan", "clear_plans", "keep", "known", "launch_planned", "lookup", "remember", "span"]
 
 # run(q, k, cos, sin, offset) -> (q_out, k_out): the launch with the key's facts bound in.
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -47,6 +47,10 @@ class Plan(NamedTuple):
 
 
 _plans: dict[tuple, Plan | None] = {}  # None: the key's backend has no plan for it
+# The one cache serves every op: another op's key starts with its name (ropekit.fused.planned), and its plan
+# is that op's own run. lookup(key): the plan or None; known(key): planned already, or known to have none.
+lookup = _plans.get
+known = _plans.__contains__
 
 
 def clear_plans() -> None:
@@ -116,7 +120,7 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
     return plan.run(q, k, cos, sin, offset)
 
 
-def _span(t: torch.Tensor) -> int:
+def span(t: torch.Tensor) -> int:
     """Bytes from t's first element to one past its last (strides are never negative in torch)."""
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
@@ -153,7 +157,7 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
             else make(q, k, cos, sin, **flags)
         )
         if run is None:
-            _keep(key, None)  # the key alone decided it (layout, dtype): the checked path serves this kind
+            keep(key, None)  # the key alone decided it (layout, dtype): the checked path serves this kind
             return
     elif per_sequence:
         return
@@ -172,11 +176,12 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
                 offset=offset,
             )
 
-    reach = (-_span(k), _span(q)) if inplace and k is not None else None
-    _keep(key, Plan(run, cos.shape[0] - q.shape[1], reach, {}))
+    reach = (-span(k), span(q)) if inplace and k is not None else None
+    keep(key, Plan(run, cos.shape[0] - q.shape[1], reach, {}))
 
 
-def _keep(key: tuple, plan: Plan | None) -> None:
+def keep(key: tuple, plan: object) -> None:
+    """Store key's plan (None: the key has none), starting over past MAX_PLANS."""
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan

@@ -22,6 +22,7 @@ from ropekit.fused.plan import (
     run,
     select,
 )
+from ropekit.fused.planned import planned_cache, remember_cache
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, describe
 
@@ -80,6 +81,11 @@ def apply_rotary_qk_and_cache(
             (on the host for CPU tensors; a device-side assert otherwise), a missing, misshaped or
             non-positive scale, or a backend that cannot serve the inputs.
     """
+    out, key = planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout,
+                             positions, offsets, cu_seqlens, interleaved, inplace, k_scale, v_scale,
+                             backend)  # fmt: skip
+    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
+        return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
@@ -153,7 +159,9 @@ def apply_rotary_qk_and_cache(
     args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved, scales[0],
             scales[1], name)  # fmt: skip
     if plain_eager(q):
-        _launch(None if cache_only else q, q if inplace else q_out, *args, checked=True)
+        launch = _launch(None if cache_only else q, q if inplace else q_out, *args, checked=True)
+        if key is not None and not cache_only:  # plan the next call like this one
+            remember_cache(key, name, launch, q, k, v, k_cache, v_cache, offsets, inplace)
     elif inplace:  # traced: the registered op, one node of a compiled graph
         _OP_(q, *args)
     else:
@@ -169,7 +177,7 @@ _ARGS = (
 
 
 def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache, cache_layout, interleaved,
-            k_scale, v_scale, backend, *, checked: bool) -> None:  # fmt: skip
+            k_scale, v_scale, backend, *, checked: bool) -> FusedLaunch:  # fmt: skip
     """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
     into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
     wall and the memory rule are checked here, the kernels check table rows and slots."""
@@ -203,6 +211,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     run(backend, plan, written if checked else [], checked=checked)
     if scratch is not out4:  # a strided last axis: rotated in a scratch copy
         out4.copy_(scratch)
+    return plan
 
 
 def _fake(*args) -> None:
@@ -213,14 +222,14 @@ def _fake(*args) -> None:
 # torch.ops.ropekit.rotary_qk_and_cache_(q, k, ...): q in place. Both write the caches.
 _OP = register_op(
     "rotary_qk_and_cache",
-    lambda *args: _launch(*args, checked=False),
+    lambda *args: _launch(*args, checked=False) and None,
     _fake,
     mutates_args=("q_out", "k_cache", "v_cache"),
     schema=f"(Tensor? q, Tensor(c!)? q_out, {_ARGS}) -> ()",
 )
 _OP_ = register_op(
     "rotary_qk_and_cache_",
-    lambda q, *args: _launch(q, q, *args, checked=False),
+    lambda q, *args: _launch(q, q, *args, checked=False) and None,
     _fake,
     mutates_args=("q", "k_cache", "v_cache"),
     schema=f"(Tensor(c!) q, {_ARGS}) -> ()",
