@@ -129,7 +129,9 @@ def test_the_plan_tells_autograd_what_it_wrote():
     assert [t._version for t in (q, *caches)] == [n + 1 for n in versions]
 
 
-@pytest.mark.parametrize("change", ["transposed cache", "other dtype", "requires grad", "positions", "scale"])
+@pytest.mark.parametrize(
+    "change", ["transposed cache", "other dtype", "requires grad", "positions", "scale", "float64 table"]
+)
 def test_anything_a_check_relied_on_misses_the_plan(change):
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     kw = {}
@@ -145,6 +147,9 @@ def test_anything_a_check_relied_on_misses_the_plan(change):
     elif change == "positions":
         kw = dict(positions=torch.tensor([[1], [2]]), offsets=0)
         match = None
+    elif change == "float64 table":  # converted per call by the checked path: never planned
+        cos, sin = cos.double(), sin.double()
+        match = None
     else:
         kw = dict(k_scale=1.0)
         match = "k_scale: expected None for a torch.float32 cache"
@@ -153,6 +158,7 @@ def test_anything_a_check_relied_on_misses_the_plan(change):
         **({"offsets": offsets} | kw), inplace=True, backend="cpu",
     )  # fmt: skip
     if match is None:
+        step()
         assert "check_slots" in ropekit_calls(step)
     else:
         with pytest.raises(ValueError, match=match):
@@ -167,3 +173,49 @@ def test_other_backends_have_no_plan_and_keep_the_checked_path():
     assert "check_slots" in ropekit_calls(
         lambda: call(q, k, v, cos, sin, caches, slots, offsets, "nhd", True, "torch")
     )
+
+
+def qk_norm_inputs(form: str, seed: int = 0):
+    """A Qwen3-style packed qkv of 4 tokens (32 q, 8 kv heads, head_dim 128) and its position kwargs."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    weights = [1 + 0.1 * torch.randn(128, generator=g) for _ in range(2)]
+    if form == "positions":  # vLLM's (T, W) with a position per token
+        qkv = torch.randn(4, 48 * 128, generator=g)
+        kw = dict(positions=torch.tensor([7, 100, 3, 2000]))
+    else:  # (B, 1, W): a decode step
+        qkv = torch.randn(4, 1, 48 * 128, generator=g)
+        kw = dict(offsets=torch.tensor([7, 100, 3, 2000]) if form == "offsets_per_seq" else 1000)
+    return qkv, weights, cos, sin, kw
+
+
+def qk_norm_call(qkv, weights, cos, sin, kw, backend="cpu"):
+    return ropekit.qk_norm_rotary_(qkv, *weights, cos, sin, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                   eps=1e-6, backend=backend, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
+def test_steady_qk_norm_step_makes_at_most_8_ropekit_calls_and_matches_the_torch_path(form):
+    qkv, weights, cos, sin, kw = qk_norm_inputs(form)
+    want = qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)  # plans the key
+    got = qkv.clone()
+    versions = got._version
+    calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "resolve" not in calls and "_check_weight" not in calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got._version == versions + 1
+
+
+@pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
+def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
+    qkv, weights, cos, sin, kw = qk_norm_inputs(form)
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    bad = {"offset": dict(offsets=2048), "offsets_per_seq": dict(offsets=torch.tensor([1, 2, 3, 2048]))}
+    bad["positions"] = dict(positions=torch.tensor([1, 2, 2048, 3]))
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="positions: largest position 2048 is past the cos/sin table"):
+        qk_norm_call(qkv, weights, cos, sin, bad[form])
+    assert torch.equal(qkv, before)

@@ -1,6 +1,6 @@
-"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` decode step is
-a key, one lookup in the launch-plan cache (:mod:`ropekit.backends.plan`), the value checks that cannot be
-planned, and one call of the C loop.
+"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
+:func:`~ropekit.qk_norm_rotary_` decode step is a key, one lookup in the launch-plan cache
+(:mod:`ropekit.backends.plan`), the value checks that cannot be planned, and one call of the C loop.
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
 :class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`remember_cache` stores
@@ -11,7 +11,8 @@ A later call with the same key runs the plan after the checks that depend on val
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
   table and the cache by the C loop itself, before it writes anything;
 * memory: every written tensor (the caches, and q in place) against the others, by their byte ranges, and
-  exactly (:func:`ropekit.validation._share_elements`) where the ranges meet.
+  exactly (:func:`ropekit.validation._share_elements`) where the ranges meet (QK-norm writes qkv alone, whose
+  own layout the key holds).
 
 A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
 each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
@@ -24,15 +25,16 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.backends import fused_cpu
+from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import keep, known, lookup, span
 from ropekit.validation import _share_elements
 
-__all__ = ["planned_cache", "remember_cache"]
+__all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
 
 # Pairs (written, other) of (q, k, v, k_cache, v_cache) whose memory a call checks: q is written in place.
 Tensor = torch.Tensor
+_NUMBERS = (float, int)  # exact types: a bool is neither (type(True) is bool)
 _IN_PLACE_PAIRS = ((0, 1), (0, 2), (0, 3), (0, 4), (3, 1), (3, 2), (3, 4), (4, 1), (4, 2))
 _OUT_OF_PLACE_PAIRS = ((3, 0), (3, 1), (3, 2), (3, 4), (4, 0), (4, 1), (4, 2))
 
@@ -46,21 +48,13 @@ def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layou
         or cu_seqlens is not None
         or k_scale is not None
         or v_scale is not None
-        or type(q) is not Tensor
-        or type(k) is not Tensor
-        or type(v) is not Tensor
-        or type(cos) is not Tensor
-        or type(sin) is not Tensor
-        or type(k_cache) is not Tensor
-        or type(v_cache) is not Tensor
-        or type(slot_mapping) is not Tensor
+        or not (type(q) is type(k) is type(v) is type(cos) is type(sin) is type(k_cache) is type(v_cache)
+                is type(slot_mapping) is Tensor)
         or (interleaved is not True and interleaved is not False)
         or (inplace is not True and inplace is not False)
-        or type(backend) is not str
-        or type(cache_layout) is not str
-        or torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-    ):
+        or not (type(backend) is type(cache_layout) is str)
+        or _tracing()
+    ):  # fmt: skip
         return None, None
     if torch.is_grad_enabled() and (
         q.requires_grad
@@ -70,11 +64,8 @@ def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layou
         or v_cache.requires_grad
     ):
         return None, None
-    if type(offsets) is int:
-        layout = None
-    elif type(offsets) is Tensor:
-        layout = (offsets.shape, offsets.stride(), offsets.dtype, offsets.device)
-    else:
+    layout = _rows_layout(None, offsets)
+    if layout is False:
         return None, None
     key = (
         "apply_rotary_qk_and_cache", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
@@ -85,38 +76,40 @@ def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layou
         inplace, backend,
     )  # fmt: skip
     plan = lookup(key)
-    if plan is None:
-        return None, key
-    return plan(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, offsets), key
+    if plan is not None:
+        return plan(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, offsets), key
+    if known(key) or not _plannable(
+        q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1]
+    ):
+        return None, None  # the key alone decides that the checked path serves this kind
+    return None, key
+
+
+def _plannable(x, others, cos, sin, offsets, batch) -> bool:
+    """Whether a plan could serve calls like this one (asked once per key): every tensor on x's device, a
+    float32 table of unit stride (the launch converts any other), x 4-D (or (B, S, W)) with elements, and
+    per-sequence offsets an int64 (batch,) contiguous tensor (the launch converts any other)."""
+    tensors = (*others, cos, sin) if type(offsets) is int else (*others, cos, sin, offsets)
+    return (
+        all(t.device == x.device for t in tensors)
+        and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (cos, sin))
+        and x.numel() > 0
+        and all(t.numel() > 0 for t in others)
+        and (type(offsets) is int or (offsets.dtype == torch.int64 and offsets.shape == batch
+                                      and offsets.is_contiguous()))
+    )  # fmt: skip
 
 
 def remember_cache(key, backend: str, like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace) -> None:
     """Store the plan for key after the checked path served it with ``like`` (its launch), or that key has
-    none (another backend than the C loop, a table or input the launch converted, a 3-D q)."""
+    none (another backend than the C loop, an input the launch copied, a 3-D q)."""
     if known(key):
         return
     units = all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
-    per_sequence = type(offsets) is not int
-    if (
-        backend != "cpu"
-        or not units
-        or q.dim() != 4
-        or q.numel() == 0
-        or k.numel() == 0
-        or like.cos.dtype != torch.float32
-        or (
-            per_sequence
-            and not (
-                offsets.dtype == torch.int64
-                and offsets.shape == q.shape[:1]
-                and offsets.is_contiguous()
-                and offsets.device == q.device
-            )
-        )
-    ):
+    if backend != "cpu" or not units or q.dim() != 4:
         keep(key, None)  # the key alone decided it: the checked path serves this kind
         return
-    keep(key, _cache_plan(like, q, k, v, k_cache, v_cache, per_sequence, inplace))
+    keep(key, _cache_plan(like, q, k, v, k_cache, v_cache, type(offsets) is not int, inplace))
 
 
 def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, per_sequence: bool, inplace: bool):
@@ -159,3 +152,107 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, per_sequence: bool
         return q_out
 
     return run
+
+
+def _rows_layout(positions, offsets):
+    """The key's part for the rows: None for an int offset, the layout of a positions tensor (offsets 0) or
+    of a per-sequence offsets tensor; False when no plan may serve these."""
+    if positions is not None:
+        if type(positions) is not Tensor or type(offsets) is not int or offsets != 0:
+            return False
+        return ("positions", positions.shape, positions.stride(), positions.dtype, positions.device)
+    if type(offsets) is int:
+        return None
+    if type(offsets) is Tensor:
+        return (offsets.shape, offsets.stride(), offsets.dtype, offsets.device)
+    return False
+
+
+def _tracing() -> bool:
+    """A trace (torch.compile) or a dispatch mode is watching: the registered ops serve it, never a plan."""
+    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+
+
+def planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps, positions,
+                    offsets, cu_seqlens, interleaved, weight_offset, norm, cast_before_weight,
+                    backend):  # fmt: skip
+    """:func:`planned_cache` for :func:`~ropekit.qk_norm_rotary_`: (qkv, key) when a plan served the call,
+    (None, key) when the checked path must and may then remember it, (None, None) when no plan may."""
+    if (
+        cu_seqlens is not None
+        or not (type(qkv) is type(q_weight) is type(k_weight) is type(cos) is type(sin) is Tensor)
+        or not (type(num_q_heads) is type(num_kv_heads) is type(head_dim) is int)
+        or not (type(eps) in _NUMBERS and type(weight_offset) in _NUMBERS)
+        or not (type(norm) is type(backend) is str)
+        or not (cast_before_weight is None or cast_before_weight is True or cast_before_weight is False)
+        or (interleaved is not True and interleaved is not False)
+        or _tracing()
+    ):
+        return None, None
+    if cos.requires_grad or sin.requires_grad:  # refused in any grad mode (constants to qk_norm_rotary_)
+        return None, None
+    if torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad):
+        return None, None
+    layout = _rows_layout(positions, offsets)
+    if layout is False:
+        return None, None
+    key = (
+        "qk_norm_rotary_", qkv.shape, qkv.stride(), qkv.dtype, qkv.device, q_weight.shape,
+        q_weight.stride(), q_weight.dtype, q_weight.device, k_weight.shape, k_weight.stride(), k_weight.dtype,
+        k_weight.device, cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype,
+        sin.device, layout, num_q_heads, num_kv_heads, head_dim, eps, weight_offset, norm, cast_before_weight,
+        interleaved, backend,
+    )  # fmt: skip
+    plan = lookup(key)
+    if plan is not None:
+        return plan(qkv, q_weight, k_weight, cos, sin, positions, offsets), key
+    weights = (q_weight, k_weight)
+    if (
+        known(key)
+        or qkv.dim() not in (2, 3)
+        or not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+        or not _plannable(qkv, weights, cos, sin, offsets, qkv.shape[:1] if qkv.dim() == 3 else (1,))
+        or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
+                                           and positions.device == qkv.device))
+    ):  # fmt: skip
+        return None, None
+    return None, key
+
+
+def remember_qk_norm(
+    key, backend: str, qkv, cos, sin, spec: qk_norm_cpu.NormSpec, positions, offsets
+) -> None:
+    """Store the plan for key after the checked path served it on backend, or that key has none (not the C
+    loop)."""
+    if known(key):
+        return
+    if backend != "cpu":
+        keep(key, None)
+        return
+    view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
+    c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
+    seq = view.shape[1]
+    per_sequence = positions is None and type(offsets) is not int
+    last_offset = cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    steps = None if seq == 1 else torch.arange(seq, device=qkv.device)  # (seq,): per-sequence rows
+    increment_version = torch._C._increment_version
+
+    def run(qkv, q_weight, k_weight, cos, sin, positions, offsets):
+        if positions is not None:
+            rows, offset = positions.data_ptr(), 0
+        elif per_sequence:
+            rows = (offsets if steps is None else (offsets[:, None] + steps).view(-1)).data_ptr()
+            offset = 0
+        elif 0 <= offsets <= last_offset:
+            rows, offset = None, offsets
+        else:
+            return None
+        pointers = (qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        code = c_loop(*pointers, rows, offset)
+        if code != -1:  # a row outside the table, nothing written: the checked path says which
+            return None
+        if not qkv.is_inference():
+            increment_version((qkv,))
+        return qkv
+
+    keep(key, run)

@@ -36,6 +36,7 @@ from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
 from ropekit.backends.qk_norm_cpu import launch as cpu_launch
+from ropekit.fused.planned import planned_qk_norm, remember_qk_norm
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_int, check_positive, check_tables, check_writable, describe
 
@@ -217,6 +218,11 @@ def qk_norm_rotary_(
             offsets or cu_seqlens as :func:`ropekit.apply_rotary` refuses them; a read-only or overlapping
             qkv, or a leaf that requires grad; an unavailable backend. Nothing is written then.
     """
+    out, key = planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps,
+                               positions, offsets, cu_seqlens, interleaved, weight_offset, norm,
+                               cast_before_weight, backend)  # fmt: skip
+    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
+        return out
     qkv = _check_qkv(qkv, cu_seqlens is not None)
     q_heads = check_int("num_q_heads", num_q_heads, minimum=1, expected="a positive int")
     k_heads = check_int("num_kv_heads", num_kv_heads, minimum=1, expected="a positive int")
@@ -298,6 +304,8 @@ def qk_norm_rotary_(
     args = (qkv, q_weight, k_weight, cos, sin, rows, pos.offset, *spec, impl)
     if plain_eager(qkv):
         _launch(*args, checked=True)
+        if key is not None:  # plan the next call like this one
+            remember_qk_norm(key, impl, qkv, cos, sin, spec, positions, offsets)
     else:  # traced: the registered op, one node of a compiled graph
         _OP(*args)
     return qkv
