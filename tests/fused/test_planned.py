@@ -219,3 +219,15 @@ def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
     with pytest.raises(ValueError, match="positions: largest position 2048 is past the cos/sin table"):
         qk_norm_call(qkv, weights, cos, sin, bad[form])
     assert torch.equal(qkv, before)
+
+
+def test_a_strided_slot_mapping_is_read_as_the_checked_path_reads_it():
+    q, k, v, cos, sin, caches, slots, offsets = decode_inputs(4, "nhd", True)
+    strided = torch.stack([slots, torch.zeros_like(slots)], dim=-1)[..., 0]  # (4, 1), not contiguous
+    assert not strided.is_contiguous() and torch.equal(strided, slots)
+    want = [c.clone() for c in caches]
+    call(q.clone(), k, v, cos, sin, want, slots, offsets, "nhd", True, backend="torch")
+    for _ in range(3):  # the first call checks; a plan must not read the slots where they do not lie
+        got = [c.clone() for c in caches]
+        call(q.clone(), k, v, cos, sin, got, strided, offsets, "nhd", True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -78,8 +78,10 @@ def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layou
     plan = lookup(key)
     if plan is not None:
         return plan(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, offsets), key
-    if known(key) or not _plannable(
-        q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1]
+    if (
+        known(key)
+        or not slot_mapping.is_contiguous()  # the checked path copies it; the plan reads it where it lies
+        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1])
     ):
         return None, None  # the key alone decides that the checked path serves this kind
     return None, key
