@@ -187,3 +187,29 @@ def test_compiled_decode_step_has_no_graph_break_and_matches_eager(backend):
     assert torch.equal(compiled_qkv, eager_qkv)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert caches[2].abs().sum() > 0  # the compiled step wrote the cache
+
+
+def _in_place_step(q, k, v, k_cache, v_cache, slots, offsets, cos, sin):
+    """RoPE into the caches with q rotated in place, then the cache shifted back by two positions."""
+    ropekit.apply_rotary_qk_and_cache(q, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                                      offsets=offsets, inplace=True, backend="cpu")  # fmt: skip
+    ropekit.shift_cache_(k_cache, cos, sin, -2, backend="cpu")
+
+
+def test_compiled_in_place_step_writes_q_and_the_caches_as_eager_does():
+    g = torch.Generator().manual_seed(5)
+    cos, sin = tables()
+    q, k, v = (torch.randn(2, 1, h, 16, generator=g) for h in (4, 2, 2))
+    slots, offsets = torch.tensor([[3], [9]]), torch.tensor([5, 17])
+    caches = [torch.randn(PAGES, PAGE_SIZE, 2, 16, generator=g) for _ in range(2)]
+    eager = (q.clone(), *(c.clone() for c in caches))
+    compiled = (q.clone(), *(c.clone() for c in caches))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _in_place_step(eager[0], k, v, eager[1], eager[2], slots, offsets, cos, sin)
+        torch.compile(_in_place_step, fullgraph=True, backend="aot_eager")(
+            compiled[0], k, v, compiled[1], compiled[2], slots, offsets, cos, sin
+        )
+    assert not torch.equal(eager[0], q)  # q was rotated in place
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)
