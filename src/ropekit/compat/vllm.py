@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.cpu import pointer_launch
-from ropekit.backends.plan import keep, known, launch_planned, lookup, remember, span
+from ropekit.backends.plan import MAX_PLANS, keep, known, launch_planned, lookup, remember, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -191,7 +191,9 @@ def _plan(impl, query, key, q_tok, k_tok, cos, sin, interleaved):
             if -k_span < k - q < q_span:  # the spans meet (views of one qkv buffer): exactly, once a distance
                 meet = shared.get(k - q)
                 if meet is None:
-                    meet = shared[k - q] = _share_elements(query, key)
+                    meet = _share_elements(query, key)
+                    if len(shared) < MAX_PLANS:  # bounded: a workload of ever new distances recomputes
+                        shared[k - q] = meet
                 if meet:
                     return False
         c = cache.data_ptr()

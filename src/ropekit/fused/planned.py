@@ -27,7 +27,7 @@ import torch
 
 from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
-from ropekit.backends.plan import keep, known, lookup, span
+from ropekit.backends.plan import MAX_PLANS, keep, known, lookup, span
 from ropekit.validation import _share_elements
 
 __all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
@@ -122,6 +122,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, per_sequence: bool
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
     spans = tuple(span(t) for t in (q, k, v, k_cache, v_cache))
     pairs = _IN_PLACE_PAIRS if inplace else _OUT_OF_PLACE_PAIRS
+    shared: dict[tuple[int, int, int], bool] = {}  # (written, other, byte distance) -> share an element
     increment_version = torch._C._increment_version
 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, offsets):
@@ -135,8 +136,15 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, per_sequence: bool
         starts = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
         for a, b in pairs:
             if starts[a] < starts[b] + spans[b] and starts[b] < starts[a] + spans[a]:
-                tensors = (q, k, v, k_cache, v_cache)
-                if _share_elements(tensors[a], tensors[b]):
+                # The spans meet (views of one buffer, as q, k and v of a packed projection): exactly, once
+                # per distance (the key fixes everything else _share_elements reads).
+                meet = shared.get((a, b, starts[b] - starts[a]))
+                if meet is None:
+                    tensors = (q, k, v, k_cache, v_cache)
+                    meet = _share_elements(tensors[a], tensors[b])
+                    if len(shared) < MAX_PLANS:
+                        shared[(a, b, starts[b] - starts[a])] = meet
+                if meet:
                     return None
         q_out = q if inplace else torch.empty_like(q)
         code = c_loop(
