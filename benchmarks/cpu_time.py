@@ -13,7 +13,9 @@ rounds of the mean per call. It does not see what two threads would gain, nor th
 take; the page faults of a fresh output are counted (they run on the thread).
 
 Shapes and rows are ``ropekit bench``'s (``ropekit.tools.bench``): Llama-3-8B heads (32 q, 8 k, head_dim 128)
-in float32; "Meta complex" is Meta's LLaMA form, "HF eager" transformers' ``apply_rotary_pos_emb``.
+in float32; "Meta complex" is Meta's LLaMA form, "HF eager" transformers' ``apply_rotary_pos_emb``; the
+fused rows and their unfused sequences are ``ropekit.tools.bench_fused``'s (rope+cache: an "nhd" cache,
+in place; decode-1 has an int offset, decode 64 sequences with one offset each).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 import ropekit
 from ropekit.tools.bench import SHAPES, _hf_tables, make_case, meta_complex_rotary
+from ropekit.tools.bench_fused import FUSED_ROWS, copy_floor
 
 # (shape, row, baseline row, at most): issue 17's targets, each a ratio of two rows of one run.
 TARGETS = [
@@ -40,7 +43,13 @@ TARGETS = [
     ("prefill-4k", "in place", "copy_", 0.7),
     ("decode-1", "RotaryEmbedding", "out of place", 1.15),
     ("decode-1", "compat.vllm", "in place", 1.1),
+    # issue 25: each serving fusion against the unfused sequence it replaces (ropekit.tools.bench_fused)
+    ("decode-1", "fused rope+cache", "unfused rope+cache", 0.6),
+    ("decode", "fused rope+cache", "unfused rope+cache", 0.6),
+    ("decode-1", "fused qknorm+rope", "unfused qknorm+rope", 0.6),
+    ("decode", "fused qknorm+rope", "unfused qknorm+rope", 0.6),
 ]
+FUSED = ("rope+cache", "qknorm+rope")  # the fusions with decode targets
 
 
 def rows(shape: str) -> dict[str, Callable[[], object]]:
@@ -48,11 +57,10 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
     case = make_case(SHAPES[shape], torch.float32, torch.device("cpu"))
     q, k, cos, sin, kw = case.q, case.k, case.cos, case.sin, case.ropekit_kwargs
     q_in, k_in = q.clone(), k.clone()
-    q_buf, k_buf = torch.empty_like(q), torch.empty_like(k)
     calls: dict[str, Callable[[], object]] = {
         "out of place": lambda: ropekit.apply_rotary_qk(q, k, cos, sin, **kw),
         "in place": lambda: ropekit.apply_rotary_qk(q_in, k_in, cos, sin, inplace=True, **kw),
-        "copy_": lambda: (q_buf.copy_(q), k_buf.copy_(k)),
+        "copy_": copy_floor((q, k)),
         "clone": lambda: (q.clone(), k.clone()),
     }
     if shape.startswith("prefill"):
@@ -70,6 +78,10 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
     q_flat, k_flat = q_in.view(tokens, -1), k_in.view(tokens, -1)  # vLLM's (T, H * D), the in-place tensors
     head = q.shape[-1]
     calls["compat.vllm"] = lambda: rotary_embedding(flat, q_flat, k_flat, head, cache, True)
+    for row in FUSED_ROWS:
+        if row.name in FUSED:
+            pair = row.setup(case)
+            calls[f"fused {row.name}"], calls[f"unfused {row.name}"] = pair.fused, pair.unfused
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     except ImportError:

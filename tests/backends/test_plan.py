@@ -3,9 +3,6 @@ plan never changes an answer: anything a check relied on misses the plan and tak
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from rotary_cases import tables
@@ -17,29 +14,13 @@ from boundary_checks import (
     assert_planned_write_bumps_the_version,
     check_aliasing_storages_are_refused_when_planned,
 )
+from call_count import ropekit_calls
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS, clear_backend_cache, plan
 
-ROOT = str(Path(ropekit.__file__).parent)
 # The issue-17 budgets: Python calls inside ropekit per steady-state decode step.
 CALL_BUDGET = 12
 MODULE_EXTRA = 4
-
-
-def ropekit_calls(fn) -> list[str]:
-    """Names of the Python functions inside ropekit that one call of fn runs (sys.setprofile)."""
-    calls: list[str] = []
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(ROOT):
-            calls.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
 
 
 def decode_step(backend: str, inplace: bool):

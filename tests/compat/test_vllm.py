@@ -476,10 +476,43 @@ def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
         rotary_embedding(positions, query, key, 64, cache, is_neox)
         torch.testing.assert_close(query.view(5, 4, 64), want_q.float(), atol=2e-6, rtol=2e-6)
         torch.testing.assert_close(key.view(5, 2, 64), want_k.float(), atol=2e-6, rtol=2e-6)
-        assert len(plan._plans) == 1  # the first step made the plan, later ones used it
+        assert (
+            len(plan._plans) == 2
+        )  # the first step made the plans (the core's, vLLM's), later ones use them
     bad = torch.tensor([0, 1, 64, 2, 3])
     query, key = torch.randn(5, 4 * 64), torch.randn(5, 2 * 64)
     before = query.clone(), key.clone()
     with pytest.raises(ValueError, match=r"^positions: largest position 64 is past the cos/sin table"):
         rotary_embedding(bad, query, key, 64, cache, is_neox)
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
+
+
+def test_a_steady_in_place_step_is_its_own_plan_costing_no_more_calls_than_the_core():
+    """vLLM's call keys its own plan: no (tokens, heads, head_size) views are built on a steady step; query
+    and key as views of one packed qkv buffer still take it; a key sharing query's memory still raises."""
+    import ropekit.backends.plan as plan
+    from call_count import ropekit_calls
+    from ropekit import apply_rotary_qk
+
+    cache = get_rope(64, 64, True, {"rope_theta": 10000.0}).cos_sin_cache
+    cos, sin = cache[:, :32], cache[:, 32:]
+    g = torch.Generator().manual_seed(4)
+    plan.clear_plans()
+    qkv = torch.randn(5, 8 * 64, generator=g)  # [q (4 heads) | k (2) | v (2)] per token
+    positions = torch.randint(0, 64, (5,), generator=g)
+    spare = qkv.clone()
+    for _ in range(2):  # plans the kind, then learns that these views share no element
+        rotary_embedding(positions, spare[:, :256], spare[:, 256:384], 64, cache, True)
+    query, key = qkv[:, :256], qkv[:, 256:384]
+    want_q = reference_rotation(query.reshape(5, 4, 64), cos, sin, positions.numpy(), interleaved=False)
+    want_k = reference_rotation(key.reshape(5, 2, 64), cos, sin, positions.numpy(), interleaved=False)
+    calls = ropekit_calls(lambda: rotary_embedding(positions, query, key, 64, cache, True))
+    core_q, core_k = torch.randn(1, 5, 4, 64), torch.randn(1, 5, 2, 64)
+    core = lambda: apply_rotary_qk(core_q, core_k, cos, sin, offsets=3, inplace=True)  # noqa: E731
+    core()
+    assert len(calls) <= len(ropekit_calls(core)) and "_token_heads" not in calls, calls
+    torch.testing.assert_close(query.reshape(5, 4, 64), want_q.float(), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(key.reshape(5, 2, 64), want_k.float(), atol=2e-6, rtol=2e-6)
+    clash = qkv.clone()  # key's heads inside query's: same strides, shared elements
+    with pytest.raises(ValueError, match="key"):
+        rotary_embedding(positions, clash[:, :256], clash[:, 128:256], 64, cache, True)

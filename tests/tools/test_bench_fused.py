@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ropekit.tools import bench
-from ropekit.tools.bench_fused import FUSED_ROWS, fused_records
+from ropekit.tools.bench_fused import FUSED_ROWS, CopyFloor, copy_floor, fused_records, random_bytes
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,29 @@ def test_include_filters_the_fused_rows():
     case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
     kw = dict(columns=COLS, min_run_time=0.0, repeats=1, measure=lambda fn, t: 1.0, log=lambda m: None)
     assert fused_records(case, include=["no such row"], **kw) == []
+
+
+@pytest.mark.parametrize("row", FUSED_ROWS, ids=lambda row: row.name)
+def test_copy_floor_reads_and_writes_buffers_that_hold_values_before_timing(row):
+    # A torch.empty buffer never written maps the shared zero page: reading it is cheaper than any real read.
+    case = bench.make_case(bench.SHAPES["decode-1"], torch.float32, torch.device("cpu"))
+    floors = []
+
+    def measure(fn, min_run_time):
+        if isinstance(fn, CopyFloor) and not floors:
+            floors.append([bool((t != 0).all()) for t in (*fn.sources, *fn.buffers)])
+        fn()
+        return 1e-3
+
+    fused_records(case, columns=COLS, include=[row.name], min_run_time=0.0, repeats=1,
+                  measure=measure, log=lambda message: None)  # fmt: skip
+    assert floors and len(floors[0]) >= 2 and all(floors[0])
+
+
+def test_random_bytes_are_never_zero_and_copy_floor_copies_them():
+    src = random_bytes(1 << 16, torch.device("cpu"))
+    floor = copy_floor((src,))
+    assert src.dtype == torch.uint8 and src.numel() == 1 << 16 and bool((src != 0).all())
+    assert bool((floor.buffers[0] == 1).all())
+    floor()
+    assert torch.equal(floor.buffers[0], src) and floor.buffers[0].data_ptr() != src.data_ptr()

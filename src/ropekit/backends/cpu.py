@@ -477,6 +477,23 @@ def _pack(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_
     )  # fmt: skip
 
 
+def pointer_launch(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_sequence: bool):
+    """The C loop bound to the integers of a launch on tensors laid out as these (shapes, strides, dtype,
+    flags): call(q, q_out, k, k_out, cos, sin, rows, offset) with data pointers as ints (k, k_out, rows may
+    be None; rows: one offset per batch row with per_sequence, else None for offset + arange(seq)) returns
+    the loop's code: -1 done, else a row outside the table, nothing written. The caller keeps the kernel
+    wall: every tensor it points at is laid out as these."""
+    function = _function(q.dtype)
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
+    parallel = _threads(q, k) > 1
+
+    def call(q, q_out, k, k_out, cos, sin, rows, offset) -> int:
+        threads = torch.get_num_threads() if parallel else 1
+        return function(q, q_out, k, k_out, cos, sin, rows, int_args, offset, threads)
+
+    return call
+
+
 def _threads(q: torch.Tensor, k: torch.Tensor | None) -> int:
     work = q.numel() + (k.numel() if k is not None else 0)
     return torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1
@@ -507,13 +524,11 @@ class CpuBackend(KernelBackend):
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
         if not all(units) or cos.dtype != torch.float32 or not q.is_cpu or q.dtype not in _ENTRY:
             return None
-        function = _function(q.dtype)
         # empty_like's strides follow from the input's strides alone: the probes' are every call's.
         q_out, k_out = (
             (q, k) if inplace else (torch.empty_like(q), None if k is None else torch.empty_like(k))
         )
-        int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
-        parallel = _threads(q, k) > 1
+        call = pointer_launch(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
 
         def run(q, k, cos, sin, offset):
             if inplace:
@@ -521,7 +536,7 @@ class CpuBackend(KernelBackend):
             else:
                 q_out = torch.empty_like(q)
                 k_out = None if k is None else torch.empty_like(k)
-            bad = function(
+            bad = call(
                 q.data_ptr(),
                 q_out.data_ptr(),
                 None if k is None else k.data_ptr(),
@@ -529,9 +544,7 @@ class CpuBackend(KernelBackend):
                 cos.data_ptr(),
                 sin.data_ptr(),
                 offset.data_ptr() if per_sequence else None,
-                int_args,
                 0 if per_sequence else offset,
-                torch.get_num_threads() if parallel else 1,
             )
             if bad != -1:  # a row outside the table (or a width past the bound): nothing was written
                 return None

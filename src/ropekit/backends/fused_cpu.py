@@ -24,7 +24,7 @@ from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
 from ropekit.backends.fused_launch import MAX_WIDTH, FusedLaunch, check_bounds, check_launch, slot_error
 from ropekit.backends.kernel_op import row_error
 
-__all__ = ["launch", "unavailable_reason"]
+__all__ = ["launch", "plan", "unavailable_reason"]
 
 _SOURCE = (
     C_PRELUDE
@@ -302,3 +302,30 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
     if bad < -1:
         token = -2 - bad
         raise slot_error(int(plan.slots[token]), num_slots[0], token)
+
+
+def plan(like: FusedLaunch):
+    """The C loop bound to everything of a launch like ``like`` but its data and its int offset: a repeated
+    launch (:mod:`ropekit.fused.planned`) packs 13 pointers and one integer block and calls the loop.
+
+    Returns run(pointers, offset) -> the loop's code: -1 done; otherwise a table row or a slot was out of
+    range and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
+    positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0 where
+    absent), laid out exactly as ``like``'s tensors (same shapes and strides).
+    """
+    function = _function(like.dtype)
+    table_len, half = like.cos.shape
+    num_slots: list[int] = []
+    channels = b"".join(_channel_ints(ch, num_slots)[0] for ch in like.channels)
+    work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in like.channels if ch is not None)
+    parallel = work * like.batch * like.seq >= PARALLEL_THRESHOLD
+    head = (like.batch, like.seq, half, table_len)
+    tail = (like.cos.stride(0), like.sin.stride(0), like.interleaved, like.conjugate)
+    slots = num_slots[0] if num_slots else 0
+    pack_ints, pack_pointers = _GLOBALS.pack, _POINTERS.pack
+
+    def run(pointers: tuple[int, ...], offset: int) -> int:
+        threads = torch.get_num_threads() if parallel else 1
+        return function(pack_pointers(*pointers), pack_ints(*head, offset, *tail, threads, slots) + channels)
+
+    return run

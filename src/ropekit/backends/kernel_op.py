@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ropekit.dtensor_inputs import is_dtensor
 from ropekit.validation import check_no_alias, check_writable, describe
 
-__all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "row_error"]
+__all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "plain_eager", "register_op", "row_error"]
 
 # launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate): rotate q (and k if not
 # None) into q_out (and k_out). q, k, q_out, k_out: (batch, seq, heads, head_dim), last stride 1; q_out may be
@@ -203,6 +203,32 @@ def _run(launch: Launch, q, k, q_out, k_out, cos, sin, positions, offset, interl
 
 # name -> (direct out-of-place, direct in-place, op, in-place op): each op name is registered once.
 _REGISTERED: dict[str, tuple] = {}
+# qualified name ("ropekit::x") -> the op registered under it by register_op.
+_OPS: dict[str, object] = {}
+
+
+def register_op(name: str, impl: Callable, fake: Callable, *, mutates_args: tuple[str, ...], schema: str):
+    """``torch.ops.ropekit.<name>``: impl as a custom op with a shape-only fake implementation, registered
+    once per process (a second call returns the first op: registering again would replace it under a compiled
+    graph that holds it). Every ropekit op is registered here: the rotary kernels' pairs and the serving
+    fusions. The op is the public face of a raw kernel, so impl keeps the kernel wall: it checks what the
+    kernel relies on, whatever the caller passed."""
+    qualname = f"ropekit::{name}"
+    op = _OPS.get(qualname)
+    if op is None:
+        op = torch.library.custom_op(qualname, impl, mutates_args=mutates_args, schema=schema)
+        op.register_fake(fake)
+        _OPS[qualname] = op
+    return op
+
+
+def plain_eager(x) -> bool:
+    """Whether a call on x may skip the op dispatcher (tens of microseconds, most of a decode step) and call
+    the op's implementation itself: a plain eager tensor, no trace (torch.compile), no dispatch mode. Anything
+    that traces goes through the registered op, which torch.compile keeps in its graph."""
+    return (
+        not torch.compiler.is_compiling() and type(x) is torch.Tensor and _get_current_dispatch_mode() is None
+    )
 
 
 class KernelBackend:
@@ -249,14 +275,10 @@ class KernelBackend:
             self._rotary, self._rotary_, self.op, self.op_ = _REGISTERED[name]
             return
         self._rotary, self._rotary_ = rotary, rotary_
-        self.op = torch.library.custom_op(
-            f"ropekit::{name}_rotary", rotary, mutates_args=(), schema=_OUT_OF_PLACE
+        self.op = register_op(f"{name}_rotary", rotary, rotary_fake, mutates_args=(), schema=_OUT_OF_PLACE)
+        self.op_ = register_op(
+            f"{name}_rotary_", rotary_, rotary_fake_, mutates_args=("q", "k"), schema=_IN_PLACE
         )
-        self.op.register_fake(rotary_fake)
-        self.op_ = torch.library.custom_op(
-            f"ropekit::{name}_rotary_", rotary_, mutates_args=("q", "k"), schema=_IN_PLACE
-        )
-        self.op_.register_fake(rotary_fake_)
         _REGISTERED[name] = self._rotary, self._rotary_, self.op, self.op_
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
@@ -287,11 +309,7 @@ class KernelBackend:
     def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
         # Plain eager tensors skip the op dispatcher (tens of microseconds, most of a decode step); anything
         # that traces (torch.compile, fake tensors, dispatch modes) goes through the registered ops.
-        direct = (
-            not torch.compiler.is_compiling()
-            and type(q) is torch.Tensor
-            and _get_current_dispatch_mode() is None
-        )
+        direct = plain_eager(q)
         if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
             # The kernels read float32 rows of unit stride: a float64 table, or the every-other-column view of
             # an interleaved full-width table, is converted per call. Row-sliced views are read in place.

@@ -25,7 +25,7 @@ import torch
 
 from ropekit.validation import byte_extent, shares_memory
 
-__all__ = ["Plan", "clear_plans", "launch_planned", "remember"]
+__all__ = ["Plan", "clear_plans", "keep", "known", "launch_planned", "lookup", "remember", "span"]
 
 # run(q, k, cos, sin, offset) -> (q_out, k_out): the launch with the key's facts bound in.
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -51,6 +51,10 @@ class Plan(NamedTuple):
 
 
 _plans: dict[tuple, Plan | None] = {}  # None: the key's backend has no plan for it
+# The one cache serves every op: another op's key starts with its name (ropekit.fused.planned), and its plan
+# is that op's own run. lookup(key): the plan or None; known(key): planned already, or known to have none.
+lookup = _plans.get
+known = _plans.__contains__
 
 
 def clear_plans() -> None:
@@ -145,6 +149,11 @@ def _span(t: torch.Tensor | None) -> int:
     return 0 if t is None else byte_extent(t)
 
 
+def span(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last (strides are never negative in torch)."""
+    return byte_extent(t) + 1
+
+
 def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjugate) -> None:
     """Store the plan for a call that the checked path has just served with an int offset, or a tensor of
     per-sequence offsets (4-D q).
@@ -177,7 +186,7 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
             else make(q, k, cos, sin, **flags)
         )
         if run is None:
-            _keep(key, None)  # the key alone decided it (layout, dtype): the checked path serves this kind
+            keep(key, None)  # the key alone decided it (layout, dtype): the checked path serves this kind
             return
     elif per_sequence:
         return
@@ -198,10 +207,11 @@ def remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, conjug
 
     offsets_span = byte_extent(offset) if per_sequence and offset.numel() else -1  # -1: no bytes to meet
     spans = (_span(q), _span(k), _span(cos), _span(sin), offsets_span) if inplace else None
-    _keep(key, Plan(run, cos.shape[0] - q.shape[1], spans, {}))
+    keep(key, Plan(run, cos.shape[0] - q.shape[1], spans, {}))
 
 
-def _keep(key: tuple, plan: Plan | None) -> None:
+def keep(key: tuple, plan: object) -> None:
+    """Store key's plan (None: the key has none), starting over past MAX_PLANS."""
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan

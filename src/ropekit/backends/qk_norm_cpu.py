@@ -23,7 +23,7 @@ import torch
 from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
 from ropekit.backends.kernel_op import row_error
 
-__all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "unavailable_reason"]
+__all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "plan", "unavailable_reason"]
 
 log = logging.getLogger("ropekit.backends")
 
@@ -284,3 +284,29 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec)
     if bad >= 0:
         position = int(positions[bad]) if positions is not None else offset + bad
         raise row_error(position, table_len, bad if positions is not None else None)
+
+
+def plan(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: NormSpec):
+    """The C loop bound to everything of a launch like :func:`launch` on these tensors but their data and the
+    int offset (:mod:`ropekit.fused.planned`; the library is built).
+
+    Returns run(qkv, q_weight, k_weight, cos, sin, positions, offset) -> the loop's code, pointers given as
+    ints (positions None: rows offset + arange(seq)): -1 done, else the token whose table row is outside the
+    table, with nothing written.
+    """
+    function = _functions[qkv.dtype]
+    batch, seq, _ = qkv.shape
+    table_len, half = cos.shape
+    parallel = batch * seq * (spec.q_heads + spec.k_heads) * spec.head_dim >= PARALLEL_THRESHOLD
+    head = (qkv.stride(0), qkv.stride(1), batch, seq, spec.q_heads, spec.k_heads, spec.head_dim, half,
+            cos.stride(0), sin.stride(0), table_len)  # fmt: skip
+    flags = (spec.interleaved, spec.all_heads, spec.cast_before_weight)
+    floats = _FLOAT_ARGS.pack(spec.eps, spec.weight_offset)
+    pack_ints = _INT_ARGS.pack
+
+    def run(qkv, q_weight, k_weight, cos, sin, positions, offset) -> int:
+        threads = torch.get_num_threads() if parallel else 1
+        ints = pack_ints(*head, offset, *flags, threads)
+        return function(qkv, q_weight, k_weight, cos, sin, positions, ints, floats)
+
+    return run

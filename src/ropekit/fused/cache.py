@@ -11,7 +11,19 @@ from __future__ import annotations
 import torch
 
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
-from ropekit.fused.plan import cache_view, check_inference, check_scale, check_slots, run, select
+from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.fused.plan import (
+    FUSED_BACKENDS,
+    cache_view,
+    check_distinct_slots,
+    check_inference,
+    check_scale,
+    check_slots,
+    paged_view,
+    run,
+    select,
+)
+from ropekit.fused.planned import planned_cache, remember_cache
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -80,6 +92,11 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
+    out, key = planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout,
+                             positions, offsets, cu_seqlens, interleaved, inplace, k_scale, v_scale,
+                             backend)  # fmt: skip
+    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
+        return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
@@ -157,23 +174,87 @@ def apply_rotary_qk_and_cache(
         optional=False,
     )  # fmt: skip
     name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
-    sources = [t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)]
-    q_out = q4 if cache_only or (inplace and sources[0] is q4) else torch.empty_like(sources[0])
+    rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
+    q_out = None if cache_only or inplace else torch.empty_like(q)
+    args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved, scales[0],
+            scales[1], name)  # fmt: skip
+    if plain_eager(q):
+        launch = _launch(None if cache_only else q, q if inplace else q_out, *args, checked=True)
+        if key is not None and not cache_only:  # plan the next call like this one
+            remember_cache(key, name, launch, q, k, v, k_cache, v_cache, offsets, inplace)
+    elif inplace:  # traced: the registered op, one node of a compiled graph
+        _OP_(q, *args)
+    else:
+        _OP(None if cache_only else q, q_out, *args)
+    return q if inplace else q_out
+
+
+_ARGS = (
+    "Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor? positions, SymInt offset, Tensor slot_mapping, "
+    "Tensor(a!) k_cache, Tensor(b!) v_cache, str cache_layout, bool interleaved, Tensor? k_scale, "
+    "Tensor? v_scale, str backend"
+)
+
+
+def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache, cache_layout, interleaved,
+            k_scale, v_scale, backend, *, checked: bool) -> FusedLaunch:  # fmt: skip
+    """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
+    into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
+    wall and the memory rule are checked here, the kernels check table rows and slots."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    if not checked:  # a registered op called directly: the public call's memory rule and distinct slots
+        if q_out is not None:
+            check_writable("q_out", q_out)
+        out_name = "q" if q_out is q else "q_out"  # in place: q is read as its own source
+        check_no_alias(
+            ((out_name, q_out), ("k_cache", k_cache), ("v_cache", v_cache)),
+            (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("positions", positions),
+             ("slot_mapping", slots), ("k_scale", k_scale), ("v_scale", v_scale)),
+            optional=False,
+        )  # fmt: skip
+        check_distinct_slots("slot_mapping", slots)
+    q4, k4, v4, out4 = (t if t is None or t.dim() == 4 else t[None] for t in (q, k, v, q_out))  # (1, T, H, D)
+    sources = [
+        t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)
+    ]
+    scratch = out4 if out4 is None or out4.shape[-1] <= 1 or out4.stride(-1) == 1 else torch.empty_like(q4)
+    views = [paged_view(name, c, cache_layout) for name, c in (("k_cache", k_cache), ("v_cache", v_cache))]
+    kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
+    kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
+    batch, seq = k4.shape[:2]
     plan = FusedLaunch(
-        batch, seq, cos, sin,
-        None if pos.tensor is None else pos.tensor.reshape(-1).contiguous(), pos.offset, slots,
-        interleaved, False,
+        batch, seq, cos, sin, positions, offset, slots, interleaved, False,
         (
-            None if cache_only else Channel(sources[0], q_out, rotate=True, by_slot=False),
-            Channel(sources[1], kc, rotate=True, by_slot=True, fp8=fp8_kind(k_cache.dtype), scale=scales[0]),
-            Channel(sources[2], vc, rotate=False, by_slot=True, fp8=fp8_kind(v_cache.dtype), scale=scales[1]),
+            None if q is None else Channel(sources[0], scratch, rotate=True, by_slot=False),
+            Channel(sources[1], kc, rotate=True, by_slot=True, fp8=kinds[0], scale=k_scale),
+            Channel(sources[2], vc, rotate=False, by_slot=True, fp8=kinds[1], scale=v_scale),
         ),
     )  # fmt: skip
-    run(name, plan, [k_cache, v_cache] if cache_only else [q_out, k_cache, v_cache])
-    if cache_only:
-        return None
-    if inplace:
-        if q_out is not q4:  # a strided last axis: rotated in a scratch copy
-            q4.copy_(q_out)
-        return q
-    return q_out[0] if q.dim() == 3 else q_out
+    written = [k_cache, v_cache] if q_out is None else [q_out, k_cache, v_cache]
+    run(backend, plan, written if checked else [], checked=checked)
+    if scratch is not out4:  # a strided last axis: rotated in a scratch copy
+        out4.copy_(scratch)
+    return plan
+
+
+def _fake(*args) -> None:
+    pass
+
+
+# torch.ops.ropekit.rotary_qk_and_cache(q, q_out, k, ...): q rotated into q_out (both None: the caches only);
+# torch.ops.ropekit.rotary_qk_and_cache_(q, k, ...): q in place. Both write the caches.
+_OP = register_op(
+    "rotary_qk_and_cache",
+    lambda *args: _launch(*args, checked=False) and None,
+    _fake,
+    mutates_args=("q_out", "k_cache", "v_cache"),
+    schema=f"(Tensor? q, Tensor(c!)? q_out, {_ARGS}) -> ()",
+)
+_OP_ = register_op(
+    "rotary_qk_and_cache_",
+    lambda q, *args: _launch(q, q, *args, checked=False) and None,
+    _fake,
+    mutates_args=("q", "k_cache", "v_cache"),
+    schema=f"(Tensor(c!) q, {_ARGS}) -> ()",
+)

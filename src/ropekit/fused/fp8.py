@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
-from ropekit.fused.plan import check_inference, check_scale, run, select
+from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.fused.plan import FUSED_BACKENDS, check_inference, check_scale, run, select
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_movable, check_tables, describe
 
@@ -82,7 +83,7 @@ def apply_rotary_qk_fp8(
     q4, k4 = ropes
     x = q4 if cu_seqlens is None else q
     pos = resolve(x, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
-    batch, seq, q_heads, head_dim = q4.shape
+    q_heads, head_dim = q4.shape[2:]
     _check_like("k", k4, q4, q, head_dim)
     k_heads = k4.shape[2]
     check_tables(cos, sin, head_dim)
@@ -106,27 +107,73 @@ def apply_rotary_qk_fp8(
                 )
     widest = max([head_dim] + ([] if nopes is None else [t.shape[3] for t in nopes]))
     name = select(backend, q4, cos, widest=widest)
-    kind = FP8_KINDS[fp8_dtype]
-    rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()
+    rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
+    args = (
+        q,
+        k,
+        cos,
+        sin,
+        rows,
+        pos.offset,
+        scales[0],
+        scales[1],
+        fp8_dtype,
+        q_nope,
+        k_nope,
+        interleaved,
+        name,
+    )
+    return tuple(_launch(*args, checked=True) if plain_eager(q) else _OP(*args))
+
+
+def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope, k_nope, interleaved,
+            backend, *, checked: bool) -> list[torch.Tensor]:  # fmt: skip
+    """The FP8 outputs, shaped like q, k (and q_nope, k_nope). checked=True: the public call checked
+    everything; False (the registered op): the launcher checks the kernel wall."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    kind = FP8_KINDS.get(fp8_dtype)
+    if kind is None:
+        raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
+    q4 = _as_4d([q])[0]
     outs = []
 
     def channel(src: torch.Tensor, scale: torch.Tensor, rotate: bool) -> Channel | None:
-        src = src if src.shape[-1] <= 1 or src.stride(-1) == 1 else src.contiguous()
-        out = torch.empty(src.shape, dtype=fp8_dtype, device=src.device)
+        out = torch.empty(src.shape, dtype=fp8_dtype, device=src.device)  # shaped like the input
         outs.append(out)
         if out.numel() == 0:  # an empty nope part (FlashInfer passes width 0): nothing to write
             return None
+        src, out = _as_4d([src, out])
+        src = src if src.shape[-1] <= 1 or src.stride(-1) == 1 else src.contiguous()
         return Channel(src, out.view(torch.uint8), rotate=rotate, by_slot=False, fp8=kind, scale=scale)
 
-    plan = FusedLaunch(batch, seq, cos, sin, rows, pos.offset, None, interleaved, False,
-                       (channel(q4, scales[0], True), channel(k4, scales[1], True), None))  # fmt: skip
-    run(name, plan, [])
-    if nopes is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
-        channels = (channel(nopes[0], scales[0], False), channel(nopes[1], scales[1], False), None)
+    plan = FusedLaunch(q4.shape[0], q4.shape[1], cos, sin, positions, offset, None, interleaved, False,
+                       (channel(q, q_scale, True), channel(k, k_scale, True), None))  # fmt: skip
+    run(backend, plan, [], checked=checked)
+    if q_nope is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
+        channels = (channel(q_nope, q_scale, False), channel(k_nope, k_scale, False), None)
         if channels != (None, None, None):
-            run(name, plan._replace(channels=channels), [])
-    squeeze = q.dim() == 3
-    return tuple(o[0] if squeeze else o for o in outs)
+            run(backend, plan._replace(channels=channels), [], checked=checked)
+    return outs
+
+
+def _fake(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope, k_nope, *flags):
+    parts = (q, k) if q_nope is None else (q, k, q_nope, k_nope)
+    return [torch.empty(t.shape, dtype=fp8_dtype, device=t.device) for t in parts]
+
+
+# torch.ops.ropekit.rotary_qk_fp8: new FP8 tensors, nothing written in place.
+_OP = register_op(
+    "rotary_qk_fp8",
+    lambda *args: _launch(*args, checked=False),
+    _fake,
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? positions, SymInt offset, Tensor q_scale, "
+        "Tensor k_scale, ScalarType fp8_dtype, Tensor? q_nope, Tensor? k_nope, bool interleaved, "
+        "str backend) -> Tensor[]"
+    ),
+)
 
 
 def _as_4d(tensors: list) -> list:

@@ -32,6 +32,7 @@ __all__ = [
     "check_inference",
     "check_scale",
     "check_slots",
+    "paged_view",
     "run",
     "select",
 ]
@@ -66,17 +67,8 @@ def cache_view(
 
     dtype is the input dtype; an FP8 cache (FP8_KINDS) is accepted too and returned as its uint8 bytes.
     """
-    if layout not in CACHE_LAYOUTS:
-        raise ValueError(f"cache_layout: expected one of {list(CACHE_LAYOUTS)}, got {layout!r}")
+    view = paged_view(name, cache, layout)
     shape = _LAYOUT_SHAPES[layout]
-    if not isinstance(cache, torch.Tensor) or cache.dim() != (3 if layout == "flat" else 4):
-        raise ValueError(f"{name}: expected a {layout!r} cache {shape}, got {describe(cache)}")
-    if layout == "flat":
-        view = cache.unsqueeze(1)  # (num_slots, 1, heads, width)
-    elif layout == "nhd":
-        view = cache
-    else:
-        view = cache.transpose(1, 2)  # (num_pages, page_size, heads, width)
     if tuple(view.shape[2:]) != (heads, width):
         raise ValueError(
             f"{name}: expected a {layout!r} cache {shape} with heads = {heads} and head_dim = {width}, got "
@@ -101,6 +93,21 @@ def cache_view(
     check_in_place_allowed(name, cache)
     check_writable(name, cache)
     return view.view(torch.uint8) if cache.dtype in FP8_KINDS else view
+
+
+def paged_view(name: str, cache: object, layout: object) -> torch.Tensor:
+    """cache in any layout as a (pages, page_size, heads, width) view (the kernels' one form); a ValueError
+    for an unknown layout or a cache of the wrong rank. Nothing else is checked here (see cache_view)."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout: expected one of {list(CACHE_LAYOUTS)}, got {layout!r}")
+    if not isinstance(cache, torch.Tensor) or cache.dim() != (3 if layout == "flat" else 4):
+        shape = _LAYOUT_SHAPES[layout]
+        raise ValueError(f"{name}: expected a {layout!r} cache {shape}, got {describe(cache)}")
+    if layout == "flat":
+        return cache.unsqueeze(1)  # (num_slots, 1, heads, width)
+    if layout == "nhd":
+        return cache
+    return cache.transpose(1, 2)  # (num_pages, page_size, heads, width)
 
 
 def check_scale(name: str, scale: object, heads: int, device: torch.device) -> torch.Tensor:
@@ -208,8 +215,10 @@ def select(backend: str, x: torch.Tensor, cos: torch.Tensor, widest: int = 0) ->
     return name
 
 
-def run(name: str, plan: FusedLaunch, written: list[torch.Tensor]) -> None:
-    """Run plan on the named backend, then bump the version counter of every tensor written."""
+def run(name: str, plan: FusedLaunch, written: list[torch.Tensor], *, checked: bool = True) -> None:
+    """Run plan on the named backend, then bump the version counter of every tensor written (the registered
+    ops pass none: the dispatcher bumps their mutated arguments). checked=False: plan was built from
+    arguments nobody checked (a registered op called by a user), so the launcher checks it."""
     if name == "torch":
         from ropekit.backends.fused_eager import launch
     elif name == "cpu":
@@ -218,7 +227,7 @@ def run(name: str, plan: FusedLaunch, written: list[torch.Tensor]) -> None:
         from ropekit.backends.fused_triton import launch
     if name != "torch" and (plan.cos.dtype != torch.float32 or plan.cos.stride(-1) != 1):
         plan = plan._replace(cos=plan.cos.float().contiguous(), sin=plan.sin.float().contiguous())
-    launch(plan, checked=True)  # the fused ops checked their arguments and built plan themselves
+    launch(plan, checked=checked)
     if name != "torch":  # the torch reference writes through tensor ops, which bump the counters themselves
         live = [t for t in written if not t.is_inference()]
         if live:

@@ -33,8 +33,10 @@ from torch.autograd.function import once_differentiable
 
 from ropekit.backends import select_backend
 from ropekit.backends.eager import rotate, table_rows
+from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
 from ropekit.backends.qk_norm_cpu import launch as cpu_launch
+from ropekit.fused.planned import planned_qk_norm, remember_qk_norm
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -226,6 +228,11 @@ def qk_norm_rotary_(
             offsets or cu_seqlens as :func:`ropekit.apply_rotary` refuses them; a read-only or overlapping
             qkv, or a leaf that requires grad; an unavailable backend. Nothing is written then.
     """
+    out, key = planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps,
+                               positions, offsets, cu_seqlens, interleaved, weight_offset, norm,
+                               cast_before_weight, backend)  # fmt: skip
+    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
+        return out
     qkv = _check_qkv(qkv, cu_seqlens is not None)
     q_heads = check_int("num_q_heads", num_q_heads, minimum=1, expected="a positive int")
     k_heads = check_int("num_kv_heads", num_kv_heads, minimum=1, expected="a positive int")
@@ -304,24 +311,82 @@ def qk_norm_rotary_(
     if impl != "torch" and (cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     rows = None if pos.tensor is None else pos.tensor.reshape(-1)  # (B * S,) int64, contiguous
-    launch = _launcher(impl)
-    # The kernels read contiguous float32 weights; the torch path reads them as they are (float64 stays).
-    weights = [
-        w.detach() if impl == "torch" else w.detach().float().contiguous() for w in (q_weight, k_weight)
-    ]
     if torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad):
         QKNormRotaryFunction.apply(
-            view, q_weight, k_weight, cos, sin, rows, pos.offset, spec, launch, weights
-        )
+            view, q_weight, k_weight, cos, sin, rows, pos.offset, spec, _launcher(impl),
+            _kernel_weights(impl, q_weight, k_weight),
+        )  # fmt: skip
         return qkv
-    launch(view, *weights, cos, sin, rows, pos.offset, spec)
-    if impl != "torch":
-        torch.autograd.graph.increment_version(qkv)  # the kernels write through pointers: tell autograd
+    if impl not in ("cpu", "triton"):
+        impl = "torch"  # a registered third-party backend: the torch path
+    args = (qkv, q_weight, k_weight, cos, sin, rows, pos.offset, *spec, impl)
+    if plain_eager(qkv):
+        _launch(*args, checked=True)
+        if key is not None:  # plan the next call like this one
+            remember_qk_norm(key, impl, qkv, cos, sin, spec, positions, offsets)
+    else:  # traced: the registered op, one node of a compiled graph
+        _OP(*args)
     return qkv
-    if impl == "torch":
-        launch(view, q_weight, k_weight, cos, sin, rows, pos.offset, spec)
-    else:
-        launch(view, q_weight.float().contiguous(), k_weight.float().contiguous(), cos, sin, rows,
-               pos.offset, spec)  # fmt: skip
-        torch.autograd.graph.increment_version(qkv)  # the kernels write through pointers: tell autograd
-    return qkv
+
+
+def _kernel_weights(impl: str, q_weight, k_weight) -> list[torch.Tensor]:
+    """The kernels read contiguous float32 weights; the torch path reads them as they are (float64 stays)."""
+    return [w.detach() if impl == "torch" else w.detach().float().contiguous() for w in (q_weight, k_weight)]
+
+
+def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_backend, checked: bool) -> None:
+    """Normalise and rotate qkv's q and k in place on the named backend. checked=False (the registered op):
+    the kernel wall is checked here (shapes, dtypes, strides, devices, no self-overlap); the kernels check the
+    table rows."""
+    *fields, impl = spec_and_backend
+    spec = NormSpec(*fields)
+    if impl not in _LAUNCH and impl != "triton":
+        raise ValueError(f"backend: expected one of ['torch', 'cpu', 'triton'], got {impl!r}")
+    if not checked:
+        _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec)
+    if impl != "torch" and (cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    view = qkv.unsqueeze(0) if qkv.dim() == 2 else qkv  # (B, S, W); packed (T, W) as (1, T, W)
+    _launcher(impl)(view, *_kernel_weights(impl, q_weight, k_weight), cos, sin, positions, offset, spec)
+    if impl != "torch" and checked:  # the kernels write through pointers: tell autograd (the op's dispatcher
+        torch.autograd.graph.increment_version(qkv)  # does it for the registered op)
+
+
+def _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec: NormSpec) -> None:
+    """What the kernels rely on to stay inside their tensors, for the registered op's own callers."""
+    qkv = _check_qkv(qkv, False)
+    width = (spec.q_heads + 2 * spec.k_heads) * spec.head_dim
+    if min(spec.q_heads, spec.k_heads, spec.head_dim) < 1 or qkv.shape[-1] != width:
+        raise ValueError(f"qkv: expected {width} features ((Hq + 2 Hk) * D), got shape {tuple(qkv.shape)}")
+    for name, w, heads in (("q_weight", q_weight, spec.q_heads), ("k_weight", k_weight, spec.k_heads)):
+        features = heads * spec.head_dim if spec.all_heads else spec.head_dim
+        _check_weight(name, w, features, qkv, "the packing's")
+    check_tables(cos, sin, spec.head_dim)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.device != qkv.device:
+            raise ValueError(f"{name}: expected a tensor on qkv's device {qkv.device}, got one on {t.device}")
+    tokens = qkv.shape[:-1].numel()
+    if positions is not None and (
+        positions.dtype != torch.int64
+        or positions.numel() != tokens
+        or not positions.is_contiguous()
+        or positions.device != qkv.device
+    ):
+        raise ValueError(
+            f"positions: expected a contiguous int64 tensor of {tokens} rows, got {describe(positions)}"
+        )
+    check_writable("qkv", qkv)
+
+
+# torch.ops.ropekit.qk_norm_rotary_: qkv's q and k normalised and rotated in place.
+_OP = register_op(
+    "qk_norm_rotary_",
+    lambda *args: _launch(*args, checked=False),
+    lambda *args: None,
+    mutates_args=("qkv",),
+    schema=(
+        "(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, Tensor? positions, "
+        "SymInt offset, int num_q_heads, int num_kv_heads, int head_dim, float eps, float weight_offset, "
+        "bool all_heads, bool cast_before_weight, bool interleaved, str backend) -> ()"
+    ),
+)

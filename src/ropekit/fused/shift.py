@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from ropekit.backends.fused_launch import Channel, FusedLaunch
-from ropekit.fused.plan import cache_view, check_slots, run, select
+from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.fused.plan import (
+    FUSED_BACKENDS,
+    cache_view,
+    check_distinct_slots,
+    check_slots,
+    paged_view,
+    run,
+    select,
+)
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
 
 __all__ = ["shift_cache_"]
@@ -87,22 +96,56 @@ def shift_cache_(
     reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))
     check_no_alias((("k_cache", k_cache),), reads, optional=False)
     name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos, widest=width)
-    # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
-    half = cos.shape[1]
     if cos.device != k_cache.device:
         cos, sin = cos.to(k_cache.device), sin.to(k_cache.device)
+    args = (k_cache, cos, sin, delta, cache_layout, flat_slots, interleaved, name)
+    if plain_eager(k_cache):
+        _launch(*args, checked=True)
+    else:  # traced: the registered op, one node of a compiled graph
+        _OP(*args)
+    return k_cache
+
+
+def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend, *, checked: bool) -> None:
+    """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place.
+    checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
+    is checked here."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    view = paged_view("k_cache", k_cache, cache_layout)
+    row = abs(delta)
+    if not checked:  # a registered op called directly: the public call's value checks
+        if not 0 <= row < cos.shape[0]:
+            raise ValueError(f"delta: |delta| = {row} is past the cos/sin table (table_len {cos.shape[0]})")
+        reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))
+        check_no_alias((("k_cache", k_cache),), reads, optional=False)
+        if slots is not None:
+            check_distinct_slots("slots", slots)
+    n = view.shape[0] * view.shape[1] if slots is None else slots.shape[0]
+    # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
+    half = cos.shape[1]
     row_cos, row_sin = cos[row : row + 1].expand(max(n, 1), half), sin[row : row + 1].expand(max(n, 1), half)
-    if name != "torch":
+    if backend != "torch":
         row_cos, row_sin = (t.float().contiguous()[:1].expand(max(n, 1), half) for t in (row_cos, row_sin))
     channel = Channel(None, view, rotate=True, by_slot=slots is not None)
-    plan = FusedLaunch(
-        1, n, row_cos, row_sin, None, 0, flat_slots, interleaved, delta < 0, (None, channel, None)
-    )
+    plan = FusedLaunch(1, n, row_cos, row_sin, None, 0, slots, interleaved, delta < 0, (None, channel, None))
     try:
-        run(name, plan, [k_cache])
+        run(backend, plan, [k_cache] if checked else [], checked=checked)
     except ValueError as err:  # the launchers check slot values under the launch's name, slot_mapping
         text = str(err)
         if text.startswith("slot_mapping:"):
             raise ValueError("slots:" + text.removeprefix("slot_mapping:")) from None
         raise
-    return k_cache
+
+
+# torch.ops.ropekit.shift_cache_: k_cache rotated in place.
+_OP = register_op(
+    "shift_cache_",
+    lambda *args: _launch(*args, checked=False),
+    lambda *args: None,
+    mutates_args=("k_cache",),
+    schema=(
+        "(Tensor(a!) k_cache, Tensor cos, Tensor sin, SymInt delta, str cache_layout, Tensor? slots, "
+        "bool interleaved, str backend) -> ()"
+    ),
+)

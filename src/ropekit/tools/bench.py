@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 import ropekit
 from ropekit.backends import BACKENDS, select_backend
-from ropekit.tools.bench_fused import fused_records
+from ropekit.tools.bench_fused import copy_floor, fused_records
 from ropekit.validation import check_int
 
 __all__ = [
@@ -532,9 +532,8 @@ def run_benchmark(
 
 
 def _run_case(case, rows, min_run_time, repeats, memory, log) -> list[dict]:
-    q_buf, k_buf = torch.empty_like(case.q), torch.empty_like(case.k)
     floors = {
-        "copy_": lambda: (q_buf.copy_(case.q), k_buf.copy_(case.k)),
+        "copy_": copy_floor((case.q, case.k)),
         "clone": lambda: (case.q.clone(), case.k.clone()),
     }
     tasks: dict[str, dict[str, Callable]] = {name: {"fwd": f} for name, f in floors.items()}

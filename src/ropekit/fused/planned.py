@@ -1,0 +1,301 @@
+"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
+:func:`~ropekit.qk_norm_rotary_` decode step is a key, one lookup in the launch-plan cache
+(:mod:`ropekit.backends.plan`), the value checks that cannot be planned, and one call of the C loop.
+
+The first call of a kind takes the checked path (every argument checked, the backend chosen, one
+:class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`remember_cache` stores
+the plan for its key: the C loop with every integer of the launch packed
+(:func:`ropekit.backends.fused_cpu.plan`).
+A later call with the same key runs the plan after the checks that depend on values:
+
+* rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
+  table and the cache by the C loop itself, before it writes anything;
+* memory: every written tensor (the caches, and q in place) against the others, by their byte ranges, and
+  exactly (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose
+  own layout the key holds).
+
+A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
+each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
+slot outside the cache, shared memory) sends the call down the checked path, which raises the error it
+always raised, with nothing written. Calls that trace, record autograd history, take positions, cu_seqlens or
+FP8 scales, or write the caches only, never use a plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ropekit.backends import fused_cpu, qk_norm_cpu
+from ropekit.backends.fused_launch import FusedLaunch
+from ropekit.backends.plan import MAX_PLANS, keep, known, lookup, span
+from ropekit.validation import shares_memory
+
+__all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
+
+Tensor = torch.Tensor
+_NUMBERS = (float, int)  # exact types: a bool is neither (type(True) is bool)
+
+
+def _pairs(written: tuple[int, ...], count: int) -> tuple[tuple[int, int], ...]:
+    """(written, other) index pairs whose memory a call checks: every written tensor against every other
+    tensor of the call (each pair of written tensors once); the memory rule of docs/safety.md."""
+    pairs = []
+    for w in written:
+        pairs += [(w, o) for o in range(count) if o != w and not (o in written and o < w)]
+    return tuple(pairs)
+
+
+def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout, positions, offsets,
+                  cu_seqlens, interleaved, inplace, k_scale, v_scale, backend):  # fmt: skip
+    """(q rotated by the call's plan, key) when a plan served it; (None, key) when the checked path must, and
+    may remember its launch under key; (None, None) when no plan may serve a call like this one."""
+    if (
+        positions is not None
+        or cu_seqlens is not None
+        or k_scale is not None
+        or v_scale is not None
+        or not (type(q) is type(k) is type(v) is type(cos) is type(sin) is type(k_cache) is type(v_cache)
+                is type(slot_mapping) is Tensor)
+        or (interleaved is not True and interleaved is not False)
+        or (inplace is not True and inplace is not False)
+        or not (type(backend) is type(cache_layout) is str)
+        or _tracing()
+    ):  # fmt: skip
+        return None, None
+    if torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or k_cache.requires_grad
+        or v_cache.requires_grad
+    ):
+        return None, None
+    layout = _rows_layout(None, offsets)
+    if layout is False:
+        return None, None
+    key = (
+        "apply_rotary_qk_and_cache", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+        k.device, v.shape, v.stride(), v.dtype, v.device, cos.shape, cos.stride(), cos.dtype, cos.device,
+        sin.shape, sin.stride(), sin.dtype, sin.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+        k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, slot_mapping.shape,
+        slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device, layout, cache_layout, interleaved,
+        inplace, backend,
+    )  # fmt: skip
+    plan = lookup(key)
+    if plan is not None:
+        return plan(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, offsets), key
+    if (
+        known(key)
+        or not slot_mapping.is_contiguous()  # the checked path copies it; the plan reads it where it lies
+        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1])
+    ):
+        return None, None  # the key alone decides that the checked path serves this kind
+    return None, key
+
+
+def _plannable(x, others, cos, sin, offsets, batch) -> bool:
+    """Whether a plan could serve calls like this one (asked once per key): every tensor on x's device, a
+    float32 table of unit stride (the launch converts any other), x 4-D (or (B, S, W)) with elements, and
+    per-sequence offsets an int64 (batch,) contiguous tensor (the launch converts any other)."""
+    tensors = (*others, cos, sin) if type(offsets) is int else (*others, cos, sin, offsets)
+    return (
+        all(t.device == x.device for t in tensors)
+        and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (cos, sin))
+        and x.numel() > 0
+        and all(t.numel() > 0 for t in others)
+        and (type(offsets) is int or (offsets.dtype == torch.int64 and offsets.shape == batch
+                                      and offsets.is_contiguous()))
+    )  # fmt: skip
+
+
+def remember_cache(key, backend: str, like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace) -> None:
+    """Store the plan for key after the checked path served it with ``like`` (its launch), or that key has
+    none (another backend than the C loop, an input the launch copied, a 3-D q)."""
+    if known(key):
+        return
+    units = all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
+    if backend != "cpu" or not units or q.dim() != 4:
+        keep(key, None)  # the key alone decided it: the checked path serves this kind
+        return
+    keep(key, _cache_plan(like, q, k, v, k_cache, v_cache, offsets, inplace))
+
+
+def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: bool):
+    """The run of one key: the value checks that cannot be planned, then the C loop (see the module doc)."""
+    c_loop = fused_cpu.plan(like)
+    seq = q.shape[1]
+    last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
+    # (q, k, v, k_cache, v_cache, cos, sin, slot_mapping[, offsets]): q in place and the caches are written.
+    spans = tuple(span(t) for t in (q, k, v, k_cache, v_cache, like.cos, like.sin, like.slots))
+    per_sequence = type(offsets) is not int
+    spans += (span(offsets),) if per_sequence else ()
+    pairs = _pairs((0, 3, 4) if inplace else (3, 4), len(spans))
+    shared: dict[tuple[int, int, int], bool] = {}  # (written, other, byte distance) -> share an element
+    increment_version = torch._C._increment_version
+
+    def run(q, k, v, cos, sin, k_cache, v_cache, slots, offsets):
+        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
+            return None  # PyTorch refuses this write: the checked path says so
+        if slots.numel() > 1:  # distinct slots (-1 may repeat): docs/safety.md
+            ordered = np.sort(slots.numpy(), axis=None)
+            if ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any():
+                return None
+        if per_sequence:
+            rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
+            positions, offset = rows.data_ptr(), 0
+        elif 0 <= offsets <= last_offset:
+            positions, offset = 0, offsets
+        else:
+            return None
+        starts = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  cos.data_ptr(), sin.data_ptr(), slots.data_ptr())  # fmt: skip
+        if per_sequence:
+            starts += (offsets.data_ptr(),)
+        for a, b in pairs:
+            if starts[a] < starts[b] + spans[b] and starts[b] < starts[a] + spans[a]:
+                # The spans meet (views of one buffer, as q, k and v of a packed projection): exactly, once
+                # per distance (the key fixes everything else shares_memory reads).
+                meet = shared.get((a, b, starts[b] - starts[a]))
+                if meet is None:
+                    tensors = (q, k, v, k_cache, v_cache, cos, sin, slots, offsets)
+                    meet = shares_memory(tensors[a], tensors[b])
+                    if len(shared) < MAX_PLANS:
+                        shared[(a, b, starts[b] - starts[a])] = meet
+                if meet:
+                    return None
+        q_out = q if inplace else torch.empty_like(q)
+        code = c_loop(
+            (cos.data_ptr(), sin.data_ptr(), positions, slots.data_ptr(), starts[0], q_out.data_ptr(), 0,
+             starts[1], starts[3], 0, starts[2], starts[4], 0),
+            offset,
+        )  # fmt: skip
+        if code != -1:  # a row or slot out of range, nothing written: the checked path says which
+            return None
+        written = (q_out, k_cache, v_cache)
+        if not (q_out.is_inference() or k_cache.is_inference() or v_cache.is_inference()):
+            increment_version(written)
+        else:
+            increment_version(tuple(t for t in written if not t.is_inference()))
+        return q_out
+
+    return run
+
+
+def _rows_layout(positions, offsets):
+    """The key's part for the rows: None for an int offset, the layout of a positions tensor (offsets 0) or
+    of a per-sequence offsets tensor; False when no plan may serve these."""
+    if positions is not None:
+        if type(positions) is not Tensor or type(offsets) is not int or offsets != 0:
+            return False
+        return ("positions", positions.shape, positions.stride(), positions.dtype, positions.device)
+    if type(offsets) is int:
+        return None
+    if type(offsets) is Tensor:
+        return (offsets.shape, offsets.stride(), offsets.dtype, offsets.device)
+    return False
+
+
+def _tracing() -> bool:
+    """A trace (torch.compile) or a dispatch mode is watching: the registered ops serve it, never a plan."""
+    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+
+
+def planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps, positions,
+                    offsets, cu_seqlens, interleaved, weight_offset, norm, cast_before_weight,
+                    backend):  # fmt: skip
+    """:func:`planned_cache` for :func:`~ropekit.qk_norm_rotary_`: (qkv, key) when a plan served the call,
+    (None, key) when the checked path must and may then remember it, (None, None) when no plan may."""
+    if (
+        cu_seqlens is not None
+        or not (type(qkv) is type(q_weight) is type(k_weight) is type(cos) is type(sin) is Tensor)
+        or not (type(num_q_heads) is type(num_kv_heads) is type(head_dim) is int)
+        or not (type(eps) in _NUMBERS and type(weight_offset) in _NUMBERS)
+        or not (type(norm) is type(backend) is str)
+        or not (cast_before_weight is None or cast_before_weight is True or cast_before_weight is False)
+        or (interleaved is not True and interleaved is not False)
+        or _tracing()
+    ):
+        return None, None
+    if cos.requires_grad or sin.requires_grad:  # refused in any grad mode (constants to qk_norm_rotary_)
+        return None, None
+    if torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad):
+        return None, None
+    layout = _rows_layout(positions, offsets)
+    if layout is False:
+        return None, None
+    key = (
+        "qk_norm_rotary_", qkv.shape, qkv.stride(), qkv.dtype, qkv.device, q_weight.shape,
+        q_weight.stride(), q_weight.dtype, q_weight.device, k_weight.shape, k_weight.stride(), k_weight.dtype,
+        k_weight.device, cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype,
+        sin.device, layout, num_q_heads, num_kv_heads, head_dim, eps, weight_offset, norm, cast_before_weight,
+        interleaved, backend,
+    )  # fmt: skip
+    plan = lookup(key)
+    if plan is not None:
+        return plan(qkv, q_weight, k_weight, cos, sin, positions, offsets), key
+    weights = (q_weight, k_weight)
+    if (
+        known(key)
+        or qkv.dim() not in (2, 3)
+        or not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+        or not _plannable(qkv, weights, cos, sin, offsets, qkv.shape[:1] if qkv.dim() == 3 else (1,))
+        or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
+                                           and positions.device == qkv.device))
+    ):  # fmt: skip
+        return None, None
+    return None, key
+
+
+def remember_qk_norm(
+    key, backend: str, qkv, cos, sin, spec: qk_norm_cpu.NormSpec, positions, offsets
+) -> None:
+    """Store the plan for key after the checked path served it on backend, or that key has none (not the C
+    loop)."""
+    if known(key):
+        return
+    if backend != "cpu":
+        keep(key, None)
+        return
+    view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
+    c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
+    seq = view.shape[1]
+    per_sequence = positions is None and type(offsets) is not int
+    last_offset = cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    steps = None if seq == 1 else torch.arange(seq, device=qkv.device)  # (seq,): per-sequence rows
+    increment_version = torch._C._increment_version
+    qkv_span, table_span = span(qkv), span(cos)
+
+    def run(qkv, q_weight, k_weight, cos, sin, positions, offsets):
+        if qkv.is_inference() and not torch.is_inference_mode_enabled():
+            return None  # PyTorch refuses this write: the checked path says so
+        # The memory rule: qkv (written) meets nothing it reads; where byte ranges meet, the checked path
+        # decides exactly. The key holds every read tensor's layout: weights, positions and offsets are
+        # contiguous here.
+        lo = qkv.data_ptr()
+        hi = lo + qkv_span
+        rows_read = positions if positions is not None else offsets if per_sequence else None
+        for t, size in ((q_weight, 0), (k_weight, 0), (cos, table_span), (sin, table_span), (rows_read, 0)):
+            if t is not None:
+                start = t.data_ptr()
+                if start < hi and lo < start + (size or t.numel() * t.element_size()):
+                    return None
+        if positions is not None:
+            rows, offset = positions.data_ptr(), 0
+        elif per_sequence:
+            rows = (offsets if steps is None else (offsets[:, None] + steps).view(-1)).data_ptr()
+            offset = 0
+        elif 0 <= offsets <= last_offset:
+            rows, offset = None, offsets
+        else:
+            return None
+        pointers = (qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        code = c_loop(*pointers, rows, offset)
+        if code != -1:  # a row outside the table, nothing written: the checked path says which
+            return None
+        if not qkv.is_inference():
+            increment_version((qkv,))
+        return qkv
+
+    keep(key, run)

@@ -1,0 +1,236 @@
+"""Launch plans of the serving fusions (ropekit.fused.planned): a steady decode step of
+apply_rotary_qk_and_cache is a key, a lookup, the value checks that cannot be planned and one C call; a plan
+never changes an answer: a row past the table, a slot outside the cache or shared memory still raises the
+checked path's error with nothing written, and anything a check relied on misses the plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+from call_count import ropekit_calls
+from ropekit.backends import clear_backend_cache, plan
+
+# The issue-25 budget: Python calls inside ropekit per steady-state fused decode step.
+CALL_BUDGET = 8
+SHAPES = {"flat": (64, 8, 128), "nhd": (4, 16, 8, 128), "hnd": (4, 8, 16, 128)}
+
+
+def decode_inputs(batch: int, layout: str, per_sequence: bool, seed: int = 0):
+    """Llama-3-8B heads (32 q, 8 kv, head_dim 128), one token per sequence, and a cache of 64 slots."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    q, k, v = (torch.randn(batch, 1, h, 128, generator=g) for h in (32, 8, 8))
+    caches = [torch.randn(SHAPES[layout], generator=g) for _ in range(2)]
+    slots = torch.randperm(64, generator=g)[:batch].view(batch, 1)
+    offsets = torch.randint(0, 2000, (batch,), generator=g) if per_sequence else 1000
+    return q, k, v, cos, sin, caches, slots, offsets
+
+
+def call(q, k, v, cos, sin, caches, slots, offsets, layout, inplace, backend="cpu"):
+    return ropekit.apply_rotary_qk_and_cache(
+        q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, cache_layout=layout,
+        offsets=offsets, inplace=inplace, backend=backend,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("layout", ["flat", "nhd", "hnd"])
+def test_steady_fused_decode_step_makes_at_most_8_ropekit_calls_and_matches_the_torch_path(
+    layout, per_sequence, inplace
+):
+    q, k, v, cos, sin, caches, slots, offsets = decode_inputs(4, layout, per_sequence)
+    want_caches = [c.clone() for c in caches]
+    want = call(q.clone(), k, v, cos, sin, want_caches, slots, offsets, layout, inplace, backend="torch")
+    call(q.clone(), k, v, cos, sin, [c.clone() for c in caches], slots, offsets, layout, inplace)  # plans
+    q_in = q.clone()
+    got = []
+    calls = ropekit_calls(
+        lambda: got.append(call(q_in, k, v, cos, sin, caches, slots, offsets, layout, inplace))
+    )
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "check_slots" not in calls and "resolve" not in calls  # the plan served it
+    torch.testing.assert_close(got[0], want, rtol=0, atol=1e-6)
+    assert (got[0] is q_in) == inplace
+    for cache, ref in zip(caches, want_caches, strict=True):
+        torch.testing.assert_close(cache, ref, rtol=0, atol=1e-6)
+
+
+def planned_step(per_sequence=False, inplace=True, layout="nhd"):
+    """Inputs whose key has a plan (one call made), to call again with a changed value."""
+    plan.clear_plans()
+    q, k, v, cos, sin, caches, slots, offsets = decode_inputs(2, layout, per_sequence)
+    call(q.clone(), k, v, cos, sin, caches, slots, offsets, layout, inplace)
+    assert "run" in ropekit_calls(
+        lambda: call(q.clone(), k, v, cos, sin, caches, slots, offsets, layout, inplace)
+    )
+    return q, k, v, cos, sin, caches, slots, offsets
+
+
+def test_an_int_offset_past_the_table_raises_the_checked_error_and_writes_nothing():
+    q, k, v, cos, sin, caches, slots, _ = planned_step()
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="positions: largest position 2048 is past the cos/sin table"):
+        call(q, k, v, cos, sin, caches, slots, 2048, "nhd", True)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_per_sequence_offsets_past_the_table_or_negative_raise_the_checked_error():
+    q, k, v, cos, sin, caches, slots, _ = planned_step(per_sequence=True)
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="positions: largest position 5000 is past the cos/sin table"):
+        call(q, k, v, cos, sin, caches, slots, torch.tensor([3, 5000]), "nhd", True)
+    with pytest.raises(ValueError, match="offsets: expected values >= 0, got a minimum of -1"):
+        call(q, k, v, cos, sin, caches, slots, torch.tensor([-1, 4]), "nhd", True)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+@pytest.mark.parametrize("bad", [64, -2])
+def test_a_slot_outside_the_cache_raises_the_checked_error_and_writes_nothing(bad):
+    q, k, v, cos, sin, caches, _, offsets = planned_step()
+    before, q_before = [c.clone() for c in caches], q.clone()
+    with pytest.raises(ValueError, match=f"slot_mapping: slot {bad}"):
+        call(q, k, v, cos, sin, caches, torch.tensor([[1], [bad]]), offsets, "nhd", True)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and torch.equal(q, q_before)
+
+
+def test_shared_memory_still_raises_after_a_plan():
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    with pytest.raises(ValueError, match="v_cache: the call writes k_cache and v_cache, which share memory"):
+        call(q, k, v, cos, sin, [caches[0], caches[0]], slots, offsets, "nhd", True)
+    buffer = torch.randn(2, 1, 48, 128)  # q and k as views of one buffer, k's heads inside q's
+    q_view, k_view = buffer[:, :, :32], buffer[:, :, 24:32]
+    call(q.clone(), k_view.clone(), v, cos, sin, caches, slots, offsets, "nhd", True)  # plan the strides
+    with pytest.raises(ValueError, match="q: it is written and shares memory with k, which the call reads"):
+        call(q_view, k_view, v, cos, sin, caches, slots, offsets, "nhd", True)
+
+
+def test_views_of_one_packed_qkv_buffer_use_the_plan():
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    qkv = torch.cat([q, k, v], dim=2)  # (B, 1, 48, 128): vLLM's packed projection
+    qkv_before = qkv.clone()
+    views = qkv[:, :, :32], qkv[:, :, 32:40], qkv[:, :, 40:]
+    want = [c.clone() for c in caches]
+    ref = call(views[0].clone(), views[1], views[2], cos, sin, want, slots, offsets, "nhd", True, "torch")
+    spare = qkv.clone()  # same strides: its call plans the key
+    call(spare[:, :, :32], spare[:, :, 32:40], spare[:, :, 40:], cos, sin, [c.clone() for c in caches], slots,
+         offsets, "nhd", True)  # fmt: skip
+    call(*views, cos, sin, [c.clone() for c in caches], slots, offsets, "nhd", True)  # learns the distances
+    views[0].copy_(qkv_before[:, :, :32])
+    calls = ropekit_calls(lambda: call(*views, cos, sin, caches, slots, offsets, "nhd", True))
+    assert "run" in calls and "check_disjoint" not in calls and len(calls) <= CALL_BUDGET, calls
+    torch.testing.assert_close(views[0], ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(caches[0], want[0], rtol=0, atol=1e-6)
+
+
+def test_the_plan_tells_autograd_what_it_wrote():
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    versions = [t._version for t in (q, *caches)]
+    call(q, k, v, cos, sin, caches, slots, offsets, "nhd", True)
+    assert [t._version for t in (q, *caches)] == [n + 1 for n in versions]
+
+
+@pytest.mark.parametrize(
+    "change", ["transposed cache", "other dtype", "requires grad", "positions", "scale", "float64 table"]
+)
+def test_anything_a_check_relied_on_misses_the_plan(change):
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    kw = {}
+    if change == "transposed cache":  # same shape, other strides: a cache that is not stride-1 per head
+        caches = [c.transpose(-1, -2).contiguous().transpose(-1, -2) for c in caches]
+        match = "k_cache: expected a last axis of stride 1"
+    elif change == "other dtype":
+        k = k.double()
+        match = "k: expected q's dtype torch.float32"
+    elif change == "requires grad":
+        k = k.requires_grad_()
+        match = "k: apply_rotary_qk_and_cache is inference only"
+    elif change == "positions":
+        kw = dict(positions=torch.tensor([[1], [2]]), offsets=0)
+        match = None
+    elif change == "float64 table":  # converted per call by the checked path: never planned
+        cos, sin = cos.double(), sin.double()
+        match = None
+    else:
+        kw = dict(k_scale=1.0)
+        match = "k_scale: expected None for a torch.float32 cache"
+    step = lambda: ropekit.apply_rotary_qk_and_cache(  # noqa: E731
+        q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots,
+        **({"offsets": offsets} | kw), inplace=True, backend="cpu",
+    )  # fmt: skip
+    if match is None:
+        step()
+        assert "check_slots" in ropekit_calls(step)
+    else:
+        with pytest.raises(ValueError, match=match):
+            step()
+
+
+def test_other_backends_have_no_plan_and_keep_the_checked_path():
+    clear_backend_cache()
+    q, k, v, cos, sin, caches, slots, offsets = decode_inputs(2, "nhd", False)
+    for _ in range(2):
+        call(q, k, v, cos, sin, caches, slots, offsets, "nhd", True, backend="torch")
+    assert "check_slots" in ropekit_calls(
+        lambda: call(q, k, v, cos, sin, caches, slots, offsets, "nhd", True, "torch")
+    )
+
+
+def qk_norm_inputs(form: str, seed: int = 0):
+    """A Qwen3-style packed qkv of 4 tokens (32 q, 8 kv heads, head_dim 128) and its position kwargs."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    weights = [1 + 0.1 * torch.randn(128, generator=g) for _ in range(2)]
+    if form == "positions":  # vLLM's (T, W) with a position per token
+        qkv = torch.randn(4, 48 * 128, generator=g)
+        kw = dict(positions=torch.tensor([7, 100, 3, 2000]))
+    else:  # (B, 1, W): a decode step
+        qkv = torch.randn(4, 1, 48 * 128, generator=g)
+        kw = dict(offsets=torch.tensor([7, 100, 3, 2000]) if form == "offsets_per_seq" else 1000)
+    return qkv, weights, cos, sin, kw
+
+
+def qk_norm_call(qkv, weights, cos, sin, kw, backend="cpu"):
+    return ropekit.qk_norm_rotary_(qkv, *weights, cos, sin, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                   eps=1e-6, backend=backend, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
+def test_steady_qk_norm_step_makes_at_most_8_ropekit_calls_and_matches_the_torch_path(form):
+    qkv, weights, cos, sin, kw = qk_norm_inputs(form)
+    want = qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)  # plans the key
+    got = qkv.clone()
+    versions = got._version
+    calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "resolve" not in calls and "_check_weight" not in calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got._version == versions + 1
+
+
+@pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
+def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
+    qkv, weights, cos, sin, kw = qk_norm_inputs(form)
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    bad = {"offset": dict(offsets=2048), "offsets_per_seq": dict(offsets=torch.tensor([1, 2, 3, 2048]))}
+    bad["positions"] = dict(positions=torch.tensor([1, 2, 2048, 3]))
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="positions: largest position 2048 is past the cos/sin table"):
+        qk_norm_call(qkv, weights, cos, sin, bad[form])
+    assert torch.equal(qkv, before)
+
+
+def test_a_strided_slot_mapping_is_read_as_the_checked_path_reads_it():
+    q, k, v, cos, sin, caches, slots, offsets = decode_inputs(4, "nhd", True)
+    strided = torch.stack([slots, torch.zeros_like(slots)], dim=-1)[..., 0]  # (4, 1), not contiguous
+    assert not strided.is_contiguous() and torch.equal(strided, slots)
+    want = [c.clone() for c in caches]
+    call(q.clone(), k, v, cos, sin, want, slots, offsets, "nhd", True, backend="torch")
+    for _ in range(3):  # the first call checks; a plan must not read the slots where they do not lie
+        got = [c.clone() for c in caches]
+        call(q.clone(), k, v, cos, sin, got, strided, offsets, "nhd", True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

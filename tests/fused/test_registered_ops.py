@@ -1,0 +1,215 @@
+"""The serving fusions as torch.library ops (registered in ropekit.fused.cache / fp8 / qk_norm / shift):
+each passes torch.library.opcheck (schema, fake implementation, autograd registration, AOT dispatch) and
+declares what it writes in place; a compiled decode step keeps them in one graph and agrees with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ropekit
+
+OPCHECK_BACKENDS = ["torch", "cpu"]
+PAGES, PAGE_SIZE = 4, 4
+
+
+def tables(head_dim: int = 16, rows: int = 64):
+    return ropekit.RopeConfig(head_dim=head_dim).cos_sin(rows)
+
+
+def cache_args(backend: str, layout: str = "nhd", fp8: bool = False):
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 2, 16, generator=g), torch.randn(2, 3, 2, 16, generator=g)
+    shape = {
+        "flat": (PAGES * PAGE_SIZE, 2, 16),
+        "nhd": (PAGES, PAGE_SIZE, 2, 16),
+        "hnd": (PAGES, 2, PAGE_SIZE, 16),
+    }
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    k_cache, v_cache = (torch.randn(shape[layout], generator=g).to(dtype) for _ in range(2))
+    scale = torch.tensor([0.5]) if fp8 else None
+    slots = torch.tensor([0, 5, -1, 3, 9, 12])
+    cos, sin = tables()
+    return (k, v, cos, sin, None, 2, slots, k_cache, v_cache, layout, False, scale, scale, backend)
+
+
+@pytest.mark.parametrize("layout", ["flat", "nhd", "hnd"])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_rope_and_cache_ops_pass_opcheck(backend, layout):
+    q = torch.randn(2, 3, 4, 16)
+    args = cache_args(backend, layout)
+    torch.library.opcheck(torch.ops.ropekit.rotary_qk_and_cache.default, (q, torch.empty_like(q), *args))
+    torch.library.opcheck(torch.ops.ropekit.rotary_qk_and_cache_.default, (q.clone(), *args))
+    torch.library.opcheck(torch.ops.ropekit.rotary_qk_and_cache.default, (None, None, *args))  # caches only
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_rope_and_cache_op_with_fp8_caches_and_positions_passes_opcheck(backend):
+    q = torch.randn(2, 3, 4, 16)
+    args = list(cache_args(backend, fp8=True))
+    args[4], args[5] = torch.tensor([0, 1, 2, 7, 8, 9]), 0  # positions (B * S,) instead of an offset
+    # test_schema compares mutated values with float arithmetic that torch has no float8 kernel for;
+    # the other float32 cases run it.
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    op = torch.ops.ropekit.rotary_qk_and_cache.default
+    torch.library.opcheck(op, (q, torch.empty_like(q), *args), test_utils=utils)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_fp8_op_passes_opcheck(backend, mla):
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(7, 4, 16, generator=g), torch.randn(7, 2, 16, generator=g)  # packed (T, H, D)
+    nopes = (torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g)) if mla else (None, None)
+    cos, sin = tables()
+    scale = torch.tensor([0.25])
+    args = (q, k, cos, sin, torch.arange(3, 10), 0, scale, torch.full((2,), 0.5), torch.float8_e4m3fn, *nopes,
+            False, backend)  # fmt: skip
+    torch.library.opcheck(torch.ops.ropekit.rotary_qk_fp8.default, args)
+    outs = torch.ops.ropekit.rotary_qk_fp8(*args)
+    assert [o.shape for o in outs] == [t.shape for t in (q, k, *nopes) if t is not None]
+
+
+@pytest.mark.parametrize("all_heads", [False, True])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_qk_norm_op_passes_opcheck(backend, all_heads):
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16, generator=g)
+    q_weight = torch.randn(4 * 16 if all_heads else 16, generator=g)
+    k_weight = torch.randn(2 * 16 if all_heads else 16, generator=g)
+    cos, sin = tables()
+    args = (qkv, q_weight, k_weight, cos, sin, None, 5, 4, 2, 16, 1e-6, 0.0, all_heads, not all_heads, False,
+            backend)  # fmt: skip
+    torch.library.opcheck(torch.ops.ropekit.qk_norm_rotary_.default, args)
+
+
+@pytest.mark.parametrize("with_slots", [False, True])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_shift_op_passes_opcheck(backend, with_slots):
+    k_cache = torch.randn(PAGES, PAGE_SIZE, 2, 16)
+    cos, sin = tables()
+    slots = torch.tensor([0, 3, -1, 7]) if with_slots else None
+    for delta in (5, -3):
+        args = (k_cache, cos, sin, delta, "nhd", slots, False, backend)
+        torch.library.opcheck(torch.ops.ropekit.shift_cache_.default, args)
+
+
+def test_ops_declare_what_they_write_in_place():
+    mutated = {
+        name: [a.name for a in getattr(torch.ops.ropekit, name).default._schema.arguments if a.is_write]
+        for name in ("rotary_qk_and_cache", "rotary_qk_and_cache_", "rotary_qk_fp8", "qk_norm_rotary_",
+                     "shift_cache_")
+    }  # fmt: skip
+    assert mutated == {
+        "rotary_qk_and_cache": ["q_out", "k_cache", "v_cache"],
+        "rotary_qk_and_cache_": ["q", "k_cache", "v_cache"],
+        "rotary_qk_fp8": [],
+        "qk_norm_rotary_": ["qkv"],
+        "shift_cache_": ["k_cache"],
+    }
+
+
+def test_the_registered_ops_keep_the_kernel_wall():
+    k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest = cache_args("cpu")
+    with pytest.raises(ValueError, match=r"k: expected a torch.float32 tensor of shape \(2, 3, 1, 16\)"):
+        torch.ops.ropekit.rotary_qk_and_cache(
+            None, None, k, v, cos, sin, pos, offset, slots, k_cache[:, :, :1], v_cache, *rest
+        )
+    with pytest.raises(ValueError, match="v_cache: the call writes k_cache and v_cache, which share memory"):
+        torch.ops.ropekit.rotary_qk_and_cache(
+            None, None, k, v, cos, sin, pos, offset, slots, k_cache, k_cache, *rest
+        )
+    with pytest.raises(ValueError, match="delta"):
+        torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 64, "nhd", None, False, "cpu")
+    with pytest.raises(ValueError, match="qkv: expected 128 features"):
+        torch.ops.ropekit.qk_norm_rotary_(
+            torch.zeros(2, 3, 64), torch.ones(16), torch.ones(16), cos, sin, None, 0, 4, 2, 16, 1e-6, 0.0,
+            False, True, False, "cpu",
+        )  # fmt: skip
+
+
+def _decode_step(q, k, v, qkv, k_cache, v_cache, slots, offsets, cos, sin, q_weight, k_weight, backend):
+    """One serving decode step through the three fusions: QK-norm + RoPE on the packed projection, RoPE +
+    the cache write, RoPE + FP8 (per-sequence offsets, as a batch of sequences at different lengths)."""
+    ropekit.qk_norm_rotary_(qkv, q_weight, k_weight, cos, sin, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                            eps=1e-6, offsets=offsets, backend=backend)  # fmt: skip
+    q_rot = ropekit.apply_rotary_qk_and_cache(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slots,
+        offsets=offsets,
+        backend=backend,
+    )
+    q8, k8 = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=0.5, k_scale=0.5, offsets=offsets,
+                                         backend=backend)  # fmt: skip
+    return q_rot, q8.float(), k8.float()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_compiled_decode_step_has_no_graph_break_and_matches_eager(backend):
+    g = torch.Generator().manual_seed(3)
+    cos, sin = tables()
+    q, k, v = (
+        torch.randn(2, 1, 4, 16, generator=g),
+        torch.randn(2, 1, 2, 16, generator=g),
+        torch.randn(2, 1, 2, 16, generator=g),
+    )
+    qkv = torch.randn(2, 1, 8 * 16, generator=g)
+    q_weight, k_weight = 1 + 0.1 * torch.randn(16, generator=g), 1 + 0.1 * torch.randn(16, generator=g)
+    slots, offsets = torch.tensor([[3], [9]]), torch.tensor([5, 17])
+    caches = [torch.zeros(PAGES, PAGE_SIZE, 2, 16) for _ in range(4)]
+    eager_qkv, compiled_qkv = qkv.clone(), qkv.clone()
+    args = (slots, offsets, cos, sin, q_weight, k_weight, backend)
+    seen = []
+
+    def record(gm, inputs):  # the captured graph's calls, then AOT autograd (functionalization) as usual
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = _decode_step(q, k, v, eager_qkv, caches[0], caches[1], *args)
+        step = torch.compile(_decode_step, fullgraph=True, backend=record)
+        got = step(q, k, v, compiled_qkv, caches[2], caches[3], *args)
+    ops = {
+        "ropekit.qk_norm_rotary_.default",
+        "ropekit.rotary_qk_and_cache.default",
+        "ropekit.rotary_qk_fp8.default",
+    }
+    assert ops <= set(seen), seen  # one opaque node each, in the one graph fullgraph=True demands
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(compiled_qkv, eager_qkv)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].abs().sum() > 0  # the compiled step wrote the cache
+
+
+def _in_place_step(q, k, v, k_cache, v_cache, slots, offsets, cos, sin):
+    """RoPE into the caches with q rotated in place, then the cache shifted back by two positions."""
+    ropekit.apply_rotary_qk_and_cache(q, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                                      offsets=offsets, inplace=True, backend="cpu")  # fmt: skip
+    ropekit.shift_cache_(k_cache, cos, sin, -2, backend="cpu")
+
+
+def test_compiled_in_place_step_writes_q_and_the_caches_as_eager_does():
+    g = torch.Generator().manual_seed(5)
+    cos, sin = tables()
+    q, k, v = (torch.randn(2, 1, h, 16, generator=g) for h in (4, 2, 2))
+    slots, offsets = torch.tensor([[3], [9]]), torch.tensor([5, 17])
+    caches = [torch.randn(PAGES, PAGE_SIZE, 2, 16, generator=g) for _ in range(2)]
+    eager = (q.clone(), *(c.clone() for c in caches))
+    compiled = (q.clone(), *(c.clone() for c in caches))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _in_place_step(eager[0], k, v, eager[1], eager[2], slots, offsets, cos, sin)
+        torch.compile(_in_place_step, fullgraph=True, backend="aot_eager")(
+            compiled[0], k, v, compiled[1], compiled[2], slots, offsets, cos, sin
+        )
+    assert not torch.equal(eager[0], q)  # q was rotated in place
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)
