@@ -34,7 +34,15 @@ from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
 from ropekit.validation import check_fraction, describe
 
-__all__ = ["indexer_rope_kwargs", "load_hf_config", "rope_kwargs", "rope_layer_types"]
+__all__ = [
+    "indexer_rope_kwargs",
+    "layer_overrides",
+    "layer_rope_kwargs",
+    "layer_types",
+    "load_hf_config",
+    "rope_kwargs",
+    "rope_layer_types",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +70,19 @@ MROPE_DEFAULTS = {
 }
 # MLA models whose attention multiplies the softmax scale by YaRN's mscale(f, mscale_all_dim)^2 and pairs its
 # rotated slice (2i, 2i+1) unless rope_interleave is false.
-MLA_MODEL_TYPES = frozenset({"deepseek_v3", "deepseek_v32"})
+MLA_MODEL_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "mistral4"})
+# DeepSeek-V4 keys its RoPE parameters by rope label, not by layer type: its sliding-window layers rotate with
+# "main" (rope_theta), the compressed ones with "compress" (compress_rope_theta); HF DeepseekV4Attention.
+DEEPSEEK_V4_ROPE_LABELS = {
+    "sliding_attention": "main",
+    "compressed_sparse_attention": "compress",
+    "heavily_compressed_attention": "compress",
+}
+# Gemma 4's full-attention layers are wider than its sliding ones: HF's Gemma4TextConfig gives them
+# global_head_dim (512 unless the config names one) through its per_layer_config.
+GEMMA4_GLOBAL_HEAD_DIM = 512
+# Ministral 3 / Mistral 4 scale every query by position (llama_4_scaling_beta); the key sits in rope_parameters.
+POSITION_SCALING_KEY = "llama_4_scaling_beta"
 # Keys HunYuan's "dynamic" + alpha configs publish that its NTK-alpha RoPE never reads.
 HUNYUAN_UNUSED = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # Llama 4's defaults for the NoPE layers' query temperature (HF Llama4TextConfig).
@@ -104,9 +124,16 @@ def load_hf_config(config: Any) -> dict[str, Any]:
         )
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
-    text = data.get("text_config")
-    if isinstance(text, Mapping) and not _has_rope_keys(data):
-        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    return _language_config(data)
+
+
+def _language_config(data: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` (multimodal models) or ``thinker_config.text_config``
+    (Qwen-Omni), merged over the outer keys, when the outer level carries no RoPE keys itself."""
+    for key in ("thinker_config", "text_config"):
+        inner = data.get(key)
+        if isinstance(inner, Mapping) and not _has_rope_keys(data):
+            data = {**{k: v for k, v in data.items() if k != key}, **inner}
     return data
 
 
@@ -162,7 +189,8 @@ def rope_layer_types(config: Any) -> list[str]:
 
 
 def _head_dim(d: Mapping[str, Any]) -> int:
-    for key in ("qk_rope_head_dim", "head_dim"):
+    keys = ("head_dim",) if _model_type(d) == "deepseek_v4" else ("qk_rope_head_dim", "head_dim")
+    for key in keys:
         if d.get(key) is not None:
             return d[key]
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
@@ -189,6 +217,8 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
                 f"layer_type: this config has per-layer-type RoPE parameters {sorted(nested)}; "
                 "pass one of them (RopeConfig.from_hf(config, layer_type=...))"
             )
+        if layer_type not in nested and _model_type(d) == "deepseek_v4":
+            layer_type = DEEPSEEK_V4_ROPE_LABELS.get(layer_type, layer_type)
         if layer_type not in nested:
             raise ValueError(f"layer_type: expected one of {sorted(nested)}, got {layer_type!r}")
         if nested[layer_type] is None:
@@ -216,7 +246,7 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         kind = "longrope"
     params.pop("type", None)
     params["rope_type"] = kind
-    model_type = str(d.get("model_type") or "").removesuffix("_text")
+    model_type = _model_type(d)
     if kind == "dynamic" and params.get("alpha"):  # HunYuan: a fixed alpha makes it static NTK
         kind = params["rope_type"] = "ntk_alpha"
         # HunYuan's configs carry YaRN-style keys next to alpha; its modeling code reads alpha only.
@@ -246,12 +276,72 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         params["mrope_section"] = [per_axis, per_axis]
     if model_type == "llama4" and d.get("attn_temperature_tuning", True):
         params.update({key: d.get(key, default) for key, default in LLAMA4_TEMPERATURE.items()})
+    if params.get(POSITION_SCALING_KEY) is not None and (
+        params.get("original_max_position_embeddings") is None
+        or "original_max_position_embeddings" not in get_schedule(kind).optional | get_schedule(kind).required
+    ):
+        raise ValueError(
+            f"{where}: {POSITION_SCALING_KEY} scales queries by position over the rope_parameters' "
+            f"original_max_position_embeddings, which rope_type {kind!r} does not carry; ropekit reads it with "
+            "the schedules that take that key (yarn, llama3, longrope)"
+        )
     if kind in USES_ORIGINAL_LENGTH:
         if d.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
         elif d.get("max_position_embeddings") is not None:
             params.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
     return _known_keys(params, where)
+
+
+def _model_type(d: Mapping[str, Any]) -> str:
+    """The config's model_type without the ``_text`` suffix of a multimodal model's language config."""
+    return str(d.get("model_type") or "").removesuffix("_text")
+
+
+def layer_types(config: Any) -> list[str] | None:
+    """The config's ``layer_types`` (one per decoder layer), or None when it has none."""
+    d = load_hf_config(config)
+    return None if d.get("layer_types") is None else list(d["layer_types"])
+
+
+def layer_overrides(d: Mapping[str, Any], index: int, layer_type: str | None) -> dict[str, Any]:
+    """The keys that layer `index` changes over the config (HF's ``per_layer_config``: Gemma 4's wider
+    full-attention heads), or {} for a layer like every other.
+
+    Gemma 4's config.json names ``global_head_dim`` instead; HF turns it into the same per-layer head width.
+    """
+    per_layer = d.get("per_layer_config")
+    if isinstance(per_layer, Mapping) and per_layer:
+        for key, value in per_layer.items():
+            if str(key).isdigit() and int(key) == index:
+                if not isinstance(value, Mapping):
+                    raise ValueError(
+                        f"config['per_layer_config'][{key!r}]: expected a dict of keys the layer changes, "
+                        f"got {describe(value)}"
+                    )
+                return dict(value)
+        return {}
+    if _model_type(d) in ("gemma4", "gemma4_unified") and layer_type == "full_attention":
+        return {"head_dim": d.get("global_head_dim") or GEMMA4_GLOBAL_HEAD_DIM}
+    return {}
+
+
+def _type_overrides(d: Mapping[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """The per-layer keys every layer of `layer_type` shares (a ValueError when they differ)."""
+    if layer_type is None:
+        return layer_overrides(d, -1, None)
+    declared = d.get("layer_types") or []
+    if _model_type(d) == "deepseek_v4":
+        return {}
+    found = [layer_overrides(d, i, t) for i, t in enumerate(declared) if t == layer_type]
+    if not found:
+        return layer_overrides(d, -1, layer_type)
+    if any(f != found[0] for f in found):
+        raise ValueError(
+            f"layer_type: the {layer_type!r} layers of this config differ among themselves "
+            f"(per_layer_config); read them one by one with ropekit.model_rope(config)"
+        )
+    return found[0]
 
 
 def _known_keys(params: dict[str, Any], where: str) -> dict[str, Any]:
@@ -293,24 +383,39 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
             wrong type. Schedule keys and values are checked by RopeConfig itself.
     """
     d = load_hf_config(config)
+    return layer_rope_kwargs(d, layer_type, _type_overrides(d, layer_type))
+
+
+def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: Mapping[str, Any]) -> dict:
+    """:func:`rope_kwargs` for one layer: the loaded config `d` with that layer's `overrides` (see
+    :func:`layer_overrides`) and its entry of per-layer-type RoPE parameters."""
+    d = {**d, **overrides}
     head_dim = _head_dim(d)
     params = _rope_parameters(d, layer_type)
     base = params.pop("rope_theta")
     rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    model_type = _model_type(d)
+    rotary_position = "first"
+    if model_type == "mistral4":
+        rotary_dim = head_dim = _mistral4_rope_width(d, params)
+    elif model_type == "deepseek_v4":
+        # [nope | rope] heads of head_dim features: the trailing partial_rotary_factor of them rotate.
+        head_dim, rotary_position = d["head_dim"], "last"
     if params["rope_type"] != "proportional":  # proportional reads the factor itself, over the full width
         partial = params.pop("partial_rotary_factor", None)
         if partial is not None and rotary_dim is None:
             check_fraction("config['partial_rotary_factor']", partial)
             rotary_dim = int(head_dim * partial)
-    model_type = d.get("model_type")
-    interleaved = model_type in INTERLEAVED_MODEL_TYPES or (
-        model_type in MLA_MODEL_TYPES and d.get("rope_interleave", True) is not False
+    interleaved = (
+        model_type in INTERLEAVED_MODEL_TYPES
+        or model_type == "deepseek_v4"
+        or (model_type in MLA_MODEL_TYPES and d.get("rope_interleave", True) is not False)
     )
     if model_type == "llama4_vision_model":
         rotary_dim = 4 * (head_dim // 4)
     max_positions = d.get("max_position_embeddings", d.get("n_positions"))
     scaling = None if params == {"rope_type": "default"} else params
-    return {
+    kwargs = {
         "head_dim": head_dim,
         "base": base,
         "rotary_dim": rotary_dim,
@@ -318,6 +423,36 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
         "scaling": scaling,
         "max_position_embeddings": max_positions,
     }
+    if rotary_position != "first":
+        kwargs["rotary_position"] = rotary_position
+    return kwargs
+
+
+def _mistral4_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
+    """Mistral 4's rotated slice (qk_rope_head_dim), checked against the partial_rotary_factor HF reads.
+
+    Its rope_parameters give the rotated part as a fraction of the whole q/k head (qk_nope_head_dim +
+    qk_rope_head_dim); like DeepSeek-V3's MLA, the RopeConfig describes the rotated slice itself.
+    """
+    rope = d.get("qk_rope_head_dim")
+    nope = d.get("qk_nope_head_dim") or 0
+    if not isinstance(rope, int) or not isinstance(nope, int):
+        raise ValueError(
+            f"config['qk_rope_head_dim']: expected Mistral 4's rotated width (an integer), got {describe(rope)}"
+        )
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is not None and int((rope + nope) * partial) != rope:
+        raise ValueError(
+            f"config['rope_parameters']['partial_rotary_factor']: {partial!r} of the {rope + nope}-wide q/k "
+            f"head is {int((rope + nope) * partial)} features, but Mistral 4 rotates qk_rope_head_dim = {rope}"
+        )
+    if params["rope_type"] == "default" and nope:
+        raise ValueError(
+            "config['rope_parameters']['rope_type']: Mistral 4's 'default' RoPE in transformers builds its "
+            f"frequencies over the whole {rope + nope}-wide head (it ignores partial_rotary_factor), which "
+            f"does not fit the {rope} features it rotates; ropekit will not guess which one is meant"
+        )
+    return rope
 
 
 def indexer_rope_kwargs(config: Any) -> dict[str, Any]:
