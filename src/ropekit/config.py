@@ -163,9 +163,17 @@ class RopeConfig:
                 a schedule that needs the pre-training context length (yarn, longrope) in a config that
                 names no length at all, or any other bad value.
         """
-        from ropekit.hf_config import USES_ORIGINAL_LENGTH, rope_kwargs
+        from ropekit.hf_config import rope_kwargs
 
-        rope = cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        return cls._from_hf_kwargs({**rope_kwargs(config, layer_type=layer_type), **overrides})
+
+    @classmethod
+    def _from_hf_kwargs(cls, kwargs: dict[str, Any]) -> RopeConfig:
+        """A config from :func:`ropekit.hf_config.rope_kwargs`' output, refused where transformers would take
+        a default that a dict does not carry."""
+        from ropekit.hf_config import USES_ORIGINAL_LENGTH
+
+        rope = cls(**kwargs)
         if (
             rope.rope_type in USES_ORIGINAL_LENGTH
             and rope._spec.get("original_max_position_embeddings", rope.max_position_embeddings) is None

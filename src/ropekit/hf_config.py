@@ -311,7 +311,12 @@ def layer_overrides(d: Mapping[str, Any], index: int, layer_type: str | None) ->
     Gemma 4's config.json names ``global_head_dim`` instead; HF turns it into the same per-layer head width.
     """
     per_layer = d.get("per_layer_config")
-    if isinstance(per_layer, Mapping) and per_layer:
+    if per_layer is not None:
+        if not isinstance(per_layer, Mapping):
+            raise ValueError(
+                f"config['per_layer_config']: expected a dict {{layer index: keys it changes}}, "
+                f"got {describe(per_layer)}"
+            )
         for key, value in per_layer.items():
             if str(key).isdigit() and int(key) == index:
                 if not isinstance(value, Mapping):
