@@ -229,3 +229,17 @@ def test_the_proof_sees_a_wrong_window():
     assert not torch.equal(proof.expected_allowed(layer), proof.expected_allowed(LayerRope(0, None, None)))
     chunked = LayerRope(0, "chunked_attention", None, attention_chunk_size=4)
     assert proof.expected_allowed(chunked).sum() < proof.expected_allowed(layer).sum()
+
+
+def test_rotary_embedding_for_model_serves_each_layer_its_own_table():
+    ropes = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("gemma4_text"))
+    plan = model_rope(AutoConfig.for_model("gemma4_text"))
+    assert len(ropes) == len(plan) == 30
+    assert ropes[0] is ropes[4] and ropes[5] is ropes[11] and ropes[0] is not ropes[5]
+    assert [r.config for r in ropes] == [layer.rope for layer in plan]
+    q, k = torch.randn(1, 7, 2, 512, dtype=torch.float64), torch.randn(1, 7, 1, 512, dtype=torch.float64)
+    got, _ = ropes[5](q, k)
+    cos, sin = plan[5].rope.cos_sin(7, dtype=torch.float64)
+    torch.testing.assert_close(got, ropekit.apply_rotary(q, cos, sin))
+    smol = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("smollm3"))
+    assert [r is None for r in smol[:4]] == [False, False, False, True]
