@@ -33,7 +33,7 @@ SEQ = hf.PROBE_TOKENS
 CHUNK = 4  # Llama 4's attention_chunk_size in the tiny model
 FLOOR = 2  # Llama 4's floor_scale, and Ministral 3 / Mistral 4's temperature length
 # Module names of towers that are not the decoder (their RoPE is not model_rope's).
-NOT_DECODER = re.compile(r"vision|visual|audio|talker|code2wav|mtp|encoder\.|speech|image")
+NOT_DECODER = re.compile(r"vision|visual|audio|talker|code2wav|mtp|speech|image")
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 PROBE_IMPL = "ropekit_probe"
 # Children of an attention module that change the query's norm between its projection and the attention
@@ -279,6 +279,9 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
         if not seen.masks and layer.rope is not None:
             unmeasured.append(f"{where}: attention not reached through the attention interface")
         for got in masks:
+            if got is not None and (got & ~lower).any():
+                unmeasured.append(f"{where}: a bidirectional mask (windows read only from causal masks)")
+                continue
             if got is None:
                 window = seen.windows[0] if seen.windows else None
                 if window != layer.sliding_window and layer.attention_chunk_size is None:
@@ -293,7 +296,9 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
                 )
         want_scale = layer.attention_temperature(torch.arange(SEQ))
         if seen.query_scale is not None:
-            got_scale = seen.query_scale[0]
+            # Relative to position 0, where every temperature is 1: a constant factor on the query (YaRN's in
+            # the tables, LongCat's q-LoRA scale) is the model's own and not a temperature.
+            got_scale = seen.query_scale[0] / seen.query_scale[0, :1]
             if not torch.allclose(got_scale, want_scale, rtol=1e-5, atol=1e-5):
                 problems.append(f"{where}: query temperature {got_scale.tolist()}, model_rope {want_scale.tolist()}")
         elif not torch.equal(want_scale, torch.ones(SEQ)):

@@ -55,8 +55,15 @@ INTERLEAVED_MODEL_TYPES = frozenset(
         # ERNIE 4.5 (rotate_half_text) and Llama 4 (complex pairs, text and vision) pair (2i, 2i+1) too.
         "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
         "llama4", "llama4_text", "llama4_vision_model",
+        # Found by proving ropekit.model_rope against each model's layers (tests/test_model_plan.py).
+        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter",
     }
 )  # fmt: skip
+# model_type values whose rotation ropekit's RopeConfig cannot describe: NanoChat's rotate_half flips the
+# other sign, a rotation by -angle.
+UNDESCRIBED_MODEL_TYPES = {"nanochat": "its rotate_half flips the other sign (a rotation by -angle)"}
+# model_type values that read the rotary width from rope_parameters only, though their config has rotary_dim.
+IGNORE_ROTARY_DIM = frozenset({"minimax_m2", "minimax_m3_vl", "neomme", "qwen4_exp"})
 # M-RoPE sections HF's multimodal modules fall back to when a config omits them, and the layout the model type
 # always uses (Qwen3-VL's module interleaves whatever mrope_interleaved says; ERNIE 4.5-VL alternates h / w
 # and puts t last; None: the config's own mrope_interleaved decides).
@@ -70,7 +77,12 @@ MROPE_DEFAULTS = {
 }
 # MLA models whose attention multiplies the softmax scale by YaRN's mscale(f, mscale_all_dim)^2 and pairs its
 # rotated slice (2i, 2i+1) unless rope_interleave is false.
-MLA_MODEL_TYPES = frozenset({"deepseek_v3", "deepseek_v32", "mistral4"})
+MLA_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v3", "deepseek_v32", "mistral4", "mistral_large4", "axk1", "axk2", "bailing_hybrid",
+        "longcat_flash", "youtu", "glm_moe_dsa", "glm4_moe_lite", "dots3_note", "hy_v4_vl",
+    }
+)  # fmt: skip
 # DeepSeek-V4 keys its RoPE parameters by rope label, not by layer type: its sliding-window layers rotate with
 # "main" (rope_theta), the compressed ones with "compress" (compress_rope_theta); HF DeepseekV4Attention.
 DEEPSEEK_V4_ROPE_LABELS = {
@@ -190,7 +202,7 @@ def rope_layer_types(config: Any) -> list[str]:
 
 def _head_dim(d: Mapping[str, Any]) -> int:
     keys = ("head_dim",) if _model_type(d) == "deepseek_v4" else ("qk_rope_head_dim", "head_dim")
-    for key in keys:
+    for key in (*keys, "kv_channels"):
         if d.get(key) is not None:
             return d[key]
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
@@ -398,11 +410,18 @@ def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: M
     head_dim = _head_dim(d)
     params = _rope_parameters(d, layer_type)
     base = params.pop("rope_theta")
-    rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
     model_type = _model_type(d)
+    if model_type in UNDESCRIBED_MODEL_TYPES:
+        raise ValueError(
+            f"config['model_type']: {model_type!r} cannot be described by a RopeConfig: "
+            f"{UNDESCRIBED_MODEL_TYPES[model_type]}"
+        )
+    rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    if model_type in IGNORE_ROTARY_DIM:
+        rotary_dim = None
     rotary_position = "first"
-    if model_type == "mistral4":
-        rotary_dim = head_dim = _mistral4_rope_width(d, params)
+    if model_type in MLA_MODEL_TYPES and isinstance(d.get("kv_lora_rank"), int):
+        rotary_dim = head_dim = _mla_rope_width(d, params)
     elif model_type == "deepseek_v4":
         # [nope | rope] heads of head_dim features: the trailing partial_rotary_factor of them rotate.
         head_dim, rotary_position = d["head_dim"], "last"
@@ -433,25 +452,27 @@ def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: M
     return kwargs
 
 
-def _mistral4_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
-    """Mistral 4's rotated slice (qk_rope_head_dim), checked against the partial_rotary_factor HF reads.
+def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
+    """An MLA model's rotated slice (qk_rope_head_dim), checked against the partial_rotary_factor HF reads.
 
-    Its rope_parameters give the rotated part as a fraction of the whole q/k head (qk_nope_head_dim +
-    qk_rope_head_dim); like DeepSeek-V3's MLA, the RopeConfig describes the rotated slice itself.
+    MLA heads are [nope | rope]; like DeepSeek-V3's, the RopeConfig describes the rotated slice itself. Where
+    rope_parameters give the rotated part as a fraction of the whole q/k head (Mistral 4: of
+    qk_nope_head_dim + qk_rope_head_dim; dots3: of head_dim), it must come to qk_rope_head_dim.
     """
     rope = d.get("qk_rope_head_dim")
     nope = d.get("qk_nope_head_dim") or 0
     if not isinstance(rope, int) or not isinstance(nope, int):
         raise ValueError(
-            f"config['qk_rope_head_dim']: expected Mistral 4's rotated width (an integer), got {describe(rope)}"
+            f"config['qk_rope_head_dim']: expected the MLA rotated width (an integer), got {describe(rope)}"
         )
     partial = params.pop("partial_rotary_factor", None)
-    if partial is not None and int((rope + nope) * partial) != rope:
+    whole = d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope
+    if partial is not None and int(whole * partial) != rope:
         raise ValueError(
-            f"config['rope_parameters']['partial_rotary_factor']: {partial!r} of the {rope + nope}-wide q/k "
-            f"head is {int((rope + nope) * partial)} features, but Mistral 4 rotates qk_rope_head_dim = {rope}"
+            f"config['rope_parameters']['partial_rotary_factor']: {partial!r} of the {whole}-wide q/k "
+            f"head is {int(whole * partial)} features, but the model rotates qk_rope_head_dim = {rope}"
         )
-    if params["rope_type"] == "default" and nope:
+    if _model_type(d) == "mistral4" and params["rope_type"] == "default" and nope:
         raise ValueError(
             "config['rope_parameters']['rope_type']: Mistral 4's 'default' RoPE in transformers builds its "
             f"frequencies over the whole {rope + nope}-wide head (it ignores partial_rotary_factor), which "

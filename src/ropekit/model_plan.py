@@ -48,6 +48,28 @@ __all__ = ["LayerRope", "model_rope"]
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 # Layer types that are not softmax attention: no RoPE, no window.
 NON_ATTENTION = ("linear_attention", "conv", "mamba", "recurrent", "mlp", "moe", "ssm", "deltanet")
+# Models that rotate only their sliding-window layers (their attention: `if self.sliding_window is not None`).
+SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe", "flint", "afmoe"})
+# Models that rotate every layer when the config has no sliding window, else only the sliding layers
+# (`if self.sliding_window is None or self.is_sliding`).
+SLIDING_ONLY_WITH_WINDOW = frozenset({"exaone4", "exaone4_5", "exaone_moe", "kolibri1"})
+# Models whose layer layout is not read from the keys above: which layers attend, or rotate, comes from keys
+# model_rope does not interpret, so it refuses them rather than guess (RopeConfig.from_hf reads their RoPE).
+UNREAD_LAYOUTS = {
+    "jamba": "attn_layer_period / attn_layer_offset",
+    "bamba": "attn_layer_indices",
+    "zamba2": "hybrid_layer_ids and a shared attention block",
+    "zamba": "a shared attention block",
+    "recurrent_gemma": "block_types",
+    "hrm": "its recurrence over layer stacks",
+    "zaya": "its hybrid blocks",
+    "dory": "its recurrent section",
+    "muse_glimmer": "layer_rope_theta",
+    "muse_spark": "layer_rope_theta",
+}
+# Models whose config names a sliding_window that transformers' modeling code never applies (Moshi's
+# decoder builds a plain causal mask).
+NO_WINDOW = frozenset({"moshi"})
 # Models whose attention_chunk_size chunks their "chunked_attention" layers (Llama 4).
 CHUNKED = "chunked_attention"
 SLIDING = "sliding_attention"
@@ -105,6 +127,11 @@ def model_rope(config: Any) -> list[LayerRope]:
         ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
     """
     d = load_hf_config(config)
+    if _model_type(d) in UNREAD_LAYOUTS:
+        raise ValueError(
+            f"config['model_type']: model_rope does not read which layers of a {d['model_type']!r} model "
+            f"attend or rotate ({UNREAD_LAYOUTS[_model_type(d)]}); RopeConfig.from_hf reads its RoPE"
+        )
     count = _layer_count(d)
     types = _per_layer_list(d, "layer_types", count)
     uses_rope = _uses_rope(d, count)
@@ -114,7 +141,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         layer_type = None if types is None else types[index]
         overrides = layer_overrides(d, index, layer_type)
         rope = None
-        if uses_rope[index] and _is_attention(layer_type):
+        if uses_rope[index] and _is_attention(layer_type) and _rotates(d, layer_type):
             rope = _layer_rope(d, layer_type, overrides, built)
         temperature = None
         if llama4 and rope is None and _is_attention(layer_type):
@@ -177,6 +204,14 @@ def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
     return [bool(f) for f in flags]
 
 
+def _rotates(d: Mapping[str, Any], layer_type: str | None) -> bool:
+    """False for the layers of a type the model's attention leaves without RoPE."""
+    model_type = _model_type(d)
+    if model_type in SLIDING_ONLY or (model_type in SLIDING_ONLY_WITH_WINDOW and d.get("sliding_window")):
+        return layer_type == SLIDING
+    return True
+
+
 def _is_attention(layer_type: str | None) -> bool:
     return layer_type is None or (
         "attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION)
@@ -210,7 +245,12 @@ def _has_typed_bases(d: Mapping[str, Any]) -> bool:
 
 
 def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
+    if _model_type(d) in NO_WINDOW:
+        return None
     window = d.get("sliding_window")
+    if _model_type(d) == "modernbert" and d.get("local_attention") is not None:
+        # Bidirectional: a query sees local_attention // 2 keys each side; HF passes half the window + 1.
+        window = d["local_attention"] // 2 + 1
     if window is None or d.get("use_sliding_window") is False:
         return None
     if layer_type is None or layer_type == SLIDING or _model_type(d) == "deepseek_v4":
