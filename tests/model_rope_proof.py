@@ -271,7 +271,9 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
                 continue
             diff, how = rotation_difference(layer.rope, fn, call)
             if not diff <= TOLERANCE:
-                problems.append(f"{where}: {name}.{fn.__name__} differs from {layer.rope} by {diff:.3g} ({how})")
+                problems.append(
+                    f"{where}: {name}.{fn.__name__} differs from {layer.rope} by {diff:.3g} ({how})"
+                )
         for name, fn, _ in seen.rotations:
             if all(name != n for n, _, _ in direct):
                 unmeasured.append(f"{where}: {name}.{fn.__name__} (a sub-module with its own positions)")
@@ -285,7 +287,9 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
             if got is None:
                 window = seen.windows[0] if seen.windows else None
                 if window != layer.sliding_window and layer.attention_chunk_size is None:
-                    problems.append(f"{where}: sliding_window {window} passed, model_rope says {layer.sliding_window}")
+                    problems.append(
+                        f"{where}: sliding_window {window} passed, model_rope says {layer.sliding_window}"
+                    )
                 continue
             want = expected_allowed(layer)
             if not torch.equal(got & lower, want):
@@ -300,7 +304,9 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
             # the tables, LongCat's q-LoRA scale) is the model's own and not a temperature.
             got_scale = seen.query_scale[0] / seen.query_scale[0, :1]
             if not torch.allclose(got_scale, want_scale, rtol=1e-5, atol=1e-5):
-                problems.append(f"{where}: query temperature {got_scale.tolist()}, model_rope {want_scale.tolist()}")
+                problems.append(
+                    f"{where}: query temperature {got_scale.tolist()}, model_rope {want_scale.tolist()}"
+                )
         elif not torch.equal(want_scale, torch.ones(SEQ)):
             unmeasured.append(f"{where}: query temperature (a norm sits between projection and attention)")
     return problems, unmeasured

@@ -6,18 +6,14 @@ once; the sweep over every RoPE model type is in the proof tier.
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig
 
+import model_rope_proof as proof
 import ropekit
 from ropekit import LayerRope, RopeConfig, model_rope
-
-sys.path.insert(0, str(Path(__file__).parent))
-import model_rope_proof as proof  # noqa: E402
 
 # One model type per per-layer feature the plan reads.
 FAST = (
@@ -102,7 +98,9 @@ def test_mistral4_rotates_all_of_qk_rope_head_dim_interleaved():
     rope = RopeConfig.from_hf(AutoConfig.for_model("mistral4"))
     assert (rope.head_dim, rope.rotary_dim, rope.interleaved) == (64, 64, True)
     # MLA: the softmax scale carries DeepSeek's mscale^2 over the whole 128-wide q/k head
-    assert rope.softmax_scale(128) == pytest.approx(128**-0.5 * (0.1 * 1.0 * torch.log(torch.tensor(128.0)).item() + 1) ** 2)
+    assert rope.softmax_scale(128) == pytest.approx(
+        128**-0.5 * (0.1 * 1.0 * torch.log(torch.tensor(128.0)).item() + 1) ** 2
+    )
 
 
 def test_mistral4_default_rope_over_a_partial_head_is_refused():
@@ -122,7 +120,9 @@ def test_position_temperature_of_ministral3_and_mistral4_is_one_plus_beta_log():
         torch.testing.assert_close(got, want.float())
         assert RopeConfig.from_hf(AutoConfig.for_model(model_type)).scaling["llama_4_scaling_beta"] == 0.1
     want4 = 1 + 0.1 * torch.log1p(torch.floor(positions.double() / 8192))
-    torch.testing.assert_close(model_rope(AutoConfig.for_model("mistral4"))[3].attention_temperature(positions), want4.float())
+    torch.testing.assert_close(
+        model_rope(AutoConfig.for_model("mistral4"))[3].attention_temperature(positions), want4.float()
+    )
 
 
 def test_position_temperature_matches_transformers_own_function():
@@ -213,7 +213,7 @@ def test_model_rope_does_not_modify_the_config():
 def test_the_proof_sees_a_wrong_base_or_width():
     model = proof.build("olmo3")
     seen = proof.observe(model)
-    name, fn, call = seen[0].rotations[0]
+    _, fn, call = seen[0].rotations[0]
     right = model_rope(model.config)[0].rope
     assert proof.rotation_difference(right, fn, call)[0] <= proof.TOLERANCE
     for wrong in (

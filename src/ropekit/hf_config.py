@@ -93,7 +93,7 @@ DEEPSEEK_V4_ROPE_LABELS = {
 # Gemma 4's full-attention layers are wider than its sliding ones: HF's Gemma4TextConfig gives them
 # global_head_dim (512 unless the config names one) through its per_layer_config.
 GEMMA4_GLOBAL_HEAD_DIM = 512
-# Ministral 3 / Mistral 4 scale every query by position (llama_4_scaling_beta); the key sits in rope_parameters.
+# Ministral 3 / Mistral 4 scale every query by position (llama_4_scaling_beta, inside rope_parameters).
 POSITION_SCALING_KEY = "llama_4_scaling_beta"
 # Keys HunYuan's "dynamic" + alpha configs publish that its NTK-alpha RoPE never reads.
 HUNYUAN_UNUSED = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -294,7 +294,8 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
     ):
         raise ValueError(
             f"{where}: {POSITION_SCALING_KEY} scales queries by position over the rope_parameters' "
-            f"original_max_position_embeddings, which rope_type {kind!r} does not carry; ropekit reads it with "
+            f"original_max_position_embeddings, which rope_type {kind!r} does not carry; ropekit reads it "
+            "with "
             "the schedules that take that key (yarn, llama3, longrope)"
         )
     if kind in USES_ORIGINAL_LENGTH:
@@ -466,7 +467,9 @@ def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
             f"config['qk_rope_head_dim']: expected the MLA rotated width (an integer), got {describe(rope)}"
         )
     partial = params.pop("partial_rotary_factor", None)
-    whole = d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope
+    whole = (
+        d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope
+    )
     if partial is not None and int(whole * partial) != rope:
         raise ValueError(
             f"config['rope_parameters']['partial_rotary_factor']: {partial!r} of the {whole}-wide q/k "

@@ -224,8 +224,10 @@ def _layer_rope(
     """The layer's RopeConfig (configs that agree are built once and shared), None for null parameters."""
     params = d.get("rope_parameters")
     entry = layer_type
-    nested = isinstance(params, Mapping) and params and all(
-        v is None or isinstance(v, Mapping) for v in params.values()
+    nested = (
+        isinstance(params, Mapping)
+        and params
+        and all(v is None or isinstance(v, Mapping) for v in params.values())
     )
     if _model_type(d) == "deepseek_v4":
         entry = DEEPSEEK_V4_ROPE_LABELS.get(layer_type, layer_type)
@@ -241,7 +243,9 @@ def _layer_rope(
 
 def _has_typed_bases(d: Mapping[str, Any]) -> bool:
     """Legacy per-layer-type bases (Gemma 3's rope_local_base_freq, ModernBERT's global / local theta)."""
-    return any(d.get(k) is not None for k in ("rope_local_base_freq", "global_rope_theta", "local_rope_theta"))
+    return any(
+        d.get(k) is not None for k in ("rope_local_base_freq", "global_rope_theta", "local_rope_theta")
+    )
 
 
 def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
