@@ -16,7 +16,8 @@ The families disagree on three things only, and a :class:`Plan` names one choice
 Partial rotary needs one more choice only for DeepSeek-V4, whose heads are [nope | rope]: ropekit rotates the
 first R = 2 * table width features and passes the rest, as every other HF function does, or the last R. The
 table values (frequencies, YaRN's mscale, M-RoPE's section merge, per-layer bases) are the model's own, read
-as they are, so the only thing to get right is the pairing, and :func:`find_plan` proves that on random q and k before anything is replaced.
+as they are, so the only thing to get right is the pairing, and :func:`find_plan` proves that on random q
+and k before anything is replaced.
 """
 
 from __future__ import annotations
