@@ -421,7 +421,7 @@ def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: M
     if model_type in IGNORE_ROTARY_DIM:
         rotary_dim = None
     rotary_position = "first"
-    if model_type in MLA_MODEL_TYPES and isinstance(d.get("kv_lora_rank"), int):
+    if model_type in MLA_MODEL_TYPES and isinstance(d.get("qk_rope_head_dim"), int):
         rotary_dim = head_dim = _mla_rope_width(d, params)
     elif model_type == "deepseek_v4":
         # [nope | rope] heads of head_dim features: the trailing partial_rotary_factor of them rotate.
