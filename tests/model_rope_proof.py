@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,18 @@ def _tweak(d: dict) -> dict:
     for params in hf_coverage._rope_dicts(d.get("rope_parameters")):
         if params.get("llama_4_scaling_beta") is not None:
             params["original_max_position_embeddings"] = FLOOR
+    for params in hf_coverage._rope_dicts(d.get("rope_parameters")):
+        sections = params.get("mrope_section")
+        if (
+            d.get("model_type", "").startswith("qwen3_vl")
+            and isinstance(sections, list)
+            and len(sections) == 3
+        ):
+            # Qwen3-VL interleaves t, h, w: h and w need 3 * section <= pairs (HF truncates silently)
+            quarter = sum(sections) // 4
+            params["mrope_section"] = [sum(sections) - 2 * quarter, quarter, quarter]
+    if d.get("model_type") == "mimo_v2_flash":  # 0.334 of 48 is 16 features (of 16, an odd 5)
+        d["head_dim"] = 48
     if d.get("model_type") == "deepseek_v4":  # 64-wide heads whose trailing 8 rotate (its 512 and 64)
         d["head_dim"], d["qk_rope_head_dim"] = 64, 8
     if "per_layer_config" in d and isinstance(d.get("head_dim"), int) and d.get("layer_types"):
@@ -99,7 +112,12 @@ def build(model_type: str) -> torch.nn.Module:
             return model
         except Exception as err:  # the next class in the list
             error = err
-    raise ValueError(f"{model_type}: no tiny model builds ({error})")
+    raise NotBuilt(f"{model_type}: no tiny token model builds ({error})")
+
+
+class NotBuilt(Exception):
+    """The model type has no tiny model that runs on token ids (a vision or audio tower, or a config the
+    tiny sizes do not fit; docs/integrations.md lists them)."""
 
 
 def _layer_of(name: str) -> int | None:
@@ -129,7 +147,9 @@ def _recording_attention(model: torch.nn.Module, observed: dict[int, Observed]):
                 q = query.transpose(1, 2).flatten(2)  # (B, S, H * D)
                 if q.shape == projected.shape:
                     seen.query_scale = q.norm(dim=-1) / projected.norm(dim=-1)  # (B, S)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        # The model's own eager attention where it has one (softcapping, sinks), else transformers' SDPA.
+        own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
+        return own(module, query, key, value, attention_mask, **kwargs)
 
     hooks = []
     for module in model.modules():
@@ -255,7 +275,10 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
     """(disagreements, things not measured) between model_rope and the tiny model's layers."""
     model = build(model_type)
     plan = ropekit.model_rope(model.config)
-    observed = observe(model)
+    try:
+        observed = observe(model)
+    except ValueError as err:  # the model does not run on token ids alone
+        raise NotBuilt(f"{model_type}: {err}") from None
     problems, unmeasured = [], []
     lower = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool))
     for layer in plan:

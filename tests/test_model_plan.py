@@ -44,14 +44,39 @@ def test_plan_equals_every_layer_of_the_tiny_model(model_type):
     assert not [u for u in unmeasured if "temperature" in u or "interface" in u]
 
 
+# Model types model_rope refuses with a ValueError rather than guess: hybrids whose attention layers come
+# from keys it does not read, encoder-decoder or nested layouts without a decoder layer count, NanoChat's
+# rotation by -angle.
+REFUSED = frozenset(
+    {
+        "bamba", "dory", "hrm_text", "jamba", "muse_glimmer", "muse_glimmer_text", "muse_spark",
+        "muse_spark_text", "nanochat", "recurrent_gemma", "zamba", "zamba2", "zaya", "blt", "dia",
+        "moonshine_streaming", "nemo_speechlm", "nemotron_h", "t5gemma", "t5gemma2",
+    }
+)  # fmt: skip
+# Model types whose layers differ from the plan in a way the plan does not describe.
+UNDESCRIBED = {
+    "qwen4_exp": "indexed attention: its indexer's top-k hides keys the causal mask would show",
+    "qwen4_exp_text": "indexed attention: its indexer's top-k hides keys the causal mask would show",
+    "diffusion_gemma": "its positions are not arange(seq) on a token forward",
+}
+
+
 @pytest.mark.proof
 @pytest.mark.parametrize("model_type", sorted(proof.hf_coverage.rope_model_types()))
 def test_plan_equals_every_layer_for_every_rope_model_type(model_type):
+    if model_type in UNDESCRIBED:
+        pytest.xfail(UNDESCRIBED[model_type])
     try:
-        proof.build(model_type)
-    except Exception as err:  # not a token model, or the tiny model does not build (docs/integrations.md)
-        pytest.skip(f"no tiny token model: {err}")
-    problems, _ = proof.prove(model_type)
+        problems, _ = proof.prove(model_type)
+    except proof.NotBuilt as err:
+        pytest.skip(str(err))
+    except ValueError as err:
+        if model_type not in REFUSED:
+            raise
+        assert "model_rope" in str(err) or "decoder layers" in str(err) or "RopeConfig" in str(err)
+        return
+    assert model_type not in REFUSED, "model_rope now reads it: take it off REFUSED"
     assert problems == []
 
 

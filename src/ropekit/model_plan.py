@@ -235,7 +235,7 @@ def _layer_rope(
         entry = None  # one RoPE for every layer type
     if nested and entry in params and params[entry] is None:
         return None
-    key = (entry, tuple(sorted(overrides.items())))
+    key = (entry, repr(sorted(overrides.items())))
     if key not in built:
         built[key] = RopeConfig._from_hf_kwargs(layer_rope_kwargs(d, entry, overrides))
     return built[key]
