@@ -233,6 +233,11 @@ def _layer_rope(
         entry = DEEPSEEK_V4_ROPE_LABELS.get(layer_type, layer_type)
     elif layer_type is not None and not nested and not _has_typed_bases(d):
         entry = None  # one RoPE for every layer type
+    if nested and entry is None:
+        raise ValueError(
+            f"config['layer_types']: the config has per-layer-type rope_parameters {sorted(params)} but no "
+            "layer_types saying which layer is which"
+        )
     if nested and entry in params and params[entry] is None:
         return None
     key = (entry, repr(sorted(overrides.items())))

@@ -401,6 +401,7 @@ _GEMMA4_E2B = {
     "num_hidden_layers": 30,
     "head_dim": 256,
     "global_head_dim": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
     "max_position_embeddings": 131072,
     "sliding_window": 512,
     "rope_parameters": {
@@ -418,6 +419,9 @@ _DEEPSEEK_V4_FLASH = {
     "num_attention_heads": 64,
     "num_hidden_layers": 43,
     "head_dim": 512,
+    "layer_types": ["heavily_compressed_attention"] * 2
+    + ["heavily_compressed_attention", "compressed_sparse_attention"] * 20
+    + ["heavily_compressed_attention"],
     "max_position_embeddings": 1048576,
     "sliding_window": 128,
     "rope_parameters": {
