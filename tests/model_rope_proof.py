@@ -97,7 +97,10 @@ def build(model_type: str) -> torch.nn.Module:
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class.from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
+    try:
+        config = config_class.from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
+    except Exception as err:  # the tiny sizes do not fit this config class
+        raise NotBuilt(f"{model_type}: no tiny config ({type(err).__name__}: {err})") from None
     error: Exception | None = None
     for cls, cfg, _ in hf_coverage._model_classes(model_type, config):
         if hf_coverage._token_model(cls):
