@@ -340,12 +340,14 @@ class RopeConfig:
     def attention_temperature(
         self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """Llama 4's per-position query multiplier for its NoPE layers (all ones without temperature keys).
+        """The per-position query multiplier a model applies beside this RoPE (all ones without one).
 
         With ``floor_scale`` and ``attn_scale`` in the scaling dict (``from_hf`` copies them from a Llama 4
         config whose ``attn_temperature_tuning`` is set), the query at position p is multiplied by
-        1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) in layers that apply no RoPE; multiply
-        :meth:`softmax_scale` by it for the equivalent per-query softmax scale.
+        1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) in layers that apply no RoPE. With
+        ``llama_4_scaling_beta`` (Ministral 3, Mistral 4), every layer multiplies it by
+        1 + beta * ln(1 + floor(p / original_max_position_embeddings)). Multiply :meth:`softmax_scale` by it
+        for the equivalent per-query softmax scale; :func:`ropekit.model_rope` says which layers apply it.
 
         Args:
             positions: integer tensor of query positions (any shape).
