@@ -127,8 +127,8 @@ def test_the_2026_presets_match_transformers_defaults_they_are_copied_from():
         ("gemma-4-e2b-sliding", "gemma4_text", "sliding_attention"),
         ("ministral-3-8b", "ministral3", None),
         ("mistral-small-4", "mistral4", None),
-        ("deepseek-v4-flash-main", "deepseek_v4", "main"),
-        ("deepseek-v4-flash-compress", "deepseek_v4", "compress"),
+        ("deepseek-v4-main", "deepseek_v4", "main"),
+        ("deepseek-v4-compress", "deepseek_v4", "compress"),
     ]:
         want = RopeConfig.from_hf(AutoConfig.for_model(model_type), layer_type=layer_type)
         assert RopeConfig.preset(name) == want, name
@@ -142,7 +142,7 @@ def test_the_2026_presets_carry_their_facts():
         512,
         256,
     )
-    v4 = RopeConfig.preset("deepseek-v4-flash-compress")
+    v4 = RopeConfig.preset("deepseek-v4-compress")
     assert (v4.head_dim, v4.rotary_dim, v4.rotary_position, v4.interleaved, v4.base) == (
         512,
         64,

@@ -504,7 +504,7 @@ _ENTRIES += [
         "1 + 0.1 ln(1 + floor(p / 8192)).",
     ),
     Preset(
-        "deepseek-v4-flash-main",
+        "deepseek-v4-main",
         "deepseek-ai/DeepSeek-V4-Flash-Base",
         _hub("deepseek-ai/DeepSeek-V4-Flash-Base") + _TRANSFORMERS_DEFAULTS.format("DeepseekV4Config"),
         _DEEPSEEK_V4_FLASH,
@@ -513,7 +513,7 @@ _ENTRIES += [
         layer_type="main",
     ),
     Preset(
-        "deepseek-v4-flash-compress",
+        "deepseek-v4-compress",
         "deepseek-ai/DeepSeek-V4-Flash-Base",
         _hub("deepseek-ai/DeepSeek-V4-Flash-Base") + _TRANSFORMERS_DEFAULTS.format("DeepseekV4Config"),
         _DEEPSEEK_V4_FLASH,
