@@ -1,10 +1,17 @@
-"""Shared test settings, and the reference comparison as a fixture.
+"""Shared test settings, the two tiers, and the reference comparison as a fixture.
 
 The reference and the tolerances themselves live in ``tests/rotary_reference.py`` (one home; the backend cases
 in ``tests/backends/rotary_cases.py`` use it too).
+
+Tiers (CONTRIBUTING.md): ``make test`` runs every test not marked ``proof`` or ``engine``, and fails when one
+of them takes longer than ``FAST_TEST_BOUND_S`` (setup, call and teardown together): a heavy test in the fast
+tier cannot slip past. ``make proofs`` runs ``-m proof`` here and ``-m engine`` (tests/engines/, collected
+only with ``ROPEKIT_ENGINES=1``) in the engines' own environment.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,3 +33,54 @@ def assert_matches_reference():
     ``conjugate=True`` compares against the inverse rotation (by -theta), the rule for gradients.
     """
     return _assert_matches_reference
+
+
+# A fast-tier test may take this long on the 2-core machine, cold caches (the slowest measured: ~25 s, the
+# quick demo's training run, shared by the demo tests). ROPEKIT_FAST_TEST_BOUND_S overrides it for a loaded
+# machine; 0 turns the check off.
+FAST_TEST_BOUND_S = float(os.environ.get("ROPEKIT_FAST_TEST_BOUND_S", "60"))
+TIER_MARKERS = ("proof", "engine")
+
+# tests/engines/ imports vLLM, SGLang and torchtitan at module level: collected only in their environment.
+collect_ignore = [] if os.environ.get("ROPEKIT_ENGINES") == "1" else ["engines"]
+
+_durations: dict[str, float] = {}
+_tiers: dict[str, bool] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """An engine test outside tests/engines/ would be collected where its engine is missing: refused."""
+    for item in items:
+        if item.get_closest_marker("engine") and "engines" not in item.path.parts:
+            raise pytest.UsageError(f"{item.nodeid}: engine tests live in tests/engines/")
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "setup":
+        _tiers[report.nodeid] = not any(m in report.keywords for m in TIER_MARKERS)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    slow = _slow_fast_tier_tests()
+    if slow:
+        terminalreporter.section("fast tier over its bound")
+        for nodeid, seconds in slow:
+            terminalreporter.write_line(
+                f"{seconds:7.1f} s  {nodeid}: a fast-tier test over {FAST_TEST_BOUND_S:g} s "
+                "(make it smaller, or mark it proof)"
+            )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller sees every report
+        return
+    if _slow_fast_tier_tests() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _slow_fast_tier_tests() -> list[tuple[str, float]]:
+    if FAST_TEST_BOUND_S <= 0:
+        return []
+    slow = [(n, d) for n, d in _durations.items() if _tiers.get(n) and d > FAST_TEST_BOUND_S]
+    return sorted(slow, key=lambda item: -item[1])

@@ -18,7 +18,7 @@ from boundary_checks import (
 )
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS
-from triton_interpreter import run_interpreter_cases
+from triton_interpreter import TIERS, run_interpreter_cases
 
 HERE = Path(__file__).parent
 
@@ -34,9 +34,10 @@ def test_compat_in_place_write_bumps_the_version_counter(entry):
     assert_autograd_sees_the_write(*COMPAT_ENTRIES[entry], "auto")
 
 
-def test_boundary_checks_pass_on_triton():
+@pytest.mark.parametrize("tier", TIERS)
+def test_boundary_checks_pass_on_triton(tier):
     """tests/backends/triton_boundary_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
-    run_interpreter_cases(HERE / "backends" / "triton_boundary_cases.py", cwd=HERE, timeout=300)
+    run_interpreter_cases(HERE / "backends" / "triton_boundary_cases.py", cwd=HERE, timeout=300, tier=tier)
 
 
 def test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op():

@@ -150,3 +150,33 @@ def test_configs_built_from_equal_dicts_are_equal_and_hash_equal(factor, origina
     c = RopeConfig(8, scaling={"rope_type": "default", "mrope_section": section})
     assert c == RopeConfig(8, scaling={"rope_type": "default", "mrope_section": [1, 1, 2]})
     assert hash(c) == hash(RopeConfig(8, scaling={"rope_type": "default", "mrope_section": (1, 1, 2)}))
+
+
+def test_dual_chunk_tables_of_meta_positions_are_meta_and_a_device_with_values_is_a_value_error():
+    """Issue 24: dual_chunk_cos_sin with meta positions was "Tensor.item() cannot be called on meta tensors".
+    As cos_sin: meta positions give meta tables (shapes only); asked for tables on a device with values, meta
+    positions (which have none) are a ValueError naming them."""
+    scaling = {"rope_type": "dual_chunk", "chunk_size": 16, "local_size": 5}
+    config = RopeConfig(32, 1e6, scaling=scaling)
+    positions = torch.arange(6, device="meta").view(2, 3)
+    tables = config.dual_chunk_cos_sin(positions)
+    for cos, sin in tables:
+        assert cos.is_meta and sin.is_meta and cos.shape == sin.shape == (2, 3, 16)
+    for call in (config.dual_chunk_cos_sin, config.cos_sin):
+        with pytest.raises(ValueError, match=r"^positions: expected a tensor with values.* got a meta"):
+            call(positions, device="cpu")
+
+
+def test_seq_len_zero_is_an_empty_sequence_as_in_transformers_and_negative_is_refused():
+    """Issue 24: seq_len=0 was refused where transformers' init functions take it (``if seq_len and ...``:
+    no sequence longer than the original length, so longrope's short factors and dynamic NTK's base)."""
+    longrope = RopeConfig(
+        16, scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                     "original_max_position_embeddings": 64, "factor": 4.0},
+    )  # fmt: skip
+    dynamic = RopeConfig(16, scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=64)
+    for config in (longrope, dynamic):
+        assert torch.equal(config.inv_freq(seq_len=0), config.inv_freq(seq_len=1))
+        assert config.attention_scaling(0) == config.attention_scaling(1)
+        with pytest.raises(ValueError, match=r"^seq_len: expected an integer >= 0 or None, got -1"):
+            config.inv_freq(seq_len=-1)

@@ -396,3 +396,73 @@ def test_families_whose_modeling_code_pairs_2i_2i_plus_1_read_as_interleaved(mod
 def test_a_rotation_by_minus_angle_is_refused():
     with pytest.raises(ValueError, match="-angle"):
         RopeConfig.from_hf(_published("nanochat"))
+
+
+# ---- issue 26 / 28: HunYuan-VL XD-RoPE, TeleChat3 YaRN, DeepSeek-V3.2 indexer ----
+
+HUNYUAN_VL = {
+    "model_type": "hunyuan_vl",
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "rope_theta": 10000.0,
+    # tencent/HunyuanOCR's form: "xdrope" with xdrope_section and YaRN-style keys its RoPE never reads
+    "rope_scaling": {"type": "xdrope", "alpha": 1000.0, "xdrope_section": [16, 16, 16, 16], "factor": 1.0},
+}
+
+
+def test_hunyuan_vl_xdrope_is_ntk_alpha_over_four_chunked_sections():
+    config = RopeConfig.from_hf(HUNYUAN_VL)
+    assert config.rope_type == "ntk_alpha" and config.mrope_section == (16, 16, 16, 16)
+    assert config.mrope_layout == "chunked"
+    theta = torch.tensor(1.0) / (10000.0 * 1000.0 ** (128 / 126)) ** (torch.arange(0, 128, 2).double() / 128)
+    torch.testing.assert_close(config.inv_freq(), theta, rtol=1e-12, atol=0)
+    positions = torch.tensor([[3], [5], [7], [9]])[:, :, None].expand(4, 1, 2)  # (axes, batch, seq)
+    cos, _ = config.cos_sin(positions, dtype=torch.float64)
+    axis = torch.arange(4).repeat_interleave(16)  # pair j follows axis j // 16
+    want = torch.cos(torch.tensor([3.0, 5.0, 7.0, 9.0], dtype=torch.float64)[axis] * theta)
+    torch.testing.assert_close(cos[0, 0], want, rtol=0, atol=1e-12)
+
+
+def test_hunyuan_vl_text_rows_equal_transformers_and_image_rows_are_a_rotation():
+    hunyuan = pytest.importorskip("transformers.models.hunyuan_vl.modeling_hunyuan_vl")
+    from transformers import HunYuanVLConfig
+
+    text = {**HUNYUAN_VL, "head_dim": 128, "rope_scaling": dict(HUNYUAN_VL["rope_scaling"])}
+    hf_config = HunYuanVLConfig(text_config=text)  # its ntk_alpha reads head_dim itself
+    rope = hunyuan.HunYuanVLRotaryEmbedding(hf_config.text_config)
+    ours = RopeConfig.from_hf(hf_config)
+    text = torch.arange(6)[None, None].expand(4, 1, 6)  # every axis equal
+    hf_cos, hf_sin = rope(torch.zeros(1, dtype=torch.float32), text)
+    cos, sin = ours.cos_sin(text, dtype=torch.float32)
+    torch.testing.assert_close(hf_cos[..., :64], cos, rtol=0, atol=2e-5)
+    torch.testing.assert_close(hf_sin[..., :64], sin, rtol=0, atol=2e-5)
+    # An image token (axes differ): transformers' full-width rows give the two halves of a pair different
+    # angles (its sections split the duplicated width), which is no rotation; ropekit's rows, like vLLM's
+    # XDRotaryEmbedding, give each pair one angle.
+    image = torch.tensor([[[2]], [[9]], [[4]], [[7]]])
+    hf_cos, hf_sin = rope(torch.zeros(1, dtype=torch.float32), image)
+    norm = hf_cos[..., :64] ** 2 + hf_sin[..., 64:] ** 2  # first half's cos with its partner's sin
+    assert not torch.allclose(norm, torch.ones_like(norm), atol=1e-3)
+    cos, sin = ours.cos_sin(image, dtype=torch.float64)
+    torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos), rtol=0, atol=1e-12)
+
+
+def test_telechat3_yarn_carries_its_temperature():
+    hf = {"head_dim": 64, "rope_theta": 10000.0, "max_position_embeddings": 32768}
+    scaling = {"type": "telechat3-yarn", "factor": 8.0, "original_max_position_embeddings": 4096}
+    config = RopeConfig.from_hf({**hf, "rope_scaling": scaling})
+    assert config.rope_type == "yarn"
+    assert config.attention_scaling() == pytest.approx(0.07 * math.log(8.0) + 1.0, rel=1e-15)
+    plain = RopeConfig.from_hf({**hf, "rope_scaling": {**scaling, "type": "yarn"}})
+    torch.testing.assert_close(config.inv_freq(), plain.inv_freq(), rtol=0, atol=0)
+    assert plain.attention_scaling() == pytest.approx(0.1 * math.log(8.0) + 1.0)
+
+
+def test_deepseek_v32_indexer_is_reachable_as_a_layer_type():
+    from ropekit.presets import get_preset
+
+    config = get_preset("deepseek-v3.2").config
+    indexer = RopeConfig.from_hf(config, layer_type="indexer")
+    assert indexer == RopeConfig.preset("deepseek-v3.2-indexer")
+    assert (indexer.head_dim, indexer.rotary_dim, indexer.interleaved) == (128, 64, False)
+    assert RopeConfig.from_hf(config) == RopeConfig.preset("deepseek-v3.2")  # MLA's stays the default

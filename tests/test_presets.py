@@ -106,6 +106,7 @@ def test_overrides_and_unknown_names():
         ),
         ("llama-4-scout", {"head_dim": 128, "base": 5e5, "rope_type": "llama3", "interleaved": True}),
         ("llama-4-scout-vision", {"head_dim": 88, "rope_type": "axial", "mrope_section": (22, 22)}),
+        ("hunyuan-ocr", {"head_dim": 128, "rope_type": "ntk_alpha", "mrope_section": (16, 16, 16, 16)}),
     ],
 )
 def test_served_model_variant_presets(name, facts):

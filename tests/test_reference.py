@@ -164,3 +164,29 @@ def test_reference_functions_do_not_modify_their_input():
     for f in (ref.rotate_interleaved, ref.rotate_half, ref.rotate_complex, ref.rotate_matrix):
         f(x, 7, theta)
     np.testing.assert_array_equal(x, before)
+
+
+def test_rotate_multiaxis_with_equal_axes_is_the_1d_rotation():
+    rng = np.random.default_rng(0)
+    x, theta = rng.standard_normal((5, 3, 16)), ref.inv_freq(16, 100.0)
+    pos = np.arange(5.0)[:, None]
+    axis_of_pair = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    for interleaved, plain in ((False, ref.rotate_half), (True, ref.rotate_interleaved)):
+        got = ref.rotate_multiaxis(x, np.stack([pos] * 3), theta, axis_of_pair, interleaved)
+        np.testing.assert_allclose(got, plain(x, pos, theta), rtol=0, atol=1e-15)
+    # Different axes: pair j turns by the position of its own axis only.
+    got = ref.rotate_multiaxis(x, np.stack([pos, pos + 7, pos * 0]), theta, axis_of_pair)
+    want = ref.rotate_half(x, pos, theta * np.array([1, 0, 0, 1, 0, 0, 1, 0]))  # axis 0 pairs only
+    np.testing.assert_allclose(got[..., [0, 3, 6, 8, 11, 14]], want[..., [0, 3, 6, 8, 11, 14]], atol=1e-15)
+
+
+def test_fope_with_identity_coefficients_and_every_frequency_is_the_half_rotation():
+    rng = np.random.default_rng(1)
+    x, theta = rng.standard_normal((4, 6, 8)), ref.inv_freq(8, 500.0)
+    eye = np.stack([np.eye(4)] * 2)  # 2 key-value heads, F = D/2 = 4: no padding
+    got = ref.rotate_fope(x, np.arange(4), theta, eye, eye)
+    np.testing.assert_allclose(got, ref.rotate_half(x, np.arange(4.0)[:, None], theta), rtol=0, atol=1e-15)
+    cos, sin = ref.fope_tables(np.arange(3), theta[:2], eye[:, :2, :2], eye[:, :2, :2], 8)
+    assert np.array_equal(cos[..., 2:], np.ones((3, 2, 2))) and np.array_equal(
+        sin[..., 2:], np.ones((3, 2, 2))
+    )

@@ -233,3 +233,25 @@ def test_decode_positions_reject_bad_arguments(args, kwargs, match):
         args = (*args, 0)
     with pytest.raises(ValueError, match=match):
         mrope_decode_positions(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -0.5])
+def test_second_per_grid_ts_that_is_not_finite_and_non_negative_is_a_value_error(seconds):
+    """Issue 24, defect 9: nan (or inf) seconds gave positions of -2^63 without an error; negative seconds
+    run time backwards. Zero (every frame at one time) stays accepted, as in transformers."""
+    config = transformers.Qwen2_5_VLConfig()
+    mm = torch.tensor([[0] + [2] * 8 + [0]])  # a video of 2 frames of 2 x 2 merged tokens
+    video = torch.tensor([[2, 4, 4]])
+    for bad in (torch.tensor([seconds]), [seconds]):
+        with pytest.raises(ValueError, match=r"^second_per_grid_ts: expected finite numbers >= 0"):
+            ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=bad)
+    pos, _ = ropekit.get_rope_index(config, mm, mm, video_grid_thw=video, second_per_grid_ts=torch.zeros(1))
+    assert pos[0, 0, 1:9].tolist() == [1] * 8
+
+
+def test_meta_mm_token_type_ids_is_a_value_error_naming_it():
+    """Issue 24: a meta mm_token_type_ids was NotImplementedError ("Cannot copy out of meta tensor")."""
+    config = transformers.Qwen2VLConfig()
+    ids = torch.zeros(1, 6, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^mm_token_type_ids: expected a tensor with values.* got a meta"):
+        ropekit.get_rope_index(config, ids, torch.zeros(1, 6, dtype=torch.int64, device="meta"))

@@ -101,7 +101,7 @@ def test_bad_config_keywords_are_rejected(kwargs, match):
             r"dtype: expected a floating-point dtype, got torch.int64",
         ),
         (lambda c: c.cos_sin(4, dtype="float32"), r"dtype: expected a floating-point dtype, got float32"),
-        (lambda c: c.inv_freq(0), r"seq_len: expected a positive integer or None, got 0"),
+        (lambda c: c.inv_freq(-1), r"seq_len: expected an integer >= 0 or None, got -1"),
     ],
 )
 def test_bad_cos_sin_arguments_are_rejected(call, match):

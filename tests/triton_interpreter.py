@@ -3,6 +3,10 @@
 Triton decides at import time whether its kernels compile for a GPU or run interpreted, so the cases must
 be collected by a process that starts with TRITON_INTERPRET=1 (``from triton_interpreter import ...``:
 pytest puts tests/ on sys.path).
+
+Two tiers (``TIERS``): the fast one (``make test``) runs, of each case function, a per-axis cover of its
+parametrization (every value of every parameter at least once: this file is also the pytest plugin that picks
+it); the full one (``make proofs``, marked ``proof``) runs every case.
 """
 
 import os
@@ -12,14 +16,50 @@ from pathlib import Path
 
 import pytest
 
+TIER_ENV = "ROPEKIT_INTERPRETER_TIER"
+TIERS = [pytest.param("fast", id="fast"), pytest.param("full", id="full", marks=pytest.mark.proof)]
 
-def run_interpreter_cases(cases: Path, *, cwd: Path, timeout: int) -> None:
+
+def run_interpreter_cases(cases: Path, *, cwd: Path, timeout: int, tier: str = "full") -> None:
     """pytest ``cases`` with TRITON_INTERPRET=1; fail the calling test unless cases ran and every one passed
     (a skipped case fails too: under the interpreter every case must run)."""
+    if tier not in ("fast", "full"):
+        raise ValueError(f"tier must be 'fast' or 'full', got {tier!r}")
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", TIER_ENV: tier, "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += ["-W", "ignore::DeprecationWarning", str(cases)]
+    cmd += ["-p", "triton_interpreter", "-W", "ignore::DeprecationWarning", str(cases)]
     result = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    if tier == "full":
+        assert "deselected" not in result.stdout, result.stdout[-2000:]
+
+
+def per_axis_cover(items: list) -> list:
+    """Of one case function's parametrized items, a few that hold every value of every parameter (greedy,
+    in collection order); an item with no parameters is kept."""
+    values = {item: {(name, repr(v)) for name, v in getattr(item, "callspec", None).params.items()}
+              if hasattr(item, "callspec") else set() for item in items}  # fmt: skip
+    wanted = set().union(*values.values())
+    chosen = [item for item in items if not values[item]]
+    while wanted:
+        best = max(items, key=lambda item: len(wanted & values[item]))
+        chosen.append(best)
+        wanted -= values[best]
+    return [item for item in items if item in chosen]  # collection order
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(TIER_ENV) != "fast":
+        return
+    groups: dict[tuple, list] = {}
+    for item in items:
+        groups.setdefault((str(item.path), getattr(item, "originalname", item.name)), []).append(item)
+    keep = {item for group in groups.values() for item in per_axis_cover(group)}
+    deselected = [item for item in items if item not in keep]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item in keep]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ropekit.backends import Backend
+from ropekit.dtensor_inputs import is_dtensor
 
 __all__ = ["RotaryFunction", "RotaryQKFunction"]
 
@@ -26,11 +27,16 @@ def _rotate(ctx: Any, q, k, cos, sin, positions, offset, backend, interleaved, i
     out = backend.rotate_qk(q, k, cos, sin, positions, **flags)
     ctx.save_for_backward(cos, sin, *(() if positions is None else (positions,)))
     ctx.offset, ctx.backend, ctx.interleaved, ctx.conjugate = offset, backend, interleaved, conjugate
+    ctx.placed = (q.device_mesh, q.placements) if is_dtensor(q) else None
     return out
 
 
 def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
     cos, sin, *positions = ctx.saved_tensors
+    if ctx.placed is not None:
+        # A DTensor gradient may arrive placed otherwise (a sum's gradient is replicated): it is rotated where
+        # the forward's outputs lay, the placements its positions were sharded alongside.
+        grad_q, grad_k = (g if g is None else g.redistribute(*ctx.placed) for g in (grad_q, grad_k))
     return ctx.backend.rotate_qk(
         grad_q,
         grad_k,
@@ -93,10 +99,18 @@ class RotaryQKFunction(torch.autograd.Function):
         interleaved: bool,
         conjugate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A DTensor output's unused gradient stays None: autograd would materialise it as a plain tensor.
+        # (Plain tensors keep zeros, so an unused output's input still gets a zero gradient.)
+        ctx.set_materialize_grads(not is_dtensor(q))
         return _rotate(ctx, q, k, cos, sin, positions, offset, backend, interleaved, False, conjugate)
 
     @staticmethod
-    def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[Any, ...]:
-        # Gradients are materialised (zeros for an unused output), so both are tensors.
-        grad_q, grad_k = _conjugate(ctx, grad_q, grad_k)
+    def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
+        if grad_q is None and grad_k is None:
+            return (None,) * 9
+        if grad_q is None or grad_k is None:  # a DTensor output unused: rotate the other alone
+            grad = _conjugate(ctx, grad_k if grad_q is None else grad_q, None)[0]
+            grad_q, grad_k = (None, grad) if grad_q is None else (grad, None)
+        else:
+            grad_q, grad_k = _conjugate(ctx, grad_q, grad_k)
         return grad_q, grad_k, None, None, None, None, None, None, None

@@ -22,6 +22,7 @@ from ropekit.validation import (
     check_fraction,
     check_head_dim,
     check_int,
+    check_movable,
     check_rotary_dim,
     describe,
     is_compiling,
@@ -233,7 +234,8 @@ class RopeConfig:
 
     def _compute(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
         if seq_len is not None:
-            seq_len = check_int("seq_len", seq_len, expected="a positive integer or None")
+            # 0 is an empty sequence, as transformers' init functions take it: no longer than any length
+            seq_len = check_int("seq_len", seq_len, minimum=0, expected="an integer >= 0 or None")
         inv_freq, scaling = self._schedule.fn(self._spec, seq_len)
         return inv_freq.to(torch.float64), float(scaling)
 
@@ -289,6 +291,7 @@ class RopeConfig:
             raise ValueError(f"dtype: expected a floating-point dtype, got {dtype}")
         inv_freq, scale = self._compute(seq_len)
         device = positions.device if device is None else torch.device(device)
+        check_movable("positions", positions, device, where="the requested device")
         positions = positions.to(device=device, dtype=torch.float64)
         if self.is_mrope_positions(positions):
             axis = mrope_axis_of_pair(*self._mrope).to(device)  # (rotary_dim // 2,)

@@ -18,7 +18,17 @@ import torch
 
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
+from ropekit.backends.kernel_op import MAX_HALF
 from ropekit.backends.plan import launch_planned, remember
+from ropekit.dtensor_inputs import (
+    POSITIONS,
+    ROTATED,
+    SHARDED_OPS,
+    TABLE,
+    check_placements,
+    is_dtensor,
+    lift,
+)
 from ropekit.positions import Positions, resolve
 from ropekit.tables import token_tables
 from ropekit.validation import (
@@ -223,6 +233,8 @@ def apply_resolved(
     pos.check_table(cos.shape[0])
     impl = select_backend(backend, q, cos)
     rows, offset = pos.tensor, pos.offset
+    if type(q) is not torch.Tensor and is_dtensor(q):  # sharded: tables replicated, rows alongside q
+        cos, sin, rows, offset = _lift_dtensor(q, k, cos, sin, pos, impl)
     if not torch.is_grad_enabled() or not (
         q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
     ):  # no graph to record: skip autograd's bookkeeping
@@ -253,6 +265,37 @@ def apply_resolved(
             RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True, inverse),
         )
     return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved, inverse)
+
+
+def _lift_dtensor(q, k, cos, sin, pos, impl):
+    """A DTensor q: the backend must rotate through a registered op with a sharding rule; the tables and rows
+    become DTensors on q's mesh (:mod:`ropekit.dtensor_inputs`), so each rank rotates its own shard, and their
+    placements are checked here, as ValueErrors, before the op's rule would refuse them."""
+    if not hasattr(impl, "op_"):
+        raise ValueError(
+            f"backend: a DTensor q is rotated through ropekit's registered ops ('cpu' on CPU tensors, "
+            f"'triton' on GPUs), got the {impl.name!r} backend for {q.dtype} on {q.device.type} (float64 and "
+            f"rotary_dim > {2 * MAX_HALF} use it); pass float32, float16 or bfloat16"
+        )
+    op_name = f"{impl.name}_rotary_"  # on DTensors the kernel backends rotate through the in-place op
+    if op_name not in SHARDED_OPS:
+        raise ValueError(
+            f"q: a DTensor needs ropekit's sharding rules, and ropekit::{op_name} has none registered; "
+            f"import ropekit.integrations.dtensor first (once per process)"
+        )
+    for name, t in (("k", k), ("cos", cos), ("sin", sin), ("positions", pos.tensor)):
+        if is_dtensor(t) and t.device_mesh != q.device_mesh:
+            raise ValueError(f"{name}: expected a DTensor on q's mesh {q.device_mesh}, got {t.device_mesh}")
+    if k is not None and not is_dtensor(k):
+        raise ValueError(
+            f"k: expected a DTensor like q (placements {tuple(q.placements)}), got {describe(k)}"
+        )
+    roles = (ROTATED, ROTATED, TABLE, TABLE, POSITIONS)
+    check_placements("ropekit.apply_rotary", roles[:1], (tuple(q.placements),), q.dim())
+    cos, sin, rows, offset = lift(q, cos, sin, pos.tensor, pos.offset, lambda: pos.as_tensor(q))
+    placed = tuple(None if t is None else tuple(t.placements) for t in (q, k, cos, sin, rows))
+    check_placements("ropekit.apply_rotary", roles, placed, q.dim())
+    return cos, sin, rows, offset
 
 
 def _check_inplace(q: torch.Tensor, k: torch.Tensor | None) -> None:

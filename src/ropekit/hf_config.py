@@ -32,6 +32,7 @@ from typing import Any
 
 from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
+from ropekit.schedules.yarn import telechat3_attention_factor
 from ropekit.validation import check_fraction, describe
 
 __all__ = [
@@ -259,6 +260,17 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
     params.pop("type", None)
     params["rope_type"] = kind
     model_type = _model_type(d)
+    if (
+        kind == "xdrope"
+    ):  # HunYuan-VL's config.json: NTK-alpha over four chunked sections (as transformers reads it)
+        kind = params["rope_type"] = "dynamic"
+    if params.get("xdrope_section") is not None:  # its legacy name for mrope_section
+        params.setdefault("mrope_section", params.pop("xdrope_section"))
+    if kind == "telechat3-yarn":  # YaRN with 0.07 ln(factor) + 1 in the tables (vLLM 0.11's TeleChat3 class)
+        kind = params["rope_type"] = "yarn"
+        if isinstance(params.get("factor"), (int, float)):
+            attn = params.pop("attn_factor", 1.0)
+            params.setdefault("attention_factor", telechat3_attention_factor(params["factor"], attn))
     if kind == "dynamic" and params.get("alpha"):  # HunYuan: a fixed alpha makes it static NTK
         kind = params["rope_type"] = "ntk_alpha"
         # HunYuan's configs carry YaRN-style keys next to alpha; its modeling code reads alpha only.
@@ -391,7 +403,9 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
 
     Args:
         config: a ``PretrainedConfig``, a dict, a config.json path or the folder holding it.
-        layer_type: for per-layer-type RoPE (see :func:`rope_layer_types`), which entry to read.
+        layer_type: for per-layer-type RoPE (see :func:`rope_layer_types`), which entry to read;
+            "indexer" on a config with ``index_head_dim`` (DeepSeek-V3.2) reads the lightning indexer's RoPE
+            (:func:`indexer_rope_kwargs`).
 
     Returns:
         dict with head_dim, base, rotary_dim, interleaved, scaling and max_position_embeddings.
@@ -401,6 +415,8 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
             wrong type. Schedule keys and values are checked by RopeConfig itself.
     """
     d = load_hf_config(config)
+    if layer_type == "indexer" and d.get("index_head_dim") is not None:  # DeepSeek-V3.2's lightning indexer
+        return indexer_rope_kwargs(d)
     return layer_rope_kwargs(d, layer_type, _type_overrides(d, layer_type))
 
 

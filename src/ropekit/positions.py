@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ropekit.dtensor_inputs import local
 from ropekit.validation import check_movable, check_x, describe, is_compiling
 
 __all__ = ["Positions", "check_cu_seqlens", "resolve", "resolve_positions"]
@@ -194,8 +195,9 @@ def resolve(
     largest = None
     if _host_checked(pos):
         largest = -1
-        if pos.numel():
-            lo, largest = torch.stack(torch.aminmax(pos)).tolist()  # CPU: no device sync
+        values = local(pos)  # a DTensor: this rank's rows, the ones it rotates (no collective)
+        if values.numel():
+            lo, largest = torch.stack(torch.aminmax(values)).tolist()  # CPU: no device sync
             if lo < 0:
                 raise ValueError(f"positions: expected values >= 0, got a minimum of {lo}")
     return Positions(pos.contiguous(), 0, largest)

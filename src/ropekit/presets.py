@@ -388,6 +388,33 @@ _ENTRIES += [
         note="2-D axial RoPE over the 24 x 24 patches (head_dim 88: 22 pairs per axis, interleaved); "
         "positions from ropekit.multiaxis.llama4_vision_positions(336, 14).",
     ),
+    Preset(
+        "hunyuan-ocr",
+        "tencent/HunyuanOCR",
+        _hub("tencent/HunyuanOCR") + " (text_config)",
+        {
+            "model_type": "hunyuan_vl",
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "head_dim": 128,
+            "max_position_embeddings": 32768,
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "alpha": 1000.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "type": "xdrope",
+                "xdrope_section": [16, 16, 16, 16],
+            },
+        },
+        note="XD-RoPE: NTK-alpha frequencies (base 1e4 * 1000^(128/126)) over four chunked sections of 16 "
+        "pairs, positions (4, batch, seq); the YaRN-style keys are unused. transformers 5.24 reads it as "
+        "'dynamic' + alpha with mrope_section; its image-token rows are no rotation (vLLM's are; ropekit "
+        "follows vLLM).",
+    ),
 ]
 
 # The 2026 models below are published as transformers 5.24 documents them: each config class's defaults are

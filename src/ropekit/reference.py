@@ -18,14 +18,18 @@ import numpy as np
 
 __all__ = [
     "apply_tables",
+    "fope_tables",
     "half_to_interleaved_permutation",
     "interleaved_to_half_permutation",
     "inv_freq",
     "rotate_complex",
+    "rotate_fope",
     "rotate_half",
     "rotate_interleaved",
     "rotate_matrix",
+    "rotate_multiaxis",
     "rotation_matrix",
+    "shared_kv_attention",
     "sinusoidal",
 ]
 
@@ -148,3 +152,85 @@ def sinusoidal(positions: np.ndarray, dim: int, base: float = 10000.0) -> np.nda
     pe[:, 0::2] = np.sin(angle)
     pe[:, 1::2] = np.cos(angle)
     return pe
+
+
+def rotate_multiaxis(
+    x: np.ndarray,
+    positions: np.ndarray,
+    theta: np.ndarray,
+    axis_of_pair: np.ndarray,
+    interleaved: bool = False,
+) -> np.ndarray:
+    """Multi-axis RoPE (M-RoPE, Bailing, XD-RoPE): pair j turns by positions[axis_of_pair[j]] * theta_j.
+
+    ``positions`` is (axes, ...), the trailing axes broadcasting against ``x.shape[:-1]``; ``axis_of_pair``
+    (d/2,) names the axis each pair follows. With every axis equal this is :func:`rotate_half` (or
+    :func:`rotate_interleaved`).
+    """
+    pos = np.asarray(positions, dtype=np.float64)
+    angle = np.moveaxis(pos[np.asarray(axis_of_pair)], 0, -1) * theta  # (..., d/2)
+    return _rotate_pairs(x, np.cos(angle), np.sin(angle), interleaved)
+
+
+def fope_tables(
+    positions: np.ndarray, theta: np.ndarray, cos_coef: np.ndarray, sin_coef: np.ndarray, head_dim: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """FoPE's (Fourier position embedding) per-head tables, as vLLM's ``FourierRotaryEmbedding`` forms them.
+
+    Each of the F frequencies theta (F,) is a Fourier basis function; key-value head h mixes them with its
+    learned (F, F) coefficients: cos'[m, h, d] = sum_f cos(m theta_f) cos_coef[h, f, d], and sin' likewise
+    with sin_coef. The D/2 - F entries past F are 1 in both tables (vLLM pads with 1).
+
+    Returns:
+        (cos, sin), each (len(positions), H, D/2), read with the half pairing over the whole head.
+    """
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * theta  # (T, F)
+    cos = np.einsum("tf,hfd->thd", np.cos(angle), np.asarray(cos_coef, dtype=np.float64))
+    sin = np.einsum("tf,hfd->thd", np.sin(angle), np.asarray(sin_coef, dtype=np.float64))
+    pad = ((0, 0), (0, 0), (0, head_dim // 2 - theta.shape[0]))
+    return np.pad(cos, pad, constant_values=1.0), np.pad(sin, pad, constant_values=1.0)
+
+
+def rotate_fope(
+    x: np.ndarray, positions: np.ndarray, theta: np.ndarray, cos_coef: np.ndarray, sin_coef: np.ndarray
+) -> np.ndarray:
+    """FoPE on x (T, H, D): head i uses key-value head i // (H / H_kv) of the coefficients (H_kv, F, F).
+
+    Each pair (i, i + D/2) becomes (a cos' - b sin', b cos' + a sin'): a rotation only where cos'^2 + sin'^2
+    is 1, which learned coefficients do not promise.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    heads, kv_heads = x.shape[1], cos_coef.shape[0]
+    cos, sin = fope_tables(positions, theta, cos_coef, sin_coef, x.shape[-1])  # (T, H_kv, D/2)
+    group = np.arange(heads) // (heads // kv_heads)  # (H,): the key-value head of each head
+    return _rotate_pairs(x, cos[:, group], sin[:, group], interleaved=False)
+
+
+def shared_kv_attention(
+    q: np.ndarray, kv: np.ndarray, positions: np.ndarray, theta: np.ndarray, scale: float
+) -> np.ndarray:
+    """Causal attention whose keys are also its values, rotated, as in DeepSeek-V4.
+
+    q (S, H, D), kv (S, D) (one shared key-value head); the trailing d = 2 len(theta) features rotate with
+    interleaved pairs (the leading D - d pass through). q and kv are rotated at their positions, kv is used as
+    key and value, and the output's trailing d features are rotated back by -theta at the query's position,
+    so each value's rope part reaches query i turned by (p_j - p_i) theta: relative, like the scores.
+    Returns (S, H, D).
+    """
+    q, kv = np.asarray(q, dtype=np.float64), np.asarray(kv, dtype=np.float64)
+    d, dim = 2 * len(theta), q.shape[-1]
+    lead = dim - d
+
+    def turn(t: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        out = t.copy()
+        out[..., lead:] = rotate_interleaved(t[..., lead:], pos, theta)
+        return out
+
+    pos = np.asarray(positions, dtype=np.float64)
+    qr, kvr = turn(q, pos[:, None]), turn(kv, pos)  # (S, H, D), (S, D)
+    scores = np.einsum("ihd,jd->hij", qr, kvr) * scale  # (H, S, S)
+    scores = np.where(np.tril(np.ones((len(pos), len(pos)), dtype=bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("hij,jd->ihd", weights, kvr)  # (S, H, D)
+    return turn(out, -pos[:, None])

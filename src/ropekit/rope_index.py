@@ -34,9 +34,14 @@ from typing import Any
 import torch
 
 from ropekit.hf_config import load_hf_config
-from ropekit.validation import check_int, describe
+from ropekit.validation import check_int, check_movable, check_number, describe
 
-__all__ = ["ROPE_INDEX_FAMILIES", "get_rope_index", "mrope_decode_positions", "vision_position_ids"]
+__all__ = [
+    "ROPE_INDEX_FAMILIES",
+    "get_rope_index",
+    "mrope_decode_positions",
+    "vision_position_ids",
+]
 
 # model_type -> family; a family decides the time interval and whether videos are cut into frames.
 ROPE_INDEX_FAMILIES = {
@@ -44,6 +49,7 @@ ROPE_INDEX_FAMILIES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_omni_moe": "qwen3_omni",
 }
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -62,8 +68,8 @@ def vision_position_ids(
 
 
 def _family_and_vision(config: Any) -> tuple[str, Mapping[str, Any]]:
-    d = load_hf_config(config)
-    model_type = str(d.get("model_type") or "").removesuffix("_text")
+    d = _thinker(load_hf_config(config))
+    model_type = str(d.get("model_type") or "").removesuffix("_text").removesuffix("_thinker")
     if model_type not in ROPE_INDEX_FAMILIES:
         raise ValueError(
             f"config['model_type']: expected one of {sorted(ROPE_INDEX_FAMILIES)}, "
@@ -97,11 +103,14 @@ def _runs(types: list[int]) -> Iterator[tuple[int, int]]:
 def get_rope_index(
     config: Any,
     input_ids: torch.Tensor,
-    mm_token_type_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
+    *,
+    audio_seqlens: torch.Tensor | None = None,
+    use_audio_in_video: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE position ids for a batch of Qwen-VL prompts, as transformers 5's ``get_rope_index`` builds them.
 
@@ -115,7 +124,13 @@ def get_rope_index(
         video_grid_thw: (videos, 3) patch grids of the videos, in order over the whole batch.
         attention_mask: (batch, seq) 1 for real tokens, 0 for padding (left or right); padding gets
             position 0 and does not count.
-        second_per_grid_ts: (videos,) seconds per temporal patch (Qwen2.5-VL; default 1 each).
+        second_per_grid_ts: (videos,) seconds per temporal patch (Qwen2.5-VL, Qwen3-Omni; default 1 each).
+        audio_seqlens: (audios,) Qwen3-Omni only: each audio's feature length (before its encoder).
+        use_audio_in_video: Qwen3-Omni only: each video carries its audio, interleaved in time.
+
+    Qwen3-Omni (``qwen3_omni_moe``, the full config or its ``thinker_config``) reads the runs from the token
+    ids themselves (vision / audio start tokens), as its ``get_rope_index`` does; see
+    :mod:`ropekit.rope_index_omni`. Its positions are float32: time counts position_id_per_seconds per second.
 
     Returns:
         (position_ids, mrope_position_deltas): position_ids (3, batch, seq) in input_ids' dtype and
@@ -128,12 +143,28 @@ def get_rope_index(
     """
     family, vision = _family_and_vision(config)
     merge = check_int("config['vision_config']['spatial_merge_size']", vision["spatial_merge_size"])
+    if family == "qwen3_omni":
+        from ropekit.rope_index_omni import omni_rope_index  # Qwen3-Omni reads token ids, not token types
+
+        return omni_rope_index(
+            _thinker(load_hf_config(config)), merge, input_ids, image_grid_thw, video_grid_thw,
+            attention_mask, second_per_grid_ts, audio_seqlens, use_audio_in_video,
+        )  # fmt: skip
+    if mm_token_type_ids is None:
+        raise ValueError(
+            f"mm_token_type_ids: {family} needs the token types (0 text, 1 image, 2 video), got None"
+        )
+    if audio_seqlens is not None or use_audio_in_video:
+        raise ValueError(
+            f"audio_seqlens: only Qwen3-Omni has audio; {family} takes None and use_audio_in_video=False"
+        )
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected a (batch, seq) tensor, got {describe(input_ids)}")
     shape = tuple(input_ids.shape)
     for name, value in (("mm_token_type_ids", mm_token_type_ids), ("attention_mask", attention_mask)):
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape):
             raise ValueError(f"{name}: expected a tensor of input_ids' shape {shape}, got {describe(value)}")
+    check_movable("mm_token_type_ids", mm_token_type_ids, torch.device("cpu"), where="the host device")
     types = mm_token_type_ids.to("cpu", torch.int64)
     if types.numel() and (types.min() < TEXT or types.max() > VIDEO):
         raise ValueError(
@@ -210,16 +241,24 @@ def _video_intervals(
     if second_per_grid_ts is None:
         seconds = torch.ones(count)
     else:
-        seconds = torch.as_tensor(second_per_grid_ts)
+        check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
+        seconds = torch.as_tensor(second_per_grid_ts).cpu()
         if seconds.dim() != 1 or seconds.shape[0] < count:
             raise ValueError(
                 f"second_per_grid_ts: expected one number per video ({count}), "
                 f"got {describe(second_per_grid_ts)}"
             )
+        # nan or inf seconds made frame positions of -2^63; negative ones run time backwards.
+        if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
+            raise ValueError(
+                f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
+                f"{seconds.tolist()[:8]}"
+            )
     tokens_per_second = vision.get("tokens_per_second")
     if tokens_per_second is None:
         raise ValueError("config['vision_config']['tokens_per_second']: Qwen2.5-VL needs it, got none")
-    return tokens_per_second * seconds.cpu()
+    check_number("config['vision_config']['tokens_per_second']", tokens_per_second, minimum=0)
+    return tokens_per_second * seconds
 
 
 def mrope_decode_positions(
@@ -263,3 +302,18 @@ def mrope_decode_positions(
         counts = attention_mask.to(device=device, dtype=torch.int64).cumsum(-1) - 1  # (batch, start + length)
         text = counts[:, start:]
     return (text + mrope_position_deltas).expand(3, batch, length)
+
+
+def _thinker(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-Omni's thinker config (the part that sees text, images, video and audio), or d itself.
+
+    Its vision_start_token_id lives beside it in the talker config when the thinker does not name it.
+    """
+    thinker = d.get("thinker_config")
+    if not isinstance(thinker, Mapping):
+        return dict(d)
+    out = {**thinker, "model_type": "qwen3_omni_moe"}
+    talker = d.get("talker_config")
+    if out.get("vision_start_token_id") is None and isinstance(talker, Mapping):
+        out["vision_start_token_id"] = talker.get("vision_start_token_id")
+    return out

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ropekit.dtensor_inputs import local
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "check_base",
@@ -193,12 +195,13 @@ def check_tables(cos: Any, sin: Any, head_dim: int) -> int:
     return rotary_dim
 
 
-def check_movable(name: str, t: Any, device: torch.device) -> None:
-    """t (if a tensor) can be moved to device: a meta tensor has no values to copy anywhere but meta. PyTorch
-    would raise NotImplementedError ("Cannot copy out of meta tensor") from inside the call."""
+def check_movable(name: str, t: Any, device: torch.device, *, where: str = "x's device") -> None:
+    """t (if a tensor) can be moved to device (``where`` says whose it is, for the message): a meta tensor
+    has no values to copy anywhere but meta. PyTorch would raise NotImplementedError ("Cannot copy out of
+    meta tensor") from inside the call."""
     if isinstance(t, torch.Tensor) and t.is_meta and device.type != "meta":
         raise ValueError(
-            f"{name}: expected a tensor with values, on x's device {device}, got a meta tensor (shape "
+            f"{name}: expected a tensor with values, on {where} {device}, got a meta tensor (shape "
             f"{tuple(t.shape)}: no data); build it on {device}, or fill it after to_empty()"
         )
 
@@ -206,6 +209,7 @@ def check_movable(name: str, t: Any, device: torch.device) -> None:
 def check_writable(name: str, x: torch.Tensor) -> None:
     """x is written in place: no two of its elements may share memory (an expanded or stride-0 view would be
     rotated once per alias). The same rule, in nearly the same words, as PyTorch's ``add_`` on such a view."""
+    x = local(x)  # a DTensor: the shard this rank writes
     if is_compiling():  # torch's overlap query is not traceable: catch the common case, a stride-0 axis
         overlapping = any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride(), strict=True))
     else:  # 1: provably overlapping; 2: too hard to tell (as torch, which refuses 1 only)
@@ -224,7 +228,7 @@ def check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -
     Views of one packed buffer (q and k slices of a fused qkv projection) are fine and pass. While
     torch.compile traces, storage identity is not traceable: only one tensor passed twice is caught then, and
     the kernels' ops check the rest as the graph runs."""
-    shared = (a is b) if is_compiling() else _share_elements(a, b)
+    shared = (a is b) if is_compiling() else _share_elements(local(a), local(b))
     if shared:
         raise ValueError(
             f"{name_b}: inplace=True writes {name_a} and {name_b}, which share memory (shapes "

@@ -132,3 +132,27 @@ def test_layers_json_from_a_config_json_with_nope_and_temperature(tmp_path, caps
 def test_layers_takes_no_extension_flags(capsys):
     assert main(["inspect", "gemma-4-e2b-full", "--layers", "--method", "yarn"]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+def test_variant_configs_show_their_axes_temperature_and_indexer(tmp_path, capsys):
+    hunyuan = tmp_path / "hunyuan" / "config.json"
+    hunyuan.parent.mkdir()
+    scaling = {"type": "xdrope", "alpha": 1000.0, "xdrope_section": [16, 16, 16, 16]}
+    hunyuan.write_text(json.dumps({"model_type": "hunyuan_vl", "hidden_size": 256, "num_attention_heads": 2,
+                                   "max_position_embeddings": 32768, "rope_scaling": scaling}))  # fmt: skip
+    assert main(["inspect", str(hunyuan)]) == 0
+    out = capsys.readouterr().out
+    assert "rope_type: ntk_alpha" in out
+    assert "position axes: 4   sections (pairs): [16, 16, 16, 16]   layout: chunked" in out
+    assert "axis of each pair: " + "0" * 16 + "1" * 16 + "2" * 16 + "3" * 16 in out
+    telechat = tmp_path / "telechat.json"
+    scaling = {"type": "telechat3-yarn", "factor": 8.0, "original_max_position_embeddings": 4096}
+    telechat.write_text(
+        json.dumps({"head_dim": 64, "max_position_embeddings": 32768, "rope_scaling": scaling})
+    )
+    assert main(["inspect", str(telechat)]) == 0
+    assert "configured: yarn: attention scaling 1.14556" in capsys.readouterr().out  # 0.07 ln 8 + 1
+    deepseek = tmp_path / "deepseek.json"
+    deepseek.write_text(json.dumps(get_preset("deepseek-v3.2").config))
+    assert main(["inspect", str(deepseek), "--layer-type", "indexer"]) == 0
+    assert "head_dim: 128   rotary_dim: 64   pairing: half" in capsys.readouterr().out

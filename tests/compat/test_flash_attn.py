@@ -393,8 +393,8 @@ def test_module_rotates_packed_qkv_in_place_as_flash_attn(
     rotary = RotaryEmbedding(rotary_dim, interleaved=interleaved)
     out = rotary(qkv, seqlen_offset=seqlen_offset)
     cos, sin = reference_tables(rotary_dim, seqlen_total)
-    torch.testing.assert_close(rotary._cos_cached, cos, rtol=rtol, atol=atol)
-    torch.testing.assert_close(rotary._sin_cached, sin, rtol=rtol, atol=atol)
+    torch.testing.assert_close(rotary._cos_cached, cos.to(torch.float16), rtol=rtol, atol=atol)
+    torch.testing.assert_close(rotary._sin_cached, sin.to(torch.float16), rtol=rtol, atol=atol)
     pos = np.broadcast_to(np.arange(seqlen) + seqlen_offset, (batch, seqlen))
     for i in (0, 1):  # q and k
         want = rotated(qkv_og[:, :, i], cos, sin, pos, interleaved)
@@ -455,3 +455,35 @@ def test_module_kv_form_and_tensor_offsets_with_max_seqlen(backend):
         RotaryEmbedding(16, scale_base=0)
     with pytest.raises(ValueError, match=r"^backend: expected"):
         RotaryEmbedding(16, backend="cuda")
+
+
+@pytest.mark.parametrize("scale_base", [None, 8.0])
+def test_module_tables_follow_the_input_dtype_and_are_rebuilt_when_it_changes(scale_base):
+    """Issue 24: the cached tables stayed float32, where flash-attn's layer keeps them in qkv's dtype (its
+    ``_update_cos_sin_cache`` rebuilds them when the dtype changes: computed in float32, then cast), so its
+    own tests (``_cos_cached`` against float16) failed. ropekit forms them in float64 and rounds once, so
+    each is within one rounding of flash-attn's float32-then-cast value."""
+    rotary = RotaryEmbedding(16, scale_base=scale_base)
+    names = ["_cos_cached", "_sin_cached"] + (["_cos_k_cached", "_sin_k_cached"] if scale_base else [])
+    seen = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float16):
+        qkv = torch.randn(2, 10, 3, 2, 16).to(dtype)
+        rotary(qkv)
+        for name in names:
+            table = getattr(rotary, name)
+            assert table.dtype == dtype and table.shape == (10, 8)
+            seen.setdefault(name, []).append(table)
+    inv = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)  # flash-attn's float32 rule
+    angles = torch.outer(torch.arange(10, dtype=torch.float32), inv)
+    cos32, sin32 = angles.cos(), angles.sin()
+    if scale_base:
+        power = (torch.arange(10, dtype=torch.float32) - 10 // 2) / scale_base
+        zeta = (torch.arange(0, 16, 2, dtype=torch.float32) + 0.4 * 16) / (1.4 * 16)
+        scale = zeta ** power[:, None]
+        flash = [cos32 * scale, sin32 * scale, cos32 / scale, sin32 / scale]
+    else:
+        flash = [cos32, sin32]
+    for name, want in zip(names, flash, strict=True):
+        for table in seen[name]:
+            eps = torch.finfo(table.dtype).eps
+            torch.testing.assert_close(table.float(), want.to(table.dtype).float(), rtol=eps, atol=eps)

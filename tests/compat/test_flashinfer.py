@@ -7,6 +7,8 @@ scales make ``r * s`` and ropekit's ``r / (1 / s)`` the same float32 number, so 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -152,7 +154,7 @@ def test_append_refuses_bad_input_and_leaves_the_caches_alone():
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(
             q_rope, k_rope, None, None, v, *args, quantize_dtype=torch.float8_e5m2
         )
-    with pytest.raises(ValueError, match="slot_mapping"):  # a page index past the cache's 8 pages
+    with pytest.raises(ValueError, match=r"^kv_indices: "):  # a page index past the cache's 8 pages
         bad = (cache, pos, (k_cache, v_cache), torch.tensor([4, 1, 9]), kv_indptr, batch_indices, positions)
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, None, None, v, *bad)
     assert not k_cache.view(torch.uint8).any() and not v_cache.view(torch.uint8).any()
@@ -161,3 +163,108 @@ def test_append_refuses_bad_input_and_leaves_the_caches_alone():
 def test_apply_rope_with_cos_sin_cache_is_the_vllm_module_s():
     assert flashinfer.apply_rope_with_cos_sin_cache is vllm.apply_rope_with_cos_sin_cache
     assert flashinfer.apply_rope_with_cos_sin_cache_inplace is vllm.apply_rope_with_cos_sin_cache_inplace
+
+
+@pytest.mark.parametrize("name", ["quant_scale_q", "quant_scale_kv"])
+@pytest.mark.parametrize("bad", [1e300, 1e-300, float("inf"), float("nan"), 0.0, -1.0])
+def test_a_quant_scale_is_checked_as_the_kernel_uses_it_and_named_as_flashinfer_names_it(name, bad):
+    """Issue 24, defect 4: quant_scale_q=1e300 gave 1 / 1e300, 0 in float32, and NaN outputs without an
+    error; inf was refused under ropekit's name q_scale with the value 0.0. The scale and its reciprocal
+    must both be finite and > 0 in float32 (FlashInfer's kernels take the scale as a float32)."""
+    q_rope, k_rope = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    with pytest.raises(ValueError, match=rf"^{name}: expected .*float32.*, got {re.escape(repr(bad))}"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), **{name: bad}
+        )
+
+
+def _append(kv_indices, kv_indptr, batch_indices, positions, *, page_size=16, caches=None, q_rope_out=None):
+    """One GQA append of the 5 tokens of _page_table into zeroed (8, 16, 2, 8) caches; returns the caches
+    and q_rope_out so a test can see that nothing was written."""
+    q_rope, k_rope, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    if caches is None:
+        caches = torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8)
+    flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, None, None, v, _cache(), torch.tensor([0, 1, 2, 17, 18]), caches, kv_indices,
+        kv_indptr, batch_indices, positions, page_size=page_size, q_rope_out=q_rope_out,
+    )  # fmt: skip
+
+
+BAD_PAGE_TABLES = {
+    # Issue 24, defect 6: each wrote into another request's page or a page of no request, or was an IndexError
+    "negative batch index wraps": ("batch_indices", dict(batch_indices=[0, 0, 0, -1, 1])),
+    "batch index past kv_indptr": ("batch_indices", dict(batch_indices=[0, 0, 0, 2, 1])),
+    "position -1": ("positions", dict(positions=[0, 1, -1, 17, 18])),
+    "position past the request's pages": ("positions", dict(positions=[0, 1, 16, 17, 18])),
+    "page index past the cache": ("kv_indices", dict(kv_indices=[4, 1, 8])),
+    "negative page index": ("kv_indices", dict(kv_indices=[4, -1, 6])),
+    "kv_indptr not monotone": ("kv_indptr", dict(kv_indptr=[0, 2, 1])),
+    "kv_indptr past kv_indices": ("kv_indptr", dict(kv_indptr=[0, 1, 4])),
+    "kv_indptr negative": ("kv_indptr", dict(kv_indptr=[-1, 1, 3])),
+    "page_size not the caches'": ("page_size", dict(page_size=8)),
+    "batch_indices of another length": ("batch_indices", dict(batch_indices=[0, 0, 0, 1])),
+    "positions of another length": ("positions", dict(positions=[0, 1, 2, 17])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGE_TABLES))
+def test_the_page_table_is_checked_against_the_caches_before_any_write(case):
+    name, change = BAD_PAGE_TABLES[case]
+    change = dict(change)  # shared with the next test
+    kv_indices, kv_indptr, batch_indices, positions, _ = _page_table()
+    args = dict(kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices, positions=positions)
+    page_size = change.pop("page_size", 16) if "page_size" in change else 16
+    args.update({key: torch.tensor(value, dtype=torch.int32) for key, value in change.items()})
+    caches = torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8)
+    q_rope_out = torch.zeros(5, 4, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        _append(**args, page_size=page_size, caches=caches, q_rope_out=q_rope_out)
+    assert not any(c.view(torch.uint8).any() for c in (*caches, q_rope_out))
+
+
+def test_caches_of_the_wrong_head_count_leave_the_callers_q_rope_out_unwritten():
+    """Issue 24: the append filled the caller's q_rope_out, then raised for the caches' head count."""
+    q_rope_out = torch.zeros(5, 4, 8, dtype=FP8)
+    caches = torch.zeros(8, 16, 3, 8, dtype=FP8), torch.zeros(8, 16, 3, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=r"^paged_kv_cache\[0\]: "):
+        _append(*_page_table()[:4], caches=caches, q_rope_out=q_rope_out)
+    assert not q_rope_out.view(torch.uint8).any() and not any(c.view(torch.uint8).any() for c in caches)
+    with pytest.raises(ValueError, match=r"^q_rope_out: "):  # and a bad q_rope_out leaves the caches alone
+        _append(*_page_table()[:4], caches=(caches := (
+            torch.zeros(8, 16, 2, 8, dtype=FP8), torch.zeros(8, 16, 2, 8, dtype=FP8))),
+            q_rope_out=torch.zeros(5, 4, 7, dtype=FP8))  # fmt: skip
+    assert not any(c.view(torch.uint8).any() for c in caches)
+
+
+def test_the_device_side_page_table_check_agrees_with_the_host_one(monkeypatch):
+    """CUDA tensors are checked with a device-side assert (no host sync). That branch is run here on the CPU
+    (is_compiling forced, where torch._assert_async raises at once): the same slots for a good table, and
+    every bad table of BAD_PAGE_TABLES whose values (not shapes) are wrong trips the assert."""
+    from ropekit.compat import flashinfer as module
+
+    kv_indices, kv_indptr, batch_indices, positions, slots = _page_table()
+    args = (kv_indices, kv_indptr, batch_indices, positions, 16, 8, 5, torch.device("cpu"))
+    assert torch.equal(module._page_slots(*args), slots)
+    monkeypatch.setattr(module, "is_compiling", lambda: True)
+    assert torch.equal(module._page_slots(*args), slots)
+    for case, (_, change) in BAD_PAGE_TABLES.items():
+        if "page_size" in case or "length" in case:
+            continue  # checked from shapes, before any value
+        table = dict(
+            kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices, positions=positions
+        )
+        table.update({key: torch.tensor(value, dtype=torch.int32) for key, value in change.items()})
+        with pytest.raises(RuntimeError, match="page table"):
+            module._page_slots(*table.values(), 16, 8, 5, torch.device("cpu"))
+
+
+def test_a_bad_preallocated_output_leaves_the_other_outputs_unwritten():
+    """Every *_out is checked before the first is filled (q_rope_out was written, then k_rope_out refused)."""
+    q_rope, k_rope = torch.randn(2, 2, 8) * 10, torch.randn(2, 1, 8) * 10
+    q_out = torch.zeros(2, 2, 8, dtype=FP8)
+    with pytest.raises(ValueError, match=r"^k_rope_out: expected a torch.float8_e4m3fn tensor of shape"):
+        flashinfer.rope_quantize_fp8(
+            q_rope, k_rope, None, None, _cache(), torch.tensor([0, 1]), q_rope_out=q_out,
+            k_rope_out=torch.zeros(2, 1, 7, dtype=FP8),
+        )  # fmt: skip
+    assert not q_out.view(torch.uint8).any()

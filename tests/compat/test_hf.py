@@ -295,3 +295,40 @@ def test_rope_init_numerics_match_transformers_snapshots():
     torch.testing.assert_close(
         ROPE_INIT_FUNCTIONS["yarn"](yarn)[0][16:22], torch.tensor(EXPECTED_YARN_MIDDLE), rtol=1e-4, atol=0
     )
+
+
+NO_ORIGINAL = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=1e4),
+    "longrope": dict(rope_type="longrope", short_factor=SHORT, long_factor=LONG, factor=4.0, rope_theta=1e4),
+}
+
+
+@pytest.mark.parametrize("rope_type", list(NO_ORIGINAL))
+def test_rope_config_validation_without_original_length_does_what_transformers_function_does(rope_type):
+    """Issue 24 said transformers 5.24 raises KeyError here. Its ``rope_config_validation`` is called on the
+    same config as ropekit's: it standardises first (``standardize_rope_params``: the missing
+    original_max_position_embeddings becomes max_position_embeddings) and accepts all three; only
+    ``config.validate_rope()`` on a config never standardised raises KeyError. ropekit accepts too, with
+    the same original length (and a warning that says so), and the frequencies agree."""
+    import copy
+    import warnings
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS as HF_INIT
+    from transformers.modeling_rope_utils import rope_config_validation as hf_validation
+
+    config = tiny_config({"rope_type": "default", "rope_theta": 1e4})
+    config.rope_parameters = dict(NO_ORIGINAL[rope_type])  # as a user sets it; not yet standardised
+    theirs, ours = copy.deepcopy(config), copy.deepcopy(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_validation(theirs)  # accepts
+    assert theirs.rope_parameters["original_max_position_embeddings"] == config.max_position_embeddings
+    with pytest.warns(UserWarning, match=r"original_max_position_embeddings'\]: missing .* using "):
+        rope_config_validation(ours)
+    got, got_scale = ROPE_INIT_FUNCTIONS[rope_type](ours)
+    want, want_scale = HF_INIT[rope_type](theirs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # transformers forms them in float32
+    assert got_scale == pytest.approx(want_scale, rel=1e-6)
+    with pytest.raises(KeyError):  # the method, unstandardised: not what the function does
+        copy.deepcopy(config).validate_rope()

@@ -19,6 +19,8 @@ also run against the real Liger kernel under Triton's interpreter (liger_peer_ca
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -29,6 +31,7 @@ from ropekit.compat.liger import (
     liger_rotary_pos_emb_gpt_oss,
     liger_rotary_pos_emb_vision,
 )
+from triton_interpreter import TIERS, run_interpreter_cases
 
 from .conftest import NO_DEFAULT, as_table, llama_tables, signature_of
 
@@ -260,12 +263,9 @@ def test_functional_correctness(backend, bsz, seq_len, q_heads, kv_heads, head_d
     assert torch.equal(q2.detach(), q) and torch.equal(k2.detach(), k)  # inputs never written
 
 
-def test_agrees_with_real_liger_kernel_under_the_interpreter():
+@pytest.mark.parametrize("tier", TIERS)
+def test_agrees_with_real_liger_kernel_under_the_interpreter(tier):
     """liger_peer_cases.py: ropekit against the installed liger-kernel, TRITON_INTERPRET=1, fresh process."""
     pytest.importorskip("liger_kernel")
-    from pathlib import Path
-
-    from triton_interpreter import run_interpreter_cases
-
     here = Path(__file__).parent
-    run_interpreter_cases(here / "liger_peer_cases.py", cwd=here.parent.parent, timeout=600)
+    run_interpreter_cases(here / "liger_peer_cases.py", cwd=here.parent.parent, timeout=600, tier=tier)

@@ -198,3 +198,35 @@ def test_fused_qkv_gradient_flows_back_into_the_packed_buffer():
     outs = (q_want.transpose(0, 1), k_want.transpose(0, 1), qkv[..., 3 * d :])
     (want,) = torch.autograd.grad(outs, qkv, grads)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("position", "t_dtype", "atol"), [(1e6, torch.float32, 1e-5), (1000, torch.float64, 1e-12)]
+)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_float64_angles_take_cos_and_sin_in_float64(position, t_dtype, atol, interleaved, fused_qkv):
+    """Issue 24, defect 5: float64 angles were rounded to float32 before cos / sin (error 0.027 at position
+    1e6; 2.2e-5 at position 1000 with float64 t). As compat.megatron: cos / sin in the angles' dtype, then
+    cast to the math dtype. The float64 reference (ropekit.reference) bounds the result by t's rounding."""
+    import numpy as np
+
+    from ropekit import reference as ref
+
+    d2 = 16
+    theta = ref.inv_freq(d2)  # float64 (d2 / 2,)
+    positions = np.array([position, position + 1, 3 * position + 7])  # (s,)
+    angles = torch.from_numpy(positions[:, None] * theta)  # (s, d2 / 2) float64
+    pair = torch.stack((angles, angles), -1).flatten(1) if interleaved else torch.cat((angles, angles), -1)
+    freqs = pair[:, None, None, :]  # (s, 1, 1, d2) float64
+    rotate = ref.rotate_interleaved if interleaved else ref.rotate_half
+    if fused_qkv:
+        qkv = _input((3, 1, 2, 3 * d2), t_dtype, seed=9)  # (s, b, h, q + k + v), one q head per group
+        q, k, _ = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [d2, d2, d2], interleaved=interleaved)
+        pairs = ((q, qkv[..., :d2]), (k, qkv[..., d2 : 2 * d2]))
+    else:
+        t = _input((3, 1, 2, d2), t_dtype, seed=9)  # (s, b, h, d)
+        pairs = ((apply_rotary_pos_emb(t, freqs, interleaved=interleaved), t),)
+    for got, t in pairs:
+        want = rotate(t.double().transpose(0, 1).numpy(), positions[None, :, None], theta)  # (b, s, h, d)
+        np.testing.assert_allclose(got.transpose(0, 1).double().numpy(), want, rtol=0, atol=atol)

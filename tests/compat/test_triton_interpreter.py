@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triton_interpreter import run_interpreter_cases
+import pytest
+
+from triton_interpreter import TIERS, run_interpreter_cases
 
 HERE = Path(__file__).parent
 
 
-def test_compat_cases_pass_on_the_triton_kernel_under_the_interpreter():
-    run_interpreter_cases(HERE / "triton_interpreter_cases.py", cwd=HERE.parent.parent, timeout=600)
+@pytest.mark.parametrize("tier", TIERS)
+def test_compat_cases_pass_on_the_triton_kernel_under_the_interpreter(tier):
+    run_interpreter_cases(
+        HERE / "triton_interpreter_cases.py", cwd=HERE.parent.parent, timeout=600, tier=tier
+    )

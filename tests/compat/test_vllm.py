@@ -257,7 +257,7 @@ def test_get_rope_reads_one_form_and_an_int_in_third_place_is_a_value_error():
     for legacy in (1, 256):
         with pytest.raises(ValueError, match=rf"^is_neox_style: expected a bool, got {legacy} \(the third"):
             get_rope(64, 256, legacy, params)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"^is_neox_style: expected a bool, got 2048"):
         get_rope(80, 32, 2048, 5000.0, False, None, torch.float32)  # the old 7-argument form
     with pytest.raises(TypeError):
         get_rope(80, 2048, rotary_dim=32)
@@ -437,6 +437,22 @@ def test_fused_qk_norm_rope_signature_and_errors_are_vllms():
         fused_qk_norm_rope(qkv, 0, 1, 1, 16, 1e-6, w, w, cache, True, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"^cos_sin_cache: "):
         fused_qk_norm_rope(*args[:8], cache[:, :5], True, torch.tensor([0, 1, 2]))
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize(("index", "name"), [(4, "head_dim"), (2, "num_heads_k"), (1, "num_heads_q")])
+@pytest.mark.parametrize("bad", [None, "16", 0])
+def test_fused_qk_norm_rope_head_counts_and_head_dim_that_are_not_ints_are_value_errors(index, name, bad):
+    """Issue 24: head_dim=None was a TypeError from '<=' inside the cache check."""
+    from ropekit.compat.vllm import fused_qk_norm_rope
+
+    qkv, w = torch.randn(3, 6 * 16), torch.ones(16)
+    cache = get_rope(16, 8, True, {"rope_theta": 1e4}).cos_sin_cache
+    args = [qkv, 4, 1, 1, 16, 1e-6, w, w, cache, True, torch.tensor([0, 1, 2])]
+    args[index] = bad
+    before = qkv.clone()
+    with pytest.raises(ValueError, match=rf"^{name}: expected a positive int, got {bad!r}"):
+        fused_qk_norm_rope(*args)
     assert torch.equal(qkv, before)
 
 

@@ -108,3 +108,11 @@ def test_torchtune_vision(triton, assert_matches_reference):
 
 def test_vllm_op_in_place_bumps_versions(triton):
     vllm_cases.test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite("triton", True)
+
+
+def test_vllm_variants_fope_and_multiaxis_on_triton(triton):
+    from . import test_vllm_variants as variant_cases
+
+    variant_cases.test_fope_matches_reference(3, "triton")  # one table row per (position, kv head)
+    bailing = {"rope_type": "bailing_mrope", "mrope_section": [2, 3, 3], "rope_theta": 1000.0}
+    variant_cases.test_multiaxis_variants_match_reference(bailing, "bailing", False, "triton")  # token rows

@@ -159,3 +159,36 @@ def test_the_c_loops_specialised_head_shapes_write_the_bytes_of_the_torch_refere
             )  # fmt: skip
             out[backend] = (q_out, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
         assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e300, torch.tensor(1e-46, dtype=torch.float64)])
+def test_an_fp8_cache_scale_is_checked_after_its_float32_cast(scale):
+    """Issue 24, defect 4, for the cache's k_scale / v_scale: > 0 as given but 0 or inf in float32."""
+    cos, sin = tables(8)
+    q, k, v = torch.zeros(3, 2, 8), torch.zeros(3, 1, 8), torch.zeros(3, 1, 8)
+    kc, vc = (
+        torch.zeros(10, 1, 8, dtype=torch.float8_e4m3fn),
+        torch.zeros(10, 1, 8, dtype=torch.float8_e4m3fn),
+    )
+    for name in ("k_scale", "v_scale"):
+        scales = {"k_scale": 1.0, "v_scale": 1.0, name: scale}
+        with pytest.raises(ValueError, match=rf"^{name}: expected .*finite.* > 0.*float32"):
+            ropekit.apply_rotary_qk_and_cache(
+                q, k, v, cos, sin, k_cache=kc, v_cache=vc, slot_mapping=torch.arange(3), cache_layout="flat",
+                **scales,
+            )  # fmt: skip
+        assert not kc.view(torch.uint8).any() and not vc.view(torch.uint8).any()
+
+
+def test_a_meta_table_is_a_value_error_naming_it_and_writes_nothing():
+    """Issue 24: a meta cos / sin beside CPU inputs was NotImplementedError ("Cannot copy out of meta")."""
+    cos, sin = tables(8)
+    tabs = {"cos": cos.to("meta"), "sin": sin.to("meta")}
+    q, k, v = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    kc, vc = torch.zeros(10, 1, 8), torch.zeros(10, 1, 8)
+    with pytest.raises(ValueError, match=r"^cos: expected a tensor with values.* got a meta tensor"):
+        ropekit.apply_rotary_qk_and_cache(
+            q, k, v, tabs["cos"], tabs["sin"], k_cache=kc, v_cache=vc, slot_mapping=torch.arange(3),
+            cache_layout="flat",
+        )  # fmt: skip
+    assert not kc.any() and not vc.any()

@@ -92,3 +92,32 @@ def test_specialised_c_shapes_follow_the_contract_deepseek_mla_widths(interleave
         for backend in ("torch", "cpu")
     ]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "scale", [1e-46, 1e300, torch.tensor(1e-46, dtype=torch.float64), torch.tensor([1.0, 1e39]).double()]
+)
+def test_a_scale_is_checked_as_the_kernel_divides_by_it_in_float32(backend, scale):
+    """Issue 24, defect 4: q_scale=1e-46 is > 0 as a Python float but 0 in float32, the kernels' dtype, so
+    zeros became NaN without an error (1e300: inf in float32, every byte 0). A scale, number or tensor, is
+    checked after its float32 cast."""
+    cos, sin = tables(16)
+    q, k = torch.zeros(4, 2, 16), torch.zeros(4, 2, 16)
+    for name in ("q_scale", "k_scale"):
+        scales = {"q_scale": 1.0, "k_scale": 1.0, name: scale}
+        with pytest.raises(ValueError, match=rf"^{name}: expected .*finite.* > 0.*float32"):
+            ropekit.apply_rotary_qk_fp8(q, k, cos, sin, **scales, backend=backend)
+
+
+def test_a_meta_table_is_a_value_error_naming_it():
+    """Issue 24: a meta cos / sin beside CPU inputs was PyTorch's NotImplementedError ("Cannot copy out of
+    meta tensor") from inside the call; it has no values to rotate with."""
+    cos, sin = tables(16)
+    tabs = {"cos": cos.to("meta"), "sin": sin.to("meta")}
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    with pytest.raises(ValueError, match=r"^cos: expected a tensor with values.* got a meta tensor"):
+        ropekit.apply_rotary_qk_fp8(q, k, tabs["cos"], tabs["sin"], q_scale=1.0, k_scale=1.0)
+    meta_scale = torch.ones((), device="meta")  # a meta scale: no value to divide by either
+    with pytest.raises(ValueError, match=r"^k_scale: expected a tensor with values.* got a meta tensor"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=meta_scale)

@@ -25,7 +25,7 @@ from qk_norm_cases import (
 import ropekit
 from ropekit.backends.qk_norm_cpu import NormSpec
 from ropekit.fused.qk_norm import qk_norm_rotary_, rms_norm
-from triton_interpreter import run_interpreter_cases
+from triton_interpreter import TIERS, run_interpreter_cases
 
 BACKENDS = ["torch", "cpu"]
 HERE = Path(__file__).parent
@@ -286,6 +286,8 @@ def _bad_calls():
     yield "offsets", dict(kw={**base, "offsets": -1})
     yield "backend", dict(kw={**base, "backend": "cuda"})
     yield "positions", dict(qkv=qkv[0].clone(), kw={**base, "positions": torch.tensor([1, 2])})
+    # Issue 24: a meta table was NotImplementedError ("Cannot copy out of meta tensor").
+    yield "cos: expected a tensor with values", dict(cos=cos.to("meta"), sin=cos.to("meta"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -355,8 +357,9 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     assert "qk_norm_rotary_kernel" in compiled.asm["ptx"]
 
 
-def test_triton_kernel_cases_pass_under_the_interpreter():
-    run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900)
+@pytest.mark.parametrize("tier", TIERS)
+def test_triton_kernel_cases_pass_under_the_interpreter(tier):
+    run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900, tier=tier)
 
 
 def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():

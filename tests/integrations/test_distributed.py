@@ -4,13 +4,10 @@ The 2 processes are spawned once for the whole file (a module fixture); each tes
 what they computed.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_ranks
 from ropekit import RotaryEmbedding
 from ropekit.integrations.distributed import (
     all_gather_sequence,
@@ -47,9 +44,7 @@ def sharded_attention(block, x, scheme, rank):
     return block.wo(out.reshape(b, s, DIM))
 
 
-def worker(rank, port, out_path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+def worker(rank):
     block, q, k, x = make_inputs()
     results = {}
     for scheme in ("contiguous", "zigzag"):
@@ -75,22 +70,12 @@ def worker(rank, port, out_path):
     x_local = x_local.detach().requires_grad_()
     (all_gather_sequence(x_local, "zigzag") * torch.arange(SEQ)[None, :, None]).sum().backward()
     results["grad"] = x_local.grad
-    torch.save(results, f"{out_path}.{rank}")
-    dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp") / "result"
-    # fork: the children inherit the imported torch instead of importing it again (seconds each on CI).
-    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
-    return [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    return run_ranks(worker, tmp_path_factory.mktemp("cp"))
 
 
 def test_zigzag_positions_balance_chunks():

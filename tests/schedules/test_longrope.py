@@ -60,3 +60,25 @@ def test_longrope_answers_to_phi3s_early_alias_su():
     assert config.rope_type == "longrope"
     past = ORIGINAL + 1
     torch.testing.assert_close(config.inv_freq(past), _config().inv_freq(past), rtol=0, atol=0)
+
+
+def test_seq_len_zero_takes_the_short_factors_as_transformers_does():
+    """Issue 24: seq_len=0 was refused; transformers' _compute_longrope_parameters takes it (``if seq_len and
+    seq_len > original``: short factors, as for no seq_len). Both are called on one config."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS as HF_INIT
+
+    from ropekit.compat.hf import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "longrope", "rope_theta": BASE, "short_factor": SHORT, "long_factor": LONG,
+              "original_max_position_embeddings": ORIGINAL}  # fmt: skip
+    hf = LlamaConfig(
+        head_dim=DIM, hidden_size=4 * DIM, num_attention_heads=4, max_position_embeddings=MAX_POS,
+        rope_parameters=params,
+    )  # fmt: skip
+    want, want_scale = HF_INIT["longrope"](hf, None, 0)
+    got, scale = ROPE_INIT_FUNCTIONS["longrope"](hf, None, 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # transformers forms them in float32
+    assert scale == pytest.approx(want_scale, rel=1e-12)
+    short = torch.from_numpy(inv_freq(DIM, BASE)) / torch.tensor(SHORT, dtype=torch.float64)
+    torch.testing.assert_close(_config().inv_freq(0), short, rtol=1e-14, atol=0)

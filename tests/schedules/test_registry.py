@@ -48,3 +48,16 @@ def test_partial_rotary_factor_inside_scaling_sets_rotary_dim():
     assert RopeConfig(96, scaling={"rope_type": "default", "partial_rotary_factor": 0.25}).rotary_dim == 24
     with pytest.raises(ValueError, match="rotary_dim: 32 disagrees with"):
         RopeConfig(96, rotary_dim=32, scaling={"partial_rotary_factor": 0.25})
+
+
+def test_hunyuan_dynamic_with_alpha_given_directly_is_ntk_alpha():
+    # Issue 26: RopeConfig refused {"rope_type": "dynamic", "alpha": ...} unless it came through from_hf.
+
+    direct = RopeConfig(128, 10000.0, scaling={"rope_type": "dynamic", "alpha": 1000.0})
+    assert direct.rope_type == "ntk_alpha" and not direct.length_dependent
+    named = RopeConfig(128, 10000.0, scaling={"rope_type": "ntk_alpha", "alpha": 1000.0})
+    torch.testing.assert_close(direct.inv_freq(), named.inv_freq(), rtol=0, atol=0)
+    want = 1.0 / (10000.0 * 1000.0 ** (128 / 126)) ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    torch.testing.assert_close(direct.inv_freq(seq_len=100_000), want, rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="unknown keys"):  # alpha's schedule takes alpha alone
+        RopeConfig(128, 10000.0, scaling={"rope_type": "dynamic", "alpha": 1000.0, "factor": 2.0})

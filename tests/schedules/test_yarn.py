@@ -42,3 +42,11 @@ def test_a_null_factor_defaults_to_the_length_ratio():
         64, 1e4, scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096}
     )
     torch.testing.assert_close(implicit.inv_freq(), explicit.inv_freq(), rtol=0, atol=0)
+
+
+def test_telechat3_attention_factor_is_yarn_with_0_07():
+    from ropekit.schedules.yarn import telechat3_attention_factor
+
+    assert telechat3_attention_factor(4.0) == pytest.approx(0.07 * math.log(4.0) + 1.0, rel=1e-15)
+    assert telechat3_attention_factor(4.0, 2.0) == pytest.approx(2 * (0.07 * math.log(4.0) + 1.0), rel=1e-15)
+    assert telechat3_attention_factor(1.0) == 1.0  # no extension, no temperature

@@ -2,17 +2,21 @@
 its machine code checked (ropekit.tools.ptx_check): no spills, registers within budget, 128-bit q/k accesses,
 round-to-nearest-even 16-bit stores, no FMA.
 
+Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
+constexpr value, every pair of axis values together: 83 compiles of the 2,916, about 25 s of CPU cold).
+``make proofs`` (``-m proof``) compiles every specialization for every target: 972 x 3 = 2,916 compiles at
+about 0.26 s of CPU each, 12-13 CPU-minutes cold.
+
 Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
-the spec, the target and the checks' source). Measured on this 2-core machine, loaded by other sessions (load
-average 15-24): a cold run (864 compiles, 288 specializations x 3 targets) took 223 s of CPU (user + sys,
-~0.26 s a compile; 19 min wall under that load, about 2 min on 2 idle cores); from Triton's cache 17 s of CPU;
-from the results cache 9 s of CPU (24 s wall under load). One test per (arch, dtype), so pytest-xdist spreads
-them over its workers.
+the spec, the target and the checks' source); a warm run reads them back. One test per (module, arch) or
+(arch, dtype), so pytest-xdist spreads them over its workers.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import os
 
 import pytest
@@ -66,30 +70,93 @@ def _specs_for(dtype: str):
     return [s for s in triton_aot.specs(KERNEL) if dict(s.signature)["q_ptr"].startswith(f"*{dtype}")]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("arch", triton_aot.ARCHES)
-def test_every_rotary_specialization_compiles_and_passes_the_machine_code_checks(arch, dtype, triton_cache):
-    results = [triton_aot.compile_and_check(spec, arch) for spec in _specs_for(dtype)]
-    failed = [f"sm_{arch} {r.spec.label}: {r.findings}" for r in results if r.findings]
+def _assert_clean(results) -> None:
+    """No finding in any compile; for the rotary kernel, also what the checks saw, so a check that found
+    nothing to look at cannot pass silently."""
+    failed = [f"sm_{r.arch} {r.spec.label}: {r.findings}" for r in results if r.findings]
     assert not failed, "\n".join(failed[:20])
-    # What the checks saw, so a check that found nothing to look at cannot pass silently.
     for r in results:
-        assert r.local_bytes == 0 and 0 < r.registers <= r.budget == 48
+        assert r.local_bytes == 0 and 0 < r.registers <= r.budget
+        if r.spec.module != KERNEL:
+            continue
+        dtype = dict(r.spec.signature)["q_ptr"].split(":")[0].lstrip("*")
+        assert r.budget == 48
         assert set(r.vector_bits) == {"q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr"}
         assert all(bits and min(bits) >= 128 for bits in r.vector_bits.values()), r.vector_bits
         assert r.rounding == ([] if dtype == "fp32" else sorted(r.vector_bits))
     print(collections.Counter(r.registers for r in results))
 
 
+@pytest.mark.proof
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("arch", triton_aot.ARCHES)
+def test_every_rotary_specialization_compiles_and_passes_the_machine_code_checks(arch, dtype, triton_cache):
+    _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in _specs_for(dtype)])
+
+
 OTHER_MODULES = [m for m in triton_aot.kernel_modules() if m != KERNEL]
 
 
+@pytest.mark.proof
 @pytest.mark.skipif(not OTHER_MODULES, reason="no Triton kernel module besides the rotary kernel yet")
+@pytest.mark.parametrize("arch", triton_aot.ARCHES)
 @pytest.mark.parametrize("module", OTHER_MODULES or ["none"])
-def test_every_other_kernel_module_compiles_and_passes_the_machine_code_checks(module, triton_cache):
+def test_every_other_kernel_module_compiles_and_passes_the_machine_code_checks(module, arch, triton_cache):
     """Kernels added later (the fused serving kernels) get the same compile and checks, for every target."""
     specs = triton_aot.specs(module)
     assert specs, f"{module} has no aot_specializations()"
-    results = [triton_aot.compile_and_check(spec, arch) for spec in specs for arch in triton_aot.ARCHES]
-    failed = [f"sm_{r.arch} {r.spec.label}: {r.findings}" for r in results if r.findings]
-    assert not failed, "\n".join(failed[:20])
+    _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in specs])
+
+
+# The fast tier: a pairwise cover of each module's grid, one test per (module, target).
+ALL_MODULES = triton_aot.kernel_modules()
+
+
+@functools.cache
+def _cover(module: str) -> tuple:
+    return tuple(triton_aot.cover(triton_aot.specs(module)))
+
+
+def _named_values(spec, arch) -> dict:
+    """Every axis of one compile by name: the target, the warps, each constexpr and each argument's type."""
+    values = {("target",): arch, ("warps",): spec.num_warps}
+    values |= {("const", k): repr(v) for k, v in spec.constexprs}
+    return values | {("sig", k): v for k, v in spec.signature}
+
+
+@pytest.mark.parametrize("module", ALL_MODULES)
+def test_the_pairwise_cover_holds_every_pair_of_axis_values_of_the_full_grid(module):
+    """Checked here from the grid itself, not from cover()'s own bookkeeping: for every two axes that vary,
+    every pair of their values that some (spec, target) of the full product has, some compile of the cover
+    has too; and every target gets compiles."""
+    specs = triton_aot.specs(module)
+    chosen = _cover(module)
+    assert len(chosen) < len(specs) * len(triton_aot.ARCHES) / 5, f"{module}: the cover is no saving"
+    assert {spec.kernel for spec in specs} == {spec.kernel for spec, _ in chosen}
+    assert {a for _, a in chosen} == set(triton_aot.ARCHES)
+    full = [_named_values(s, a) for s in specs for a in triton_aot.ARCHES]
+    varying = sorted(name for name in full[0] if len({row.get(name) for row in full}) > 1)
+    for one, two in itertools.combinations(varying, 2):
+        grid = {(row.get(one), row.get(two)) for row in full}
+        seen = {(row.get(one), row.get(two)) for row in map(lambda c: _named_values(*c), chosen)}
+        assert grid <= seen, f"{module}: {one} x {two}: {sorted(grid - seen, key=repr)[:5]} never compiled"
+
+
+def test_a_per_axis_cover_is_smaller_and_still_holds_every_value():
+    for module in ALL_MODULES:
+        specs = triton_aot.specs(module)
+        per_axis = triton_aot.cover(specs, strength=1)
+        assert len(per_axis) <= len(_cover(module))
+        for name, _ in specs[0].constexprs:
+            everywhere = {repr(dict(s.constexprs)[name]) for s in specs}
+            assert everywhere == {repr(dict(s.constexprs)[name]) for s, _ in per_axis}, name
+    with pytest.raises(ValueError, match="strength must be 1"):
+        triton_aot.cover(triton_aot.specs(KERNEL), strength=3)
+
+
+@pytest.mark.parametrize("arch", triton_aot.ARCHES)
+@pytest.mark.parametrize("module", ALL_MODULES)
+def test_the_cover_compiles_and_passes_the_machine_code_checks(module, arch, triton_cache):
+    chosen = [spec for spec, a in _cover(module) if a == arch]
+    assert chosen, f"{module}: nothing compiled for sm_{arch}"
+    _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in chosen])

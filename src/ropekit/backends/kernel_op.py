@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ropekit.dtensor_inputs import is_dtensor
 from ropekit.validation import check_disjoint, check_writable, describe
 
 __all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "row_error"]
@@ -294,5 +295,11 @@ class KernelBackend:
             # What the dispatcher would do: tell autograd that q and k changed (docs/safety.md).
             torch._C._increment_version((q,) if k is None else (q, k))
             return q, k
+        if not direct and is_dtensor(q):
+            # DTensor's sharding rules cannot describe this op's Tensor[] result: rotate copies in place (the
+            # copies are local, as is the rotation; ropekit.integrations.dtensor).
+            q_out, k_out = q.clone(), None if k is None else k.clone()
+            self.op_(q_out, k_out, cos, sin, positions, interleaved, conjugate, offset)
+            return q_out, k_out
         outs = (self._rotary if direct else self.op)(*args)
         return outs[0], (outs[1] if k is not None else None)

@@ -93,13 +93,21 @@ PAIRING = {True: "interleaved (GPT-J)", False: "half (GPT-NeoX / HF)"}
 
 
 def format_report(inspection) -> str:
+    from ropekit.schedules import mrope_axis_of_pair
+
     c = inspection.config
     lines = [
         f"model: {inspection.model}   rope_type: {c.rope_type}   base: {c.base:g}   head_dim: {c.head_dim}   "
         f"rotary_dim: {c.rotary_dim}   pairing: {PAIRING[c.interleaved]}",
         f"training context: {inspection.original_length}   target length: {inspection.target_length}",
-        "",
     ]
+    if c.mrope_section is not None:  # M-RoPE, Bailing, XD-RoPE, axial: which position axis each pair follows
+        axis = mrope_axis_of_pair(c.mrope_section, c.mrope_layout).tolist()
+        lines.append(
+            f"position axes: {len(c.mrope_section)}   sections (pairs): {list(c.mrope_section)}   layout: "
+            f"{c.mrope_layout}   axis of each pair: {''.join(str(a) for a in axis)}"
+        )
+    lines.append("")
     names = [m.name for m in inspection.methods]
     width = max(14, *(len(n) for n in names))
     head = f"{'pair':>4}  {'theta':>10}  {'wavelength':>11}  {'rotations':>10}  " + "  ".join(

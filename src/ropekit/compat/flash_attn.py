@@ -215,9 +215,10 @@ class RotaryEmbedding(nn.Module):
         backend: ropekit's backend for every call, keyword only.
 
     The tables (``_cos_cached``, ``_sin_cached``, and ``_cos_k_cached`` / ``_sin_k_cached`` for xPos) are
-    rebuilt, as flash-attn's, when a call needs more rows than they hold, or comes on another device, or
-    trains on tables made under inference mode. Differences: they stay float32 (flash-attn casts them to
-    qkv's dtype); their angles are formed in float64 from the float32 frequencies; a tensor
+    kept in qkv's dtype and rebuilt, as flash-attn's, when a call needs more rows than they hold, or comes
+    on another device or in another dtype, or trains on tables made under inference mode. Differences:
+    their angles are formed in float64 from the float32 frequencies and rounded once to the dtype
+    (flash-attn: float32, then cast), so each value is within one rounding of flash-attn's; a tensor
     ``seqlen_offset`` past the tables without ``max_seqlen`` is a ValueError (flash-attn rotates those tokens
     by the identity).
 
@@ -255,27 +256,29 @@ class RotaryEmbedding(nn.Module):
         self._cos_cached = self._sin_cached = self._cos_k_cached = self._sin_k_cached = None
 
     def _update_cos_sin_cache(
-        self, seqlen: int, device: torch.device | None = None, dtype: object = None
+        self, seqlen: int, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> None:
-        """(Re)build the tables for positions 0 .. seqlen - 1 when flash-attn would; dtype is ignored
-        (the tables stay float32)."""
+        """(Re)build the tables for positions 0 .. seqlen - 1 in dtype (None: float32) when flash-attn
+        would: more rows, another device or dtype, or training on tables made under inference mode."""
+        dtype = torch.float32 if dtype is None else dtype
         cached = self._cos_cached
         if (
             cached is not None
             and seqlen <= self._seq_len_cached
             and cached.device == device
+            and cached.dtype == dtype
             and not (self.training and cached.is_inference())
         ):
             return
         self._seq_len_cached = seqlen
         if self.scale_base is None:
-            self._cos_cached, self._sin_cached = self.config.cos_sin(seqlen, device=device)  # (L, R/2)
+            self._cos_cached, self._sin_cached = self.config.cos_sin(seqlen, dtype=dtype, device=device)
             return
         (cos_q, sin_q), (cos_k, sin_k) = xpos_cos_sin(
-            self.config, seqlen, scale_base=self.scale_base, center=seqlen // 2
-        )
-        self._cos_cached, self._sin_cached = cos_q.to(device), sin_q.to(device)
-        self._cos_k_cached, self._sin_k_cached = cos_k.to(device), sin_k.to(device)
+            self.config, seqlen, scale_base=self.scale_base, center=seqlen // 2, dtype=torch.float64
+        )  # (L, R/2) each; rounded once to dtype below
+        self._cos_cached, self._sin_cached = cos_q.to(device, dtype), sin_q.to(device, dtype)
+        self._cos_k_cached, self._sin_k_cached = cos_k.to(device, dtype), sin_k.to(device, dtype)
 
     def forward(
         self,
@@ -297,13 +300,14 @@ class RotaryEmbedding(nn.Module):
         """
         if not isinstance(qkv, torch.Tensor) or qkv.dim() < 2:
             raise ValueError(f"qkv: expected a packed (batch, seq, ...) tensor, got {describe(qkv)}")
+        where = dict(device=qkv.device, dtype=qkv.dtype)  # the tables follow qkv, as flash-attn's
         if max_seqlen is not None:
             length = check_int("max_seqlen", max_seqlen, minimum=1, expected="a positive int or None")
-            self._update_cos_sin_cache(length, device=qkv.device)
+            self._update_cos_sin_cache(length, **where)
         elif isinstance(seqlen_offset, int) and not isinstance(seqlen_offset, bool):
-            self._update_cos_sin_cache(qkv.shape[1] + max(seqlen_offset, 0), device=qkv.device)
-        elif self._cos_cached is None:
-            self._update_cos_sin_cache(qkv.shape[1], device=qkv.device)
+            self._update_cos_sin_cache(qkv.shape[1] + max(seqlen_offset, 0), **where)
+        else:  # tensor offsets: the rows held (at least seqlen), now on qkv's device and in its dtype
+            self._update_cos_sin_cache(max(self._seq_len_cached, qkv.shape[1]), **where)
         cos, sin = self._cos_cached, self._sin_cached
         xpos = self.scale_base is not None
         cos_k, sin_k = (self._cos_k_cached, self._sin_k_cached) if xpos else (cos, sin)

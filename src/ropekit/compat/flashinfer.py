@@ -20,11 +20,16 @@ ropekit also accepts float32 inputs (FlashInfer: float16 / bfloat16) and runs on
 
 from __future__ import annotations
 
+import itertools
+import math
+import numbers
+
 import torch
 
+from ropekit.compat._common import peer_names
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8
-from ropekit.validation import check_bool, check_int, describe
+from ropekit.validation import check_bool, check_int, describe, is_compiling
 
 __all__ = [
     "apply_rope_with_cos_sin_cache",
@@ -35,6 +40,28 @@ __all__ = [
 ]
 
 _LAYOUTS = {"NHD": "nhd", "HND": "hnd"}
+# The core's argument names as FlashInfer's callers typed them (errors are re-raised under these).
+_FP8_NAMES = {
+    "q": "q_rope",
+    "k": "k_rope",
+    "q_scale": "quant_scale_q",
+    "k_scale": "quant_scale_kv",
+    "positions": "pos_ids",
+    "cos": "cos_sin_cache",
+    "sin": "cos_sin_cache",
+    "fp8_dtype": "quantize_dtype",
+}
+_CACHE_NAMES = {
+    "k": "k_rope",
+    "k_scale": "quant_scale_kv",
+    "v_scale": "quant_scale_kv",
+    "positions": "pos_ids",
+    "cos": "cos_sin_cache",
+    "sin": "cos_sin_cache",
+    "slot_mapping": "kv_indices",
+}
+_GQA_NAMES = _CACHE_NAMES | {"k_cache": "paged_kv_cache[0]", "v_cache": "paged_kv_cache[1]"}
+_MLA_NAMES = _CACHE_NAMES | {"k_cache": "paged_kv_cache[1]", "v_cache": "paged_kv_cache[0]", "v": "k_nope"}
 
 
 def _tables(cos_sin_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +76,23 @@ def _tables(cos_sin_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scale(name: str, quant_scale: object) -> float:
-    """FlashInfer's multiplying scale as ropekit's dividing one."""
-    if isinstance(quant_scale, bool) or not isinstance(quant_scale, (int, float)) or not quant_scale > 0:
+    """FlashInfer's multiplying scale as ropekit's dividing one, checked as each kernel uses it: the scale
+    (FlashInfer's kernels take a float32) and its reciprocal (ropekit's divide by it in float32) must both be
+    finite and > 0 in float32; 1e300 is inf there and its reciprocal 0, which turned zeros into NaN."""
+    value = math.nan
+    if isinstance(quant_scale, numbers.Real) and not isinstance(quant_scale, bool):
+        try:
+            value = float(quant_scale)
+        except OverflowError:  # an int past float's range
+            value = math.inf
+    reciprocal = 1.0 / value if value else math.inf
+    as_float32 = torch.tensor([value, reciprocal], dtype=torch.float32)  # (2,)
+    if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
         raise ValueError(
-            f"{name}: expected a float > 0 (stored = value * {name}), got {describe(quant_scale)}"
+            f"{name}: expected a number whose float32 value and reciprocal are finite and > 0 (stored = "
+            f"value * {name}, in float32), got {describe(quant_scale)}"
         )
-    return 1.0 / float(quant_scale)
+    return reciprocal
 
 
 def _quantize_dtype(quantize_dtype, outs) -> torch.dtype:
@@ -71,14 +109,21 @@ def _with_heads(name: str, t: object, mla: bool) -> torch.Tensor:
     return t.unsqueeze(1) if mla else t
 
 
+def _check_out(out: object, value: torch.Tensor, name: str) -> None:
+    """A caller's preallocated output (FlashInfer's *_out) must be shaped and typed like value."""
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != value.shape or out.dtype != value.dtype
+    ):
+        raise ValueError(
+            f"{name}: expected a {value.dtype} tensor of shape {tuple(value.shape)}, got {describe(out)}"
+        )
+
+
 def _store(out: torch.Tensor | None, value: torch.Tensor, name: str) -> torch.Tensor:
     """Copy value into a caller's preallocated output (FlashInfer's *_out), or return value."""
     if out is None:
         return value
-    if not isinstance(out, torch.Tensor) or out.shape != value.shape or out.dtype != value.dtype:
-        raise ValueError(
-            f"{name}: expected a {value.dtype} tensor of shape {tuple(value.shape)}, got {describe(out)}"
-        )
+    _check_out(out, value, name)
     return out.copy_(value)
 
 
@@ -131,15 +176,18 @@ def rope_quantize_fp8(
         k_nope = _with_heads("k_nope", k_nope, mla)
     if not isinstance(pos_ids, torch.Tensor):
         raise ValueError(f"pos_ids: expected an integer tensor (nnz,), got {describe(pos_ids)}")
-    outs = apply_rotary_qk_fp8(
-        q_rope, k, cos, sin, q_scale=_scale("quant_scale_q", quant_scale_q),
-        k_scale=_scale("quant_scale_kv", quant_scale_kv), fp8_dtype=dtype, q_nope=q_nope, k_nope=k_nope,
-        positions=pos_ids, interleaved=not is_neox, backend=backend,
-    )  # fmt: skip
+    q_scale, k_scale = _scale("quant_scale_q", quant_scale_q), _scale("quant_scale_kv", quant_scale_kv)
+    with peer_names(_FP8_NAMES):
+        outs = apply_rotary_qk_fp8(
+            q_rope, k, cos, sin, q_scale=q_scale, k_scale=k_scale, fp8_dtype=dtype, q_nope=q_nope,
+            k_nope=k_nope, positions=pos_ids, interleaved=not is_neox, backend=backend,
+        )  # fmt: skip
     if mla:  # back to FlashInfer's 2-D MLA keys
         outs = (outs[0], outs[1][:, 0], outs[2], outs[3][:, 0])
     names = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
     given = (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
+    for out, value, name in zip(given, outs, names, strict=True):  # all checked before the first is filled
+        _check_out(out, value, name)
     return tuple(_store(o, v, n) for o, v, n in zip(given, outs, names, strict=True))
 
 
@@ -213,7 +261,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
             for MLA or missing for GQA / MHA, an unknown kv_layout, or a page index or slot outside the cache
             (the caches are then left as they were).
     """
-    check_int("page_size", page_size)
+    page_size = check_int("page_size", page_size)
     if kv_layout not in _LAYOUTS:
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
@@ -221,34 +269,33 @@ def rope_quantize_fp8_append_paged_kv_cache(
     mla = isinstance(k_rope, torch.Tensor) and k_rope.dim() == 2
     dtype = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out))
     cache_0, cache_1 = paged_kv_cache
+    page_axis = 2 if kv_layout == "HND" and not mla else 1
     for name, cache in (("paged_kv_cache[0]", cache_0), ("paged_kv_cache[1]", cache_1)):
         want = 3 if mla else 4
         if not isinstance(cache, torch.Tensor) or cache.dtype != dtype or cache.dim() != want:
             raise ValueError(f"{name}: expected a {want}-D {dtype} cache, got {describe(cache)}")
-    # The flat slot of each token, from FlashInfer's page table (int64: slot ids can pass 2^31).
-    for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr), ("batch_indices", batch_indices),
-                    ("positions", positions)):  # fmt: skip
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D integer tensor, got {describe(t)}")
-    table_index = kv_indptr.long()[batch_indices.long()] + positions.long() // page_size
-    host = table_index.device.type == "cpu"  # CUDA: indexing asserts on the device (no host sync here)
-    if (
-        host
-        and table_index.numel()
-        and (int(table_index.min()) < 0 or int(table_index.max()) >= kv_indices.numel())
-    ):
-        raise ValueError(
-            f"kv_indptr / positions: a token's page lies outside kv_indices ({kv_indices.numel()} entries)"
-        )
-    slots = kv_indices.long()[table_index] * page_size + positions.long() % page_size  # (nnz,)
+        if cache.shape[page_axis] != page_size:
+            raise ValueError(
+                f"page_size: expected the caches' page size, {cache.shape[page_axis]} ({name} has shape "
+                f"{tuple(cache.shape)}), got {page_size}"
+            )
     if mla and v is not None:
         raise ValueError(f"v: expected None for MLA (k_nope is the compressed kv), got {describe(v)}")
     if not mla and v is None:
         raise ValueError("v: expected a (nnz, num_kv_heads, head_dim) tensor for GQA / MHA, got None")
+    if not isinstance(q_rope, torch.Tensor):
+        raise ValueError(f"q_rope: expected (nnz, num_qo_heads, rope_dim), got {describe(q_rope)}")
+    slots = _page_slots(
+        kv_indices, kv_indptr, batch_indices, positions, page_size, cache_0.shape[0], q_rope.shape[0],
+        cache_0.device,
+    )  # fmt: skip
+    # q first, into new tensors: the caller's q_rope_out / q_nope_out are filled only once the caches are.
     q_rope_8, _, q_nope_8, _ = rope_quantize_fp8(
         q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, dtype, quant_scale_q, quant_scale_kv,
-        q_rope_out, None, q_nope_out, None, enable_pdl, backend=backend,
+        None, None, None, None, enable_pdl, backend=backend,
     )  # fmt: skip
+    _check_out(q_rope_out, q_rope_8, "q_rope_out")
+    _check_out(q_nope_out, q_nope_8, "q_nope_out")
     cos, sin = _tables(cos_sin_cache)
     scale = _scale("quant_scale_kv", quant_scale_kv)
     common = dict(
@@ -262,21 +309,128 @@ def rope_quantize_fp8_append_paged_kv_cache(
     if mla:
         ckv_cache, kpe_cache = cache_0, cache_1
         # kpe holds the rotated k_rope, ckv the scaled k_nope: one head each, as "nhd" caches.
-        apply_rotary_qk_and_cache(
-            None, k_rope[:, None], k_nope[:, None], cos, sin, k_cache=kpe_cache[:, :, None],
-            v_cache=ckv_cache[:, :, None], cache_layout="nhd", **common,
+        with peer_names(_MLA_NAMES):
+            apply_rotary_qk_and_cache(
+                None, k_rope[:, None], k_nope[:, None], cos, sin, k_cache=kpe_cache[:, :, None],
+                v_cache=ckv_cache[:, :, None], cache_layout="nhd", **common,
+            )  # fmt: skip
+    else:
+        k_full = k_rope if k_nope is None or k_nope.shape[-1] == 0 else torch.cat([k_rope, k_nope], dim=-1)
+        with peer_names(_GQA_NAMES):
+            apply_rotary_qk_and_cache(
+                None, k_full, v, cos, sin, k_cache=cache_0, v_cache=cache_1, cache_layout=_LAYOUTS[kv_layout],
+                **common,
+            )  # fmt: skip
+    return _store(q_rope_out, q_rope_8, "q_rope_out"), _store(q_nope_out, q_nope_8, "q_nope_out")
+
+
+def _page_slots(
+    kv_indices: object,
+    kv_indptr: object,
+    batch_indices: object,
+    positions: object,
+    page_size: int,
+    num_pages: int,
+    nnz: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Each token's flat slot from FlashInfer's page table, (nnz,) int64: token i goes to page
+    ``kv_indices[kv_indptr[b] + positions[i] // page_size]`` (b = batch_indices[i]), entry
+    ``positions[i] % page_size``.
+
+    Every value is checked first, so that no token lands in another request's page or outside the caches:
+    kv_indptr non-decreasing offsets into kv_indices; the pages of the requests' ranges within the caches;
+    each batch index one of the requests; each position >= 0 and within its request's pages. On the host for
+    CPU tensors (a ValueError naming the argument); with a device-side assert otherwise (no host sync: the
+    indices are then clamped so that nothing is read or written outside its tensor).
+    """
+    named = (("kv_indices", kv_indices), ("kv_indptr", kv_indptr), ("batch_indices", batch_indices),
+             ("positions", positions))  # fmt: skip
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or not _is_integer(t) or t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D integer tensor, got {describe(t)}")
+        if t.device != device:
+            raise ValueError(
+                f"{name}: expected a tensor on the caches' device {device}, got one on {t.device}"
+            )
+    for name, t in (("batch_indices", batch_indices), ("positions", positions)):
+        if t.shape[0] != nnz:
+            raise ValueError(f"{name}: expected one entry per token ({nnz}), got shape {tuple(t.shape)}")
+    if kv_indptr.shape[0] == 0:
+        raise ValueError("kv_indptr: expected (batch_size + 1,) offsets into kv_indices, got an empty tensor")
+    # int64 throughout: slot ids (page * page_size) can pass 2^31.
+    indices, indptr, batch, pos = (t.long() for t in (kv_indices, kv_indptr, batch_indices, positions))
+    requests, length = indptr.shape[0] - 1, indices.shape[0]
+    if device.type == "cpu" and not is_compiling():
+        _check_page_table(indices, indptr, batch, pos, page_size, num_pages)
+    else:
+        used = torch.arange(length, device=device)
+        used = (used >= indptr[0]) & (used < indptr[-1])  # (length,): the entries some request owns
+        ok = (indptr[0] >= 0) & (indptr[-1] <= length) & (indptr.diff() >= 0).all()
+        ok &= (~used | ((indices >= 0) & (indices < num_pages))).all()
+        ok &= ((batch >= 0) & (batch < requests)).all()
+        batch = batch.clamp(0, max(requests - 1, 0))
+        if requests:
+            pages = indptr[batch + 1] - indptr[batch]  # (nnz,) pages of each token's request
+            ok &= ((pos >= 0) & (pos < pages * page_size)).all()
+        torch._assert_async(
+            ok, "ropekit: the page table (kv_indices, kv_indptr, batch_indices, positions) addresses a page "
+            "outside the token's request or the caches",
         )  # fmt: skip
-        return q_rope_8, q_nope_8
-    k_full = k_rope if k_nope is None or k_nope.shape[-1] == 0 else torch.cat([k_rope, k_nope], dim=-1)
-    apply_rotary_qk_and_cache(
-        None,
-        k_full,
-        v,
-        cos,
-        sin,
-        k_cache=cache_0,
-        v_cache=cache_1,
-        cache_layout=_LAYOUTS[kv_layout],
-        **common,
-    )
-    return q_rope_8, q_nope_8
+        pos = pos.clamp(min=0)
+        indptr = indptr.clamp(0, max(length - 1, 0))
+    if nnz == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    table_index = indptr[batch] + pos // page_size  # (nnz,)
+    if device.type != "cpu" or is_compiling():
+        table_index = table_index.clamp(0, max(length - 1, 0))
+        return indices[table_index].clamp(0, num_pages - 1) * page_size + pos % page_size
+    return indices[table_index] * page_size + pos % page_size
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _check_page_table(
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    batch: torch.Tensor,
+    pos: torch.Tensor,
+    page_size: int,
+    num_pages: int,
+) -> None:
+    """The host check of :func:`_page_slots` (int64 CPU tensors), each failure a ValueError naming the
+    argument, the first bad value and what was expected."""
+    bounds = indptr.tolist()
+    length = indices.shape[0]
+    if bounds[0] < 0 or bounds[-1] > length or any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(
+            f"kv_indptr: expected non-decreasing offsets into kv_indices, from >= 0 to <= {length} (its "
+            f"length), got {bounds[:8]}{'...' if len(bounds) > 8 else ''}"
+        )
+    used = indices[bounds[0] : bounds[-1]]
+    bad = ((used < 0) | (used >= num_pages)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"kv_indices: expected page ids in [0, {num_pages}) (the caches' pages), got {int(used[i])} at "
+            f"index {bounds[0] + i}"
+        )
+    requests = len(bounds) - 1
+    bad = ((batch < 0) | (batch >= requests)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"batch_indices: expected request ids in [0, {requests}) (the intervals of kv_indptr), got "
+            f"{int(batch[i])} (token {i})"
+        )
+    if batch.numel():
+        limit = (indptr[batch + 1] - indptr[batch]) * page_size  # (nnz,) positions each request's pages hold
+        bad = ((pos < 0) | (pos >= limit)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(
+                f"positions: expected 0 <= position < page_size * (pages of the token's request) = "
+                f"{int(limit[i])}, got {int(pos[i])} (token {i}, request {int(batch[i])})"
+            )

@@ -171,6 +171,9 @@ def rope_config_validation(config: Any, ignore_keys: set[str] | None = None) -> 
     - longrope: no ``factor``, so it is implicit (max_position_embeddings /
       original_max_position_embeddings).
     - yarn, llama3, longrope: no ``original_max_position_embeddings``; max_position_embeddings is used.
+      transformers' function standardises the config first (``standardize_rope_params``), which sets the
+      same default silently; only ``config.validate_rope()`` called on a config never standardised raises
+      ``KeyError`` there (tests/compat/test_hf.py calls both on one config).
 
     ``ignore_keys`` is accepted for transformers' signature (ropekit logs unused keys and ignores them).
 

@@ -23,7 +23,8 @@ The convention (TransformerEngine 2.x, ``transformer_engine/pytorch/attention/ro
     fused: accepted and ignored (ropekit has one implementation per backend).
 
 Both functions return new tensors and leave their inputs unchanged; they are differentiable with respect to t
-(qkv). Differences: math runs in float32 with the angles' cos and sin rounded to float32 once (TE's unfused
+(qkv). cos and sin are taken in the angles' own dtype (float64 angles stay float64), as TE takes them.
+Differences: math runs in float32 (float64 for float64 t), with cos and sin rounded to it once (TE's unfused
 path rounds them to t's dtype); start_positions together with cp_size > 1 is a ValueError (TE asserts);
 apply_fused_qkv_rotary_pos_emb takes any layout of qkv (TE requires contiguous).
 """
@@ -44,8 +45,14 @@ _FORMATS = ("sbhd", "bshd", "thd")
 _NAMES = {"x": "t", "offsets": "start_positions", "positions": "freqs", "cos": "freqs"}
 
 
-def _tables(name: str, freqs: object, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos / sin tables (s2, d2 / 2) from TE's angles (s2, 1, 1, d2), one angle per pair."""
+def _tables(
+    name: str, freqs: object, interleaved: bool, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables (s2, d2 / 2) in compute's dtype from TE's angles (s2, 1, 1, d2), one angle per pair.
+
+    As TE (and compat.megatron): cos and sin are taken in the angles' own dtype (float32 at least), then
+    cast. Float64 angles rounded to float32 first lose ~0.03 rad at position 1e6 (and 2e-5 at 1000, for
+    float64 t)."""
     if (
         not isinstance(freqs, torch.Tensor)
         or not freqs.is_floating_point()
@@ -58,7 +65,8 @@ def _tables(name: str, freqs: object, interleaved: bool) -> tuple[torch.Tensor, 
         raise ValueError(
             f"{name}: expected float angles of shape (s2, 1, 1, d2) with d2 even, got {describe(freqs)}"
         )
-    angles = freqs[:, 0, 0, :].float()  # (s2, d2)
+    # (s2, d2) in freqs' dtype, float32 at least (half-precision angles gain nothing from a half cos)
+    angles = freqs[:, 0, 0, :].to(torch.promote_types(freqs.dtype, torch.float32))
     half = angles.shape[1] // 2
     first, second = (
         (angles[:, 0::2], angles[:, 1::2]) if interleaved else (angles[:, :half], angles[:, half:])
@@ -69,7 +77,7 @@ def _tables(name: str, freqs: object, interleaved: bool) -> tuple[torch.Tensor, 
             f"{name}: expected each pair's angle written for both its features ({layout}, as TE's "
             f"RotaryPositionEmbedding builds it with interleaved={interleaved}); the pairs differ"
         )
-    return torch.cos(first), torch.sin(first)
+    return torch.cos(first).to(compute), torch.sin(first).to(compute)
 
 
 def _check_cp(cp_size: object, cp_rank: object, start_positions: object) -> tuple[int, int]:
@@ -139,7 +147,8 @@ def _rotate(
     context-parallel split, then :func:`ropekit.apply_rotary` on the (b, s, h, d) or (t, h, d) view."""
     check_bool("interleaved", interleaved)
     cp_size, cp_rank = _check_cp(cp_size, cp_rank, start_positions)
-    cos, sin = _tables("freqs", freqs, interleaved)
+    compute = torch.float64 if t.dtype == torch.float64 else torch.float32
+    cos, sin = _tables("freqs", freqs, interleaved, compute)
     x = t.transpose(0, 1) if tensor_format == "sbhd" else t  # (b, s, h, d), or (t, h, d)
     kw: dict = dict(interleaved=interleaved, inplace=inplace, backend=backend)
     if tensor_format == "thd":

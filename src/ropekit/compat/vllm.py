@@ -268,7 +268,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         interleaved = not check_bool("is_neox_style", is_neox_style)
         config = RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=interleaved)
-        self.__init_from(config, max_position_embeddings, dtype, backend)
+        self._init_from(config, max_position_embeddings, dtype, backend)
 
     @classmethod
     def from_config(
@@ -276,10 +276,10 @@ class RotaryEmbedding(nn.Module):
     ) -> RotaryEmbedding:
         """A module whose cache holds ``max_positions`` rows of ``config``'s cos and sin, in ``dtype``."""
         module = cls.__new__(cls)
-        module.__init_from(config, max_positions, dtype, backend)
+        module._init_from(config, max_positions, dtype, backend)
         return module
 
-    def __init_from(self, config: RopeConfig, max_positions: int, dtype: torch.dtype, backend: str) -> None:
+    def _init_from(self, config: RopeConfig, max_positions: int, dtype: torch.dtype, backend: str) -> None:
         nn.Module.__init__(self)
         self.backend = check_backend_name(backend)
         rows = check_int("max_position_embeddings", max_positions, minimum=1, expected="a positive int")
@@ -331,8 +331,13 @@ class RotaryEmbedding(nn.Module):
 
 # vLLM's rope types whose cache holds (length) * factor rows; yarn's length is the original one.
 _GROWS_WITH_FACTOR = ("linear", "dynamic", "yarn")
-_SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3")
-_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+_SUPPORTED = (
+    "default", "linear", "dynamic", "yarn", "llama3", "deepseek_yarn", "deepseek_llama_scaling", "mllama4",
+    "bailing_mrope", "xdrope", "telechat3-yarn",
+)  # fmt: skip
+# FoPE's keys (vLLM 0.33 reads them when rope_parameters["use_fope"] is true).
+_FOPE_KEYS = ("num_key_value_heads", "num_inv_freq", "fope_sep_head", "fope_init_factor")
+_ROPE_CACHE: dict[tuple, nn.Module] = {}
 
 
 def _hashable(value: Any) -> Any:
@@ -346,16 +351,32 @@ def get_rope(
     rope_parameters: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     dual_chunk_attention_config: Mapping[str, Any] | None = None,
+    mrope_positions_factor: int = 4,
     *,
     backend: str = "auto",
-) -> RotaryEmbedding:
-    """Mirrors vLLM's ``get_rope`` (the signature of vLLM >= 0.11): one cached module per configuration.
+) -> nn.Module:
+    """Mirrors vLLM's ``get_rope`` (the signature of vLLM 0.33): one cached module per configuration.
 
     ``rope_parameters`` uses HF's v5 vocabulary, as vLLM does: ``rope_theta``, ``rope_type``,
     ``partial_rotary_factor`` (rotary_dim = int(head_size * factor)) and the schedule's keys (``factor``,
     ``original_max_position_embeddings``, ``low_freq_factor``, ...). The same arguments return the same module
-    object; different ones never share one. The cache holds max_position rows (max_position * factor for
-    linear and dynamic, original_max_position_embeddings * factor for yarn, as vLLM builds them).
+    object; different ones never share one. The class and cache rows follow vLLM's dispatch:
+
+    * default / linear / dynamic (``factor``) / yarn / llama3: :class:`RotaryEmbedding`, max_position rows
+      (max_position * factor for linear and dynamic, original_max_position_embeddings * factor for yarn);
+      dynamic with ``alpha`` (HunYuan): NTK-alpha, max_position rows.
+    * ``mrope_section`` (default or yarn), ``bailing_mrope`` (Ling / Bailing: [T, H, W], H / W alternating),
+      ``xdrope`` (HunYuan-VL: ``alpha``, ``xdrope_section``):
+      :class:`~ropekit.compat.vllm_variants.MRotaryEmbedding`, positions (T,) or (axes, T);
+      max_position * mrope_positions_factor rows (bailing: * 4; xdrope: * 1).
+    * ``use_fope``: :class:`~ropekit.compat.vllm_variants.FourierRotaryEmbedding` (its coefficients are
+      parameters, loaded as vLLM loads them).
+    * deepseek_yarn / deepseek_llama_scaling: YaRN whose tables carry mscale(f, mscale) /
+      mscale(f, mscale_all_dim) (defaults 1 and 0); ``is_deepseek_v4``:
+      :class:`~ropekit.compat.vllm_variants.DeepseekV4ScalingRotaryEmbedding`.
+    * telechat3-yarn: YaRN with 0.07 ln(factor) + 1 (times ``attn_factor``) in the tables.
+    * mllama4: :class:`~ropekit.compat.vllm_variants.Llama4VisionRotaryEmbedding` (max_position = patches).
+    * ``dual_chunk_attention_config``: :class:`~ropekit.compat.vllm_variants.DualChunkRotaryEmbedding`.
 
     vLLM's older form ``get_rope(head_size, rotary_dim, max_position, base, ...)`` is not read: its third
     argument, an int, is not a bool, so such a call is a ValueError naming is_neox_style.
@@ -363,10 +384,10 @@ def get_rope(
     ``backend`` (keyword only, ropekit's) is the module's backend for every call, and part of the cache key.
 
     Raises:
-        ValueError: a rope_type other than default, linear, dynamic, yarn and llama3 (vLLM's deepseek_yarn,
-            longrope, mrope and dual-chunk variants are not mapped), a list of several linear factors, unknown
-            or invalid schedule keys (from :class:`~ropekit.RopeConfig`), bad head_size / max_position, an
-            is_neox_style that is not a bool.
+        ValueError: a rope_type vLLM 0.33 has and ropekit does not mirror (longrope, ntk, proportional,
+            openpangu), a list of several linear factors, unknown or invalid schedule keys (from
+            :class:`~ropekit.RopeConfig`), bad head_size / max_position, an is_neox_style that is not a bool,
+            FoPE with is_neox_style=False or fope_sep_head=False.
     """
     if not isinstance(is_neox_style, bool):  # also before the cache: 1 == True would find a cached module
         raise ValueError(
@@ -375,9 +396,15 @@ def get_rope(
             "with rotary_dim and base is not read: put them in rope_parameters as partial_rotary_factor "
             "and rope_theta)"
         )
-    if dual_chunk_attention_config is not None:
-        raise ValueError("dual_chunk_attention_config: dual-chunk attention is not supported; expected None")
-    return _cached_rope(head_size, max_position, is_neox_style, rope_parameters, dtype, backend)
+    if dual_chunk_attention_config is not None and not isinstance(dual_chunk_attention_config, Mapping):
+        raise ValueError(
+            f"dual_chunk_attention_config: expected a dict with chunk_size and local_size or None, "
+            f"got {describe(dual_chunk_attention_config)}"
+        )
+    return _cached_rope(
+        head_size, max_position, is_neox_style, rope_parameters, dtype, backend, dual_chunk_attention_config,
+        mrope_positions_factor,
+    )  # fmt: skip
 
 
 def _cached_rope(
@@ -387,13 +414,16 @@ def _cached_rope(
     rope_parameters: Mapping[str, Any] | None,
     dtype: torch.dtype | None,
     backend: str = "auto",
-) -> RotaryEmbedding:
+    dual_chunk: Mapping[str, Any] | None = None,
+    mrope_positions_factor: int = 4,
+) -> nn.Module:
     """get_rope's work: the module for this configuration, built once."""
     if dtype is None:
         dtype = torch.get_default_dtype()
     params = dict(rope_parameters or {})
     items = tuple((k, _hashable(v)) for k, v in params.items())
-    key = (head_size, max_position, is_neox_style, items, dtype, backend)
+    chunks = None if dual_chunk is None else tuple((k, _hashable(v)) for k, v in dual_chunk.items())
+    key = (head_size, max_position, is_neox_style, items, dtype, backend, chunks, mrope_positions_factor)
     try:
         hash(key)
     except TypeError:
@@ -415,17 +445,110 @@ def _cached_rope(
                 f"got {factor!r}"
             )
         params["factor"] = factor = factor[0]
+    module = _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, backend, dual_chunk,
+                         mrope_positions_factor)  # fmt: skip
+    _ROPE_CACHE[key] = module
+    return module
+
+
+def _rotary_dim(head_size: int, params: Mapping[str, Any]) -> int:
+    """vLLM's rotary_dim: rope_dim when given, else int(head_size * partial_rotary_factor)."""
+    if params.get("rope_dim"):
+        return check_int("rope_parameters['rope_dim']", params["rope_dim"])
+    partial = params.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0.0 < partial <= 1.0:
+        raise ValueError(
+            f"rope_parameters['partial_rotary_factor']: expected a number in (0, 1], got {describe(partial)}"
+        )
+    return int(head_size * partial)
+
+
+def _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, backend, dual_chunk, factor4):
+    """The module vLLM's get_rope dispatch builds for these arguments (see :func:`get_rope`)."""
+    from ropekit.compat import vllm_variants as v  # the variant classes sit on this module
+
+    base = float(params.get("rope_theta", 10000.0))
+    rotary_dim = _rotary_dim(head_size, params)
+    interleaved = not is_neox_style
+    if dual_chunk is not None:
+        missing = [k for k in ("chunk_size", "local_size") if dual_chunk.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"dual_chunk_attention_config: expected chunk_size and local_size, missing {missing} "
+                f"in {dict(dual_chunk)!r:.120}"
+            )
+        sizes = {k: dual_chunk[k] for k in ("chunk_size", "local_size")}
+        return v.DualChunkRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style, dtype, **sizes, backend=backend
+        )
+    if kind == "mllama4":
+        return v.Llama4VisionRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style, dtype, backend=backend
+        )
+    if kind in ("default", "yarn", "bailing_mrope", "xdrope") and (
+        "mrope_section" in params or kind in ("bailing_mrope", "xdrope")
+    ):
+        config = v.multiaxis_config(head_size, rotary_dim, base, is_neox_style, params, kind, factor4)
+        if kind == "yarn":
+            rows = math.ceil(params["original_max_position_embeddings"] * factor4 * float(factor_of(params)))
+        else:
+            rows = max_position * {"bailing_mrope": 4, "xdrope": 1}.get(kind, factor4)
+        return v.MRotaryEmbedding.from_config(config, rows, dtype, backend=backend)
+    if kind == "default" and params.get("use_fope"):
+        fope = {k: params[k] for k in _FOPE_KEYS if params.get(k) is not None}
+        if "num_key_value_heads" not in fope:
+            raise ValueError("rope_parameters['num_key_value_heads']: FoPE needs the key-value head count")
+        return v.FourierRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style, dtype, **fope, backend=backend
+        )
+    scaling: dict[str, Any] = {"rope_type": kind}
+    rows, cls = max_position, RotaryEmbedding
+    if kind in ("deepseek_yarn", "deepseek_llama_scaling", "telechat3-yarn"):
+        from ropekit.schedules.yarn import telechat3_attention_factor, yarn_mscale
+
+        f, original = float(factor_of(params)), params.get("original_max_position_embeddings")
+        if original is None:
+            raise ValueError(
+                f"rope_parameters['original_max_position_embeddings']: {kind} needs it, got none"
+            )
+        if kind == "telechat3-yarn":
+            attention = telechat3_attention_factor(f, params.get("attn_factor", 1.0))
+            for key in ("extrapolation_factor",):
+                if params.get(key, 1) != 1:
+                    raise ValueError(f"rope_parameters[{key!r}]: only 1 is supported, got {params[key]!r}")
+        else:
+            attention = yarn_mscale(f, params.get("mscale", 1.0)) / yarn_mscale(
+                f, params.get("mscale_all_dim", 0.0)
+            )
+        scaling = {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": original}
+        scaling.update({k: params[k] for k in ("beta_fast", "beta_slow", "truncate") if k in params})
+        scaling["attention_factor"] = attention
+        rows = math.ceil(original * f)
+        if params.get("is_deepseek_v4"):
+            cls = v.DeepseekV4ScalingRotaryEmbedding
+        config = RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=interleaved, scaling=scaling)
+        return cls.from_config(config, rows, dtype, backend=backend)
+    if kind == "dynamic" and params.get("alpha") is not None:  # HunYuan's NTK-alpha: max_position rows
+        config = RopeConfig(head_size, base, rotary_dim=rotary_dim, interleaved=interleaved,
+                            scaling={"rope_type": "ntk_alpha", "alpha": params["alpha"]})  # fmt: skip
+        return RotaryEmbedding.from_config(config, max_position, dtype, backend=backend)
+    params = {k: v for k, v in params.items() if k != "rope_dim"}  # read above, as vLLM reads it
     hf = {"head_dim": head_size, "rope_parameters": params, "max_position_embeddings": max_position}
-    config = RopeConfig.from_hf(hf, interleaved=not is_neox_style)
-    rows = max_position
+    config = RopeConfig.from_hf(hf, interleaved=interleaved, rotary_dim=rotary_dim)
     if kind in _GROWS_WITH_FACTOR:
         length = max_position
         if kind == "yarn":
             length = params.get("original_max_position_embeddings", max_position)
-        rows = math.ceil(length * float(factor))
-    module = RotaryEmbedding.from_config(config, rows, dtype, backend=backend)
-    _ROPE_CACHE[key] = module
-    return module
+        rows = math.ceil(length * float(factor_of(params)))
+    return RotaryEmbedding.from_config(config, rows, dtype, backend=backend)
+
+
+def factor_of(params: Mapping[str, Any]) -> float:
+    """rope_parameters['factor'], which the scaling types that grow the cache need."""
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise ValueError(f"rope_parameters['factor']: expected a number, got {describe(factor)}")
+    return factor
 
 
 # ---- vLLM's fused QK-norm + RoPE -------------------------------------------------------------------------
@@ -468,6 +591,8 @@ def fused_qk_norm_rope(
     from ropekit.fused.qk_norm import qk_norm_rotary_
 
     check_bool("is_neox", is_neox)
+    for name, value in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k), ("head_dim", head_dim)):
+        check_int(name, value, minimum=1, expected="a positive int")  # head_dim=None was a TypeError from <=
     num_heads_v = check_int("num_heads_v", num_heads_v, minimum=1, expected="a positive int")
     if num_heads_v != num_heads_k:
         raise ValueError(

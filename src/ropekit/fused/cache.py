@@ -13,7 +13,14 @@ import torch
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.fused.plan import cache_view, check_inference, check_scale, check_slots, run, select
 from ropekit.positions import resolve
-from ropekit.validation import check_bool, check_disjoint, check_tables, check_writable, describe
+from ropekit.validation import (
+    check_bool,
+    check_disjoint,
+    check_movable,
+    check_tables,
+    check_writable,
+    describe,
+)
 
 __all__ = ["apply_rotary_qk_and_cache"]
 
@@ -109,6 +116,8 @@ def apply_rotary_qk_and_cache(
     if v4.shape[2] != k_heads:
         raise ValueError(f"v: expected k's {k_heads} heads, got shape {tuple(v.shape)}")
     check_tables(cos, sin, head_dim)
+    check_movable("cos", cos, q.device, where="q's device")
+    check_movable("sin", sin, q.device, where="q's device")
     if cos.device != q.device:
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])

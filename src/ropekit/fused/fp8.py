@@ -18,7 +18,7 @@ import torch
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.fused.plan import check_inference, check_scale, run, select
 from ropekit.positions import resolve
-from ropekit.validation import check_bool, check_tables, describe
+from ropekit.validation import check_bool, check_movable, check_tables, describe
 
 __all__ = ["apply_rotary_qk_fp8"]
 
@@ -86,6 +86,8 @@ def apply_rotary_qk_fp8(
     _check_like("k", k4, q4, q, head_dim)
     k_heads = k4.shape[2]
     check_tables(cos, sin, head_dim)
+    check_movable("cos", cos, q.device, where="q's device")
+    check_movable("sin", sin, q.device, where="q's device")
     if cos.device != q.device:
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])

@@ -14,13 +14,14 @@ Cache layouts (docs/serving.md draws them); a flat slot s is page ``s // page_si
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 from ropekit.backends import select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, FusedLaunch
-from ropekit.validation import check_writable, describe, is_compiling
+from ropekit.validation import check_movable, check_writable, describe, is_compiling
 
 __all__ = [
     "CACHE_LAYOUTS",
@@ -100,13 +101,19 @@ def cache_view(
 
 
 def check_scale(name: str, scale: object, heads: int, device: torch.device) -> torch.Tensor:
-    """An FP8 scale (stored = value / scale): a number, a 0-d tensor or a (heads,) tensor, every value > 0 and
-    finite. Returns it as a contiguous float32 (1,) or (heads,) tensor on device. Values of a CUDA tensor are
-    checked with a device-side assert (no host sync)."""
+    """An FP8 scale (stored = value / scale): a number, a 0-d tensor or a (heads,) tensor. Every value is
+    checked as the kernels divide by it, after its cast to float32: finite and > 0 there (1e-46 is 0 in
+    float32, 1e300 is inf). Returns it as a contiguous float32 (1,) or (heads,) tensor on device. Values of a
+    CUDA tensor are checked with a device-side assert (no host sync)."""
+    expected = "a finite scale > 0 in float32 (stored = value / scale; the kernels divide in float32)"
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        if not 0 < float(scale) < float("inf"):
-            raise ValueError(f"{name}: expected a finite scale > 0 (stored = value / scale), got {scale!r}")
-        return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+        try:
+            as_float32 = torch.tensor([float(scale)], dtype=torch.float32)  # (1,)
+        except OverflowError:  # an int past float's range
+            as_float32 = torch.tensor([math.inf], dtype=torch.float32)
+        if not 0 < as_float32.item() < math.inf:
+            raise ValueError(f"{name}: expected {expected}, got {scale!r} ({as_float32.item()!r} in float32)")
+        return as_float32.to(device)
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dim() > 1:
         raise ValueError(
             f"{name}: expected a float, a 0-d float tensor or a ({heads},) per-head tensor, got "
@@ -116,13 +123,16 @@ def check_scale(name: str, scale: object, heads: int, device: torch.device) -> t
         raise ValueError(
             f"{name}: expected a 0-d tensor or shape ({heads},) (one per head), got {tuple(scale.shape)}"
         )
+    check_movable(name, scale, device, where="the inputs' device")
     out = scale.detach().reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-    ok = (out > 0) & (out < float("inf"))
+    ok = (out > 0) & (out < math.inf)
     if out.device.type == "cpu" and not is_compiling():
         if not bool(ok.all()):
-            raise ValueError(f"{name}: expected every scale finite and > 0, got {scale.tolist()}")
+            raise ValueError(
+                f"{name}: expected every value {expected}, got {scale.tolist()} ({out.tolist()} in float32)"
+            )
     else:
-        torch._assert_async(ok.all(), f"ropekit: {name} must be finite and > 0")
+        torch._assert_async(ok.all(), f"ropekit: {name} must be finite and > 0 in float32")
     return out
 
 

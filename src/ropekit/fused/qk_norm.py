@@ -36,7 +36,15 @@ from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
 from ropekit.backends.qk_norm_cpu import launch as cpu_launch
 from ropekit.positions import resolve
-from ropekit.validation import check_bool, check_int, check_positive, check_tables, check_writable, describe
+from ropekit.validation import (
+    check_bool,
+    check_int,
+    check_movable,
+    check_positive,
+    check_tables,
+    check_writable,
+    describe,
+)
 
 __all__ = ["qk_norm_rotary_", "rms_norm"]
 
@@ -250,6 +258,8 @@ def qk_norm_rotary_(
         check_bool("cast_before_weight", cast_before_weight), check_bool("interleaved", interleaved),
     )  # fmt: skip
     check_tables(cos, sin, head_dim)
+    check_movable("cos", cos, qkv.device, where="qkv's device")
+    check_movable("sin", sin, qkv.device, where="qkv's device")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError(
             "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"

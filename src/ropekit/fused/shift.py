@@ -12,7 +12,7 @@ import torch
 
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.fused.plan import cache_view, check_slots, run, select
-from ropekit.validation import check_bool, check_int, check_tables, describe
+from ropekit.validation import check_bool, check_int, check_movable, check_tables, describe
 
 __all__ = ["shift_cache_"]
 
@@ -57,10 +57,17 @@ def shift_cache_(
         )
     if k_cache.dim() not in (3, 4):
         raise ValueError(f"k_cache: expected a 3-D or 4-D cache, got {describe(k_cache)}")
+    if k_cache.is_meta:  # its keys are rotated in place: there must be keys (PyTorch fails inside the op)
+        raise ValueError(
+            f"k_cache: expected a tensor with values (its keys are rotated in place), got a meta tensor "
+            f"(shape {tuple(k_cache.shape)}: no data); fill it after to_empty()"
+        )
     heads_axis = 1 if cache_layout in ("flat", "hnd") else 2
     heads, width = k_cache.shape[heads_axis], k_cache.shape[-1]
     view = cache_view("k_cache", k_cache, cache_layout, heads, width, k_cache.dtype, k_cache.device)
     check_tables(cos, sin, width)
+    check_movable("cos", cos, k_cache.device, where="k_cache's device")
+    check_movable("sin", sin, k_cache.device, where="k_cache's device")
     row = abs(delta)
     if row >= cos.shape[0]:
         raise ValueError(
@@ -87,5 +94,11 @@ def shift_cache_(
     plan = FusedLaunch(
         1, n, row_cos, row_sin, None, 0, flat_slots, interleaved, delta < 0, (None, channel, None)
     )
-    run(name, plan, [k_cache])
+    try:
+        run(name, plan, [k_cache])
+    except ValueError as err:  # the launchers check slot values under the launch's name, slot_mapping
+        text = str(err)
+        if text.startswith("slot_mapping:"):
+            raise ValueError("slots:" + text.removeprefix("slot_mapping:")) from None
+        raise
     return k_cache

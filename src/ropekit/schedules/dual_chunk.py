@@ -72,7 +72,7 @@ def dual_chunk_positions(positions: torch.Tensor, chunk_size: int, local_size: i
     chunk_size, local_size = _check_sizes(chunk_size, local_size, "chunk_size", "local_size")
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
         raise ValueError(f"positions: expected an integer tensor, got {describe(positions)}")
-    if positions.numel() and int(positions.min()) < 0:
+    if positions.numel() and not positions.is_meta and int(positions.min()) < 0:  # meta: shapes only
         raise ValueError(f"positions: expected positions >= 0, got minimum {int(positions.min())}")
     chunk_len = chunk_size - local_size
     within = positions.to(torch.int64) % chunk_len  # (...,)

@@ -196,6 +196,8 @@ def split_scaling(scaling: Mapping[str, Any] | None) -> tuple[Schedule, dict[str
     name = scaling.get("rope_type", scaling.get("type", "default"))
     if not isinstance(name, str):
         raise ValueError(f"scaling['rope_type']: expected a string, got {name!r}")
+    if name == "dynamic" and scaling.get("alpha") is not None:  # HunYuan: a fixed alpha is static NTK
+        name = "ntk_alpha"
     sched = get_schedule(name)
     declared = sched.required | sched.optional
     params = {k: v for k, v in scaling.items() if k not in STRUCTURAL_KEYS or k in declared}

@@ -28,6 +28,15 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def telechat3_attention_factor(factor: float, attn_factor: float = 1.0) -> float:
+    """TeleChat3's YaRN temperature: (0.07 ln(factor) + 1) * attn_factor for factor > 1, else attn_factor.
+
+    TeleChat3 is YaRN with 0.07 where the paper has 0.1 (vLLM 0.11's ``TeleChat3RoPEScaledRotaryEmbedding``,
+    ``rope_type "telechat3-yarn"``); ropekit reads it as rope_type "yarn" with this ``attention_factor``.
+    """
+    return (1.0 if factor <= 1 else 0.07 * math.log(factor) + 1.0) * attn_factor
+
+
 def yarn_attention_factor(spec: RopeSpec) -> float:
     """The attention scaling YaRN applies to the cos/sin tables."""
     given = spec.get("attention_factor")

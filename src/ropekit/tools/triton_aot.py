@@ -22,7 +22,9 @@ compiled.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import importlib
+import itertools
 import json
 import os
 import pkgutil
@@ -41,6 +43,7 @@ __all__ = [
     "Result",
     "Spec",
     "compile_and_check",
+    "cover",
     "kernel_modules",
     "module_spec",
     "specs",
@@ -132,6 +135,57 @@ def specs(module_name: str) -> list[Spec]:
     if listing is None:
         return []
     return [module_spec(module, *spec) for spec in listing()]
+
+
+def _axes(spec: Spec) -> set[tuple]:
+    """The values a specialization fixes, each an axis value of its kernel: every pointer's and scalar's
+    type in the signature, every constexpr and the warp count."""
+    axes = {("signature", spec.kernel, name, kind) for name, kind in spec.signature}
+    axes |= {("constexpr", spec.kernel, name, repr(value)) for name, value in spec.constexprs}
+    return axes | {("num_warps", spec.kernel, spec.num_warps)}
+
+
+def cover(
+    module_specs: Iterable[Spec], arches: Iterable[int] = ARCHES, *, strength: int = 2
+) -> list[tuple[Spec, int]]:
+    """A small set of (spec, arch) compiles that covers, for each kernel, every combination of ``strength``
+    axis values that the full grid (every spec for every target) contains, the target being one more axis:
+    ``strength=1`` is a per-axis cover (every target, every constexpr value, every signature type, every warp
+    count at least once), ``strength=2`` (the default) a pairwise one (every constexpr value on every
+    target, every pair of flags together, every dtype with every flag). The fast tier compiles this cover;
+    ``make proofs`` compiles the full product.
+
+    Greedy: each step takes the pair that covers the most uncovered combinations; ties go to the earliest
+    spec and target in the module's own order, so the cover is deterministic."""
+    if strength not in (1, 2):
+        raise ValueError(f"strength must be 1 (per axis) or 2 (pairwise), got {strength!r}")
+    module_specs = list(dict.fromkeys(module_specs))
+    # An axis value every specialization of a kernel shares is covered by any compile of that kernel: leaving
+    # it out keeps the combinations few (the fused kernel has ~50 parameters, most of one type throughout).
+    per_kernel: dict[str, list[set]] = {}
+    for spec in module_specs:
+        per_kernel.setdefault(spec.kernel, []).append(_axes(spec))
+    shared = {kernel: set.intersection(*axes) for kernel, axes in per_kernel.items()}
+    items: dict[tuple[Spec, int], set[tuple]] = {}
+    for spec in module_specs:
+        varying = _axes(spec) - shared[spec.kernel]
+        for arch in arches:
+            axes = sorted(varying | {("kernel", spec.kernel), ("target", spec.kernel, arch)}, key=repr)
+            items[spec, arch] = set(itertools.combinations(axes, strength))
+    wanted = set().union(*items.values()) if items else set()
+    chosen: list[tuple[Spec, int]] = []
+    # Lazy greedy: a candidate's gain only shrinks, so a stale gain is an upper bound; recount the best only.
+    heap = [(-len(combos), order, candidate) for order, (candidate, combos) in enumerate(items.items())]
+    heapq.heapify(heap)
+    while wanted:
+        _, order, candidate = heapq.heappop(heap)
+        gain = len(wanted & items[candidate])
+        if heap and gain < -heap[0][0]:
+            heapq.heappush(heap, (-gain, order, candidate))
+            continue
+        chosen.append(candidate)
+        wanted -= items[candidate]
+    return chosen
 
 
 def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:

@@ -1,0 +1,67 @@
+"""The two tiers (tests/conftest.py, CONTRIBUTING.md): a fast-tier test over its time bound fails the run, a
+proof-marked test does not count against it, and engine tests are refused outside tests/engines/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+SLOW = """
+import time
+import pytest
+
+def test_quick():
+    pass
+
+def test_slow_in_the_fast_tier():
+    time.sleep(0.6)
+
+@pytest.mark.proof
+def test_slow_proof():
+    time.sleep(0.6)
+"""
+
+
+def _run(tmp_path: Path, body: str, *args: str, bound: str = "0.3") -> subprocess.CompletedProcess:
+    for name in ("conftest.py", "rotary_reference.py"):
+        shutil.copy(HERE / name, tmp_path / name)
+    shutil.copy(HERE.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # the registered markers
+    (tmp_path / "test_body.py").write_text(body)
+    env = {**os.environ, "ROPEKIT_FAST_TEST_BOUND_S": bound}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_fast_tier_test_over_the_bound_fails_the_run_and_is_named(tmp_path):
+    done = _run(tmp_path, SLOW, "-m", "not proof and not engine")
+    assert done.returncode == 1, done.stdout
+    assert "2 passed" in done.stdout  # every test passed: the bound alone fails the run
+    assert "test_slow_in_the_fast_tier: a fast-tier test over 0.3 s" in done.stdout
+    assert "test_quick:" not in done.stdout
+
+
+def test_a_proof_may_take_longer(tmp_path):
+    done = _run(tmp_path, SLOW, "-m", "proof")
+    assert done.returncode == 0, done.stdout
+    assert "1 passed" in done.stdout and "over its bound" not in done.stdout
+
+
+def test_the_bound_can_be_turned_off_for_a_loaded_machine(tmp_path):
+    done = _run(tmp_path, SLOW, bound="0")
+    assert done.returncode == 0, done.stdout
+
+
+def test_an_engine_test_outside_tests_engines_is_refused(tmp_path):
+    body = "import pytest\n\n@pytest.mark.engine\ndef test_needs_vllm():\n    pass\n"
+    done = _run(tmp_path, body)
+    assert done.returncode != 0 and "engine tests live in tests/engines/" in (done.stdout + done.stderr)
+
+
+def test_the_markers_are_registered_so_a_typo_is_an_error():
+    text = (HERE.parent / "pyproject.toml").read_text()
+    assert '"proof:' in text and '"engine:' in text
