@@ -334,6 +334,70 @@ def test_from_hf_rope_theta_defaults_to_10000_as_transformers_llama_does():
     )
 
 
+# -- readings that were silently wrong (issue 28): each is what the model's modeling code uses --------------
+def _published(model_type, **changes):
+    from transformers import AutoConfig
+
+    return {**AutoConfig.for_model(model_type).to_dict(), **changes}
+
+
+def test_gemma4_full_attention_layers_read_global_head_dim():
+    d = _published("gemma4_text")
+    assert RopeConfig.from_hf(d, layer_type="full_attention").head_dim == 512  # per_layer_config (to_dict)
+    hub = {k: v for k, v in d.items() if k != "per_layer_config"}
+    assert RopeConfig.from_hf(hub, layer_type="full_attention").head_dim == 512  # HF's default global width
+    assert RopeConfig.from_hf({**hub, "global_head_dim": 384}, layer_type="full_attention").head_dim == 384
+    assert RopeConfig.from_hf(hub, layer_type="sliding_attention").head_dim == 256
+
+
+def test_deepseek_v4_rotates_the_trailing_64_of_its_512_wide_heads():
+    d = _published("deepseek_v4")
+    for label, base in (("main", 1e4), ("compress", 160000.0)):
+        rope = RopeConfig.from_hf(d, layer_type=label)
+        assert (rope.head_dim, rope.rotary_dim, rope.rotary_position, rope.interleaved, rope.base) == (
+            512, 64, "last", True, base,
+        )  # fmt: skip
+
+
+def test_mistral4_rotates_all_64_qk_rope_features_interleaved():
+    rope = RopeConfig.from_hf(_published("mistral4"))
+    assert (rope.head_dim, rope.rotary_dim, rope.interleaved) == (64, 64, True)
+    assert not RopeConfig.from_hf(_published("mistral4", rope_interleave=False)).interleaved
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        d = _published("mistral4")
+        RopeConfig.from_hf({**d, "rope_parameters": {**d["rope_parameters"], "partial_rotary_factor": 0.25}})
+
+
+def test_llama_4_scaling_beta_is_kept_with_its_length():
+    rope = RopeConfig.from_hf(_published("ministral3"))
+    assert rope.scaling["llama_4_scaling_beta"] == 0.1
+    assert rope.attention_temperature(torch.tensor([16383, 16384])).tolist() == pytest.approx(
+        [1.0, 1 + 0.1 * math.log(2)]
+    )
+    with pytest.raises(ValueError, match="llama_4_scaling_beta"):
+        RopeConfig.from_hf(
+            {"hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {"rope_type": "default",
+                                                                               "llama_4_scaling_beta": 0.1}}
+        )  # fmt: skip
+
+
+def test_qwen3_omni_thinker_text_config_is_unwrapped():
+    d = _published("qwen3_omni_moe")
+    d["thinker_config"]["text_config"].update(head_dim=128, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1e6})  # fmt: skip
+    assert (RopeConfig.from_hf(d).head_dim, RopeConfig.from_hf(d).base) == (128, 1e6)
+
+
+@pytest.mark.parametrize("model_type", ["glm", "glm4", "helium", "cohere2_moe", "openai_privacy_filter"])
+def test_families_whose_modeling_code_pairs_2i_2i_plus_1_read_as_interleaved(model_type):
+    assert RopeConfig.from_hf(_published(model_type, head_dim=64)).interleaved
+
+
+def test_a_rotation_by_minus_angle_is_refused():
+    with pytest.raises(ValueError, match="-angle"):
+        RopeConfig.from_hf(_published("nanochat"))
+
+
 # ---- issue 26 / 28: HunYuan-VL XD-RoPE, TeleChat3 YaRN, DeepSeek-V3.2 indexer ----
 
 HUNYUAN_VL = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from ropekit import RopeConfig
 from ropekit.presets import PRESETS, get_preset
@@ -117,3 +118,41 @@ def test_deepseek_v32_softmax_scales_mla_by_mscale_squared_and_not_the_indexer()
     assert mla.softmax_scale(192) == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192))
     assert indexer.softmax_scale(128) == pytest.approx(128**-0.5, rel=1e-15)
     assert mla.attention_scaling() == indexer.attention_scaling() == 1.0
+
+
+def test_the_2026_presets_match_transformers_defaults_they_are_copied_from():
+    from transformers import AutoConfig
+
+    for name, model_type, layer_type in [
+        ("gemma-4-e2b-full", "gemma4_text", "full_attention"),
+        ("gemma-4-e2b-sliding", "gemma4_text", "sliding_attention"),
+        ("ministral-3-8b", "ministral3", None),
+        ("mistral-small-4", "mistral4", None),
+        ("deepseek-v4-main", "deepseek_v4", "main"),
+        ("deepseek-v4-compress", "deepseek_v4", "compress"),
+    ]:
+        want = RopeConfig.from_hf(AutoConfig.for_model(model_type), layer_type=layer_type)
+        assert RopeConfig.preset(name) == want, name
+
+
+def test_the_2026_presets_carry_their_facts():
+    assert (
+        RopeConfig.preset("gemma-4-e2b-full").head_dim,
+        RopeConfig.preset("gemma-4-e2b-sliding").head_dim,
+    ) == (
+        512,
+        256,
+    )
+    v4 = RopeConfig.preset("deepseek-v4-compress")
+    assert (v4.head_dim, v4.rotary_dim, v4.rotary_position, v4.interleaved, v4.base) == (
+        512,
+        64,
+        "last",
+        True,
+        160000,
+    )
+    m4 = RopeConfig.preset("mistral-small-4")
+    assert (m4.head_dim, m4.rotary_dim, m4.interleaved) == (64, 64, True)
+    assert RopeConfig.preset("ministral-3-8b").attention_temperature(
+        torch.tensor([16384])
+    ).item() == pytest.approx(1 + 0.1 * math.log(2))

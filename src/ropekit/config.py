@@ -164,9 +164,17 @@ class RopeConfig:
                 a schedule that needs the pre-training context length (yarn, longrope) in a config that
                 names no length at all, or any other bad value.
         """
-        from ropekit.hf_config import USES_ORIGINAL_LENGTH, rope_kwargs
+        from ropekit.hf_config import rope_kwargs
 
-        rope = cls(**{**rope_kwargs(config, layer_type=layer_type), **overrides})
+        return cls._from_hf_kwargs({**rope_kwargs(config, layer_type=layer_type), **overrides})
+
+    @classmethod
+    def _from_hf_kwargs(cls, kwargs: dict[str, Any]) -> RopeConfig:
+        """A config from :func:`ropekit.hf_config.rope_kwargs`' output, refused where transformers would take
+        a default that a dict does not carry."""
+        from ropekit.hf_config import USES_ORIGINAL_LENGTH
+
+        rope = cls(**kwargs)
         if (
             rope.rope_type in USES_ORIGINAL_LENGTH
             and rope._spec.get("original_max_position_embeddings", rope.max_position_embeddings) is None
@@ -335,12 +343,14 @@ class RopeConfig:
     def attention_temperature(
         self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """Llama 4's per-position query multiplier for its NoPE layers (all ones without temperature keys).
+        """The per-position query multiplier a model applies beside this RoPE (all ones without one).
 
         With ``floor_scale`` and ``attn_scale`` in the scaling dict (``from_hf`` copies them from a Llama 4
         config whose ``attn_temperature_tuning`` is set), the query at position p is multiplied by
-        1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) in layers that apply no RoPE; multiply
-        :meth:`softmax_scale` by it for the equivalent per-query softmax scale.
+        1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) in layers that apply no RoPE. With
+        ``llama_4_scaling_beta`` (Ministral 3, Mistral 4), every layer multiplies it by
+        1 + beta * ln(1 + floor(p / original_max_position_embeddings)). Multiply :meth:`softmax_scale` by it
+        for the equivalent per-query softmax scale; :func:`ropekit.model_rope` says which layers apply it.
 
         Args:
             positions: integer tensor of query positions (any shape).

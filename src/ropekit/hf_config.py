@@ -35,7 +35,15 @@ from ropekit.schedules.registry import STRUCTURAL_KEYS
 from ropekit.schedules.yarn import telechat3_attention_factor
 from ropekit.validation import check_fraction, describe
 
-__all__ = ["indexer_rope_kwargs", "load_hf_config", "rope_kwargs", "rope_layer_types"]
+__all__ = [
+    "indexer_rope_kwargs",
+    "layer_overrides",
+    "layer_rope_kwargs",
+    "layer_types",
+    "load_hf_config",
+    "rope_kwargs",
+    "rope_layer_types",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +56,15 @@ INTERLEAVED_MODEL_TYPES = frozenset(
         # ERNIE 4.5 (rotate_half_text) and Llama 4 (complex pairs, text and vision) pair (2i, 2i+1) too.
         "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
         "llama4", "llama4_text", "llama4_vision_model",
+        # Found by proving ropekit.model_rope against each model's layers (tests/test_model_plan.py).
+        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter",
     }
 )  # fmt: skip
+# model_type values whose rotation ropekit's RopeConfig cannot describe: NanoChat's rotate_half flips the
+# other sign, a rotation by -angle.
+UNDESCRIBED_MODEL_TYPES = {"nanochat": "its rotate_half flips the other sign (a rotation by -angle)"}
+# model_type values that read the rotary width from rope_parameters only, though their config has rotary_dim.
+IGNORE_ROTARY_DIM = frozenset({"minimax_m2", "minimax_m3_vl", "neomme", "qwen4_exp"})
 # M-RoPE sections HF's multimodal modules fall back to when a config omits them, and the layout the model type
 # always uses (Qwen3-VL's module interleaves whatever mrope_interleaved says; ERNIE 4.5-VL alternates h / w
 # and puts t last; None: the config's own mrope_interleaved decides).
@@ -63,7 +78,24 @@ MROPE_DEFAULTS = {
 }
 # MLA models whose attention multiplies the softmax scale by YaRN's mscale(f, mscale_all_dim)^2 and pairs its
 # rotated slice (2i, 2i+1) unless rope_interleave is false.
-MLA_MODEL_TYPES = frozenset({"deepseek_v3", "deepseek_v32"})
+MLA_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v3", "deepseek_v32", "mistral4", "mistral_large4", "axk1", "axk2", "bailing_hybrid",
+        "longcat_flash", "youtu", "glm_moe_dsa", "glm4_moe_lite", "dots3_note", "hy_v4_vl",
+    }
+)  # fmt: skip
+# DeepSeek-V4 keys its RoPE parameters by rope label, not by layer type: its sliding-window layers rotate with
+# "main" (rope_theta), the compressed ones with "compress" (compress_rope_theta); HF DeepseekV4Attention.
+DEEPSEEK_V4_ROPE_LABELS = {
+    "sliding_attention": "main",
+    "compressed_sparse_attention": "compress",
+    "heavily_compressed_attention": "compress",
+}
+# Gemma 4's full-attention layers are wider than its sliding ones: HF's Gemma4TextConfig gives them
+# global_head_dim (512 unless the config names one) through its per_layer_config.
+GEMMA4_GLOBAL_HEAD_DIM = 512
+# Ministral 3 / Mistral 4 scale every query by position (llama_4_scaling_beta, inside rope_parameters).
+POSITION_SCALING_KEY = "llama_4_scaling_beta"
 # Keys HunYuan's "dynamic" + alpha configs publish that its NTK-alpha RoPE never reads.
 HUNYUAN_UNUSED = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # Llama 4's defaults for the NoPE layers' query temperature (HF Llama4TextConfig).
@@ -105,9 +137,16 @@ def load_hf_config(config: Any) -> dict[str, Any]:
         )
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
-    text = data.get("text_config")
-    if isinstance(text, Mapping) and not _has_rope_keys(data):
-        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    return _language_config(data)
+
+
+def _language_config(data: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` (multimodal models) or ``thinker_config.text_config``
+    (Qwen-Omni), merged over the outer keys, when the outer level carries no RoPE keys itself."""
+    for key in ("thinker_config", "text_config"):
+        inner = data.get(key)
+        if isinstance(inner, Mapping) and not _has_rope_keys(data):
+            data = {**{k: v for k, v in data.items() if k != key}, **inner}
     return data
 
 
@@ -163,7 +202,8 @@ def rope_layer_types(config: Any) -> list[str]:
 
 
 def _head_dim(d: Mapping[str, Any]) -> int:
-    for key in ("qk_rope_head_dim", "head_dim"):
+    keys = ("head_dim",) if _model_type(d) == "deepseek_v4" else ("qk_rope_head_dim", "head_dim")
+    for key in (*keys, "kv_channels"):
         if d.get(key) is not None:
             return d[key]
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
@@ -190,6 +230,8 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
                 f"layer_type: this config has per-layer-type RoPE parameters {sorted(nested)}; "
                 "pass one of them (RopeConfig.from_hf(config, layer_type=...))"
             )
+        if layer_type not in nested and _model_type(d) == "deepseek_v4":
+            layer_type = DEEPSEEK_V4_ROPE_LABELS.get(layer_type, layer_type)
         if layer_type not in nested:
             raise ValueError(f"layer_type: expected one of {sorted(nested)}, got {layer_type!r}")
         if nested[layer_type] is None:
@@ -217,7 +259,7 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         kind = "longrope"
     params.pop("type", None)
     params["rope_type"] = kind
-    model_type = str(d.get("model_type") or "").removesuffix("_text")
+    model_type = _model_type(d)
     if (
         kind == "xdrope"
     ):  # HunYuan-VL's config.json: NTK-alpha over four chunked sections (as transformers reads it)
@@ -258,12 +300,78 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
         params["mrope_section"] = [per_axis, per_axis]
     if model_type == "llama4" and d.get("attn_temperature_tuning", True):
         params.update({key: d.get(key, default) for key, default in LLAMA4_TEMPERATURE.items()})
+    if params.get(POSITION_SCALING_KEY) is not None and (
+        params.get("original_max_position_embeddings") is None
+        or "original_max_position_embeddings" not in get_schedule(kind).optional | get_schedule(kind).required
+    ):
+        raise ValueError(
+            f"{where}: {POSITION_SCALING_KEY} scales queries by position over the rope_parameters' "
+            f"original_max_position_embeddings, which rope_type {kind!r} does not carry; ropekit reads it "
+            "with "
+            "the schedules that take that key (yarn, llama3, longrope)"
+        )
     if kind in USES_ORIGINAL_LENGTH:
         if d.get("original_max_position_embeddings") is not None:
             params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
         elif d.get("max_position_embeddings") is not None:
             params.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
     return _known_keys(params, where)
+
+
+def _model_type(d: Mapping[str, Any]) -> str:
+    """The config's model_type without the ``_text`` suffix of a multimodal model's language config."""
+    return str(d.get("model_type") or "").removesuffix("_text")
+
+
+def layer_types(config: Any) -> list[str] | None:
+    """The config's ``layer_types`` (one per decoder layer), or None when it has none."""
+    d = load_hf_config(config)
+    return None if d.get("layer_types") is None else list(d["layer_types"])
+
+
+def layer_overrides(d: Mapping[str, Any], index: int, layer_type: str | None) -> dict[str, Any]:
+    """The keys that layer `index` changes over the config (HF's ``per_layer_config``: Gemma 4's wider
+    full-attention heads), or {} for a layer like every other.
+
+    Gemma 4's config.json names ``global_head_dim`` instead; HF turns it into the same per-layer head width.
+    """
+    per_layer = d.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, Mapping):
+            raise ValueError(
+                f"config['per_layer_config']: expected a dict {{layer index: keys it changes}}, "
+                f"got {describe(per_layer)}"
+            )
+        for key, value in per_layer.items():
+            if str(key).isdigit() and int(key) == index:
+                if not isinstance(value, Mapping):
+                    raise ValueError(
+                        f"config['per_layer_config'][{key!r}]: expected a dict of keys the layer changes, "
+                        f"got {describe(value)}"
+                    )
+                return dict(value)
+        return {}
+    if _model_type(d) in ("gemma4", "gemma4_unified") and layer_type == "full_attention":
+        return {"head_dim": d.get("global_head_dim") or GEMMA4_GLOBAL_HEAD_DIM}
+    return {}
+
+
+def _type_overrides(d: Mapping[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """The per-layer keys every layer of `layer_type` shares (a ValueError when they differ)."""
+    if layer_type is None:
+        return layer_overrides(d, -1, None)
+    declared = d.get("layer_types") or []
+    if _model_type(d) == "deepseek_v4":
+        return {}
+    found = [layer_overrides(d, i, t) for i, t in enumerate(declared) if t == layer_type]
+    if not found:
+        return layer_overrides(d, -1, layer_type)
+    if any(f != found[0] for f in found):
+        raise ValueError(
+            f"layer_type: the {layer_type!r} layers of this config differ among themselves "
+            f"(per_layer_config); read them one by one with ropekit.model_rope(config)"
+        )
+    return found[0]
 
 
 def _known_keys(params: dict[str, Any], where: str) -> dict[str, Any]:
@@ -309,24 +417,46 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
     d = load_hf_config(config)
     if layer_type == "indexer" and d.get("index_head_dim") is not None:  # DeepSeek-V3.2's lightning indexer
         return indexer_rope_kwargs(d)
+    return layer_rope_kwargs(d, layer_type, _type_overrides(d, layer_type))
+
+
+def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: Mapping[str, Any]) -> dict:
+    """:func:`rope_kwargs` for one layer: the loaded config `d` with that layer's `overrides` (see
+    :func:`layer_overrides`) and its entry of per-layer-type RoPE parameters."""
+    d = {**d, **overrides}
     head_dim = _head_dim(d)
     params = _rope_parameters(d, layer_type)
     base = params.pop("rope_theta")
+    model_type = _model_type(d)
+    if model_type in UNDESCRIBED_MODEL_TYPES:
+        raise ValueError(
+            f"config['model_type']: {model_type!r} cannot be described by a RopeConfig: "
+            f"{UNDESCRIBED_MODEL_TYPES[model_type]}"
+        )
     rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    if model_type in IGNORE_ROTARY_DIM:
+        rotary_dim = None
+    rotary_position = "first"
+    if model_type in MLA_MODEL_TYPES and isinstance(d.get("qk_rope_head_dim"), int):
+        rotary_dim = head_dim = _mla_rope_width(d, params)
+    elif model_type == "deepseek_v4":
+        # [nope | rope] heads of head_dim features: the trailing partial_rotary_factor of them rotate.
+        head_dim, rotary_position = d["head_dim"], "last"
     if params["rope_type"] != "proportional":  # proportional reads the factor itself, over the full width
         partial = params.pop("partial_rotary_factor", None)
         if partial is not None and rotary_dim is None:
             check_fraction("config['partial_rotary_factor']", partial)
             rotary_dim = int(head_dim * partial)
-    model_type = d.get("model_type")
-    interleaved = model_type in INTERLEAVED_MODEL_TYPES or (
-        model_type in MLA_MODEL_TYPES and d.get("rope_interleave", True) is not False
+    interleaved = (
+        model_type in INTERLEAVED_MODEL_TYPES
+        or model_type == "deepseek_v4"
+        or (model_type in MLA_MODEL_TYPES and d.get("rope_interleave", True) is not False)
     )
     if model_type == "llama4_vision_model":
         rotary_dim = 4 * (head_dim // 4)
     max_positions = d.get("max_position_embeddings", d.get("n_positions"))
     scaling = None if params == {"rope_type": "default"} else params
-    return {
+    kwargs = {
         "head_dim": head_dim,
         "base": base,
         "rotary_dim": rotary_dim,
@@ -334,6 +464,40 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
         "scaling": scaling,
         "max_position_embeddings": max_positions,
     }
+    if rotary_position != "first":
+        kwargs["rotary_position"] = rotary_position
+    return kwargs
+
+
+def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
+    """An MLA model's rotated slice (qk_rope_head_dim), checked against the partial_rotary_factor HF reads.
+
+    MLA heads are [nope | rope]; like DeepSeek-V3's, the RopeConfig describes the rotated slice itself. Where
+    rope_parameters give the rotated part as a fraction of the whole q/k head (Mistral 4: of
+    qk_nope_head_dim + qk_rope_head_dim; dots3: of head_dim), it must come to qk_rope_head_dim.
+    """
+    rope = d.get("qk_rope_head_dim")
+    nope = d.get("qk_nope_head_dim") or 0
+    if not isinstance(rope, int) or not isinstance(nope, int):
+        raise ValueError(
+            f"config['qk_rope_head_dim']: expected the MLA rotated width (an integer), got {describe(rope)}"
+        )
+    partial = params.pop("partial_rotary_factor", None)
+    whole = (
+        d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope
+    )
+    if partial is not None and int(whole * partial) != rope:
+        raise ValueError(
+            f"config['rope_parameters']['partial_rotary_factor']: {partial!r} of the {whole}-wide q/k "
+            f"head is {int(whole * partial)} features, but the model rotates qk_rope_head_dim = {rope}"
+        )
+    if _model_type(d) == "mistral4" and params["rope_type"] == "default" and nope:
+        raise ValueError(
+            "config['rope_parameters']['rope_type']: Mistral 4's 'default' RoPE in transformers builds its "
+            f"frequencies over the whole {rope + nope}-wide head (it ignores partial_rotary_factor), which "
+            f"does not fit the {rope} features it rotates; ropekit will not guess which one is meant"
+        )
+    return rope
 
 
 def indexer_rope_kwargs(config: Any) -> dict[str, Any]:

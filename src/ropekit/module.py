@@ -14,6 +14,7 @@ from ropekit.backends import BACKENDS
 from ropekit.backends.plan import launch_planned
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
+from ropekit.model_plan import model_rope
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
 from ropekit.validation import check_bool, describe
@@ -93,6 +94,37 @@ class RotaryEmbedding(nn.Module):
         self._plain = not self._mrope and not config.length_dependent
         self._planned = self._plain and layout == "bshd" and config.rotary_position == "first"
         self._interleaved = config.interleaved
+
+    @classmethod
+    def for_model(
+        cls, config: Any, *, layout: str = "bshd", backend: str = "auto"
+    ) -> list[RotaryEmbedding | None]:
+        """One module per decoder layer of a Hugging Face model, from :func:`ropekit.model_rope`.
+
+        None for a layer that applies no RoPE; layers whose RoPE is equal share one module, so a model with
+        sliding and full layers holds two tables, not one per layer.
+
+        Args:
+            config: the HF config (a ``PretrainedConfig``, a dict, a config.json path or its folder).
+            layout, backend: as for the constructor.
+
+        Raises:
+            ValueError: for a config :func:`ropekit.model_rope` cannot read, or a bad layout or backend.
+
+        Example:
+            >>> ropes = RotaryEmbedding.for_model(AutoConfig.for_model("gemma4_text"))  # doctest: +SKIP
+            >>> q, k = ropes[5](q, k)  # the 512-wide proportional RoPE of a full-attention layer
+        """
+        shared: dict[RopeConfig, RotaryEmbedding] = {}
+        modules: list[RotaryEmbedding | None] = []
+        for layer in model_rope(config):
+            if layer.rope is None:
+                modules.append(None)
+                continue
+            if layer.rope not in shared:
+                shared[layer.rope] = cls(layer.rope, layout=layout, backend=backend)
+            modules.append(shared[layer.rope])
+        return modules
 
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")

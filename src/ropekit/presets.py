@@ -28,6 +28,8 @@ class Preset:
         note: anything a user should know (documented settings that are not in config.json, quirks).
         part: which RoPE of the model the preset describes: "" for its attention, "indexer" for
             DeepSeek-V3.2's lightning indexer (read with :func:`ropekit.hf_config.indexer_rope_kwargs`).
+        layer_type: for models whose layers differ (Gemma 4, DeepSeek-V4), which layers' RoPE the preset
+            describes; ``ropekit.model_rope(preset.config)`` gives every layer's.
     """
 
     name: str
@@ -36,6 +38,7 @@ class Preset:
     config: dict[str, Any]
     note: str = ""
     part: str = ""
+    layer_type: str = ""
 
 
 def _hub(repo: str) -> str:
@@ -414,6 +417,140 @@ _ENTRIES += [
     ),
 ]
 
+# The 2026 models below are published as transformers 5.24 documents them: each config class's defaults are
+# stated to match the checkpoint named (its @auto_docstring), and are copied here from those defaults; the
+# Hub files themselves were not read.
+_TRANSFORMERS_DEFAULTS = " (as transformers 5.24's {} defaults give it)"
+_GEMMA4_E2B = {
+    "model_type": "gemma4_text",
+    "hidden_size": 2304,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 30,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    "max_position_embeddings": 131072,
+    "sliding_window": 512,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+        },
+    },
+}
+_DEEPSEEK_V4_FLASH = {
+    "model_type": "deepseek_v4",
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 43,
+    "head_dim": 512,
+    "layer_types": ["heavily_compressed_attention"] * 2
+    + ["heavily_compressed_attention", "compressed_sparse_attention"] * 20
+    + ["heavily_compressed_attention"],
+    "max_position_embeddings": 1048576,
+    "sliding_window": 128,
+    "rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+        "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.125},
+    },
+}
+_ENTRIES += [
+    Preset(
+        "gemma-4-e2b-full",
+        "google/gemma-4-e2b-it",
+        _hub("google/gemma-4-e2b-it") + _TRANSFORMERS_DEFAULTS.format("Gemma4TextConfig"),
+        _GEMMA4_E2B,
+        note="Full-attention layers (every 6th, and the last): proportional RoPE on 512-wide heads "
+        "(global_head_dim), the first 128 features rotating with theta 1e6 over the whole width.",
+        layer_type="full_attention",
+    ),
+    Preset(
+        "gemma-4-e2b-sliding",
+        "google/gemma-4-e2b-it",
+        _hub("google/gemma-4-e2b-it") + _TRANSFORMERS_DEFAULTS.format("Gemma4TextConfig"),
+        _GEMMA4_E2B,
+        note="Sliding-window layers (512 keys): default RoPE, theta 1e4, on 256-wide heads.",
+        layer_type="sliding_attention",
+    ),
+    Preset(
+        "ministral-3-8b",
+        "mistralai/Ministral-3-8B-Base-2512",
+        _hub("mistralai/Ministral-3-8B-Base-2512") + _TRANSFORMERS_DEFAULTS.format("Ministral3Config"),
+        {
+            "model_type": "ministral3",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "head_dim": 128,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16384,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },
+        },
+        note="YaRN x16 from 16384; every layer scales its queries by attention_temperature(positions) = "
+        "1 + 0.1 ln(1 + floor(p / 16384)).",
+    ),
+    Preset(
+        "mistral-small-4",
+        "mistralai/Mistral-Small-4-119B-2603",
+        _hub("mistralai/Mistral-Small-4-119B-2603") + _TRANSFORMERS_DEFAULTS.format("Mistral4Config"),
+        {
+            "model_type": "mistral4",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "kv_lora_rank": 256,
+            "rope_interleave": True,
+            "max_position_embeddings": 1048576,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 128.0,
+                "original_max_position_embeddings": 8192,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+        note="MLA: the 64-wide rope slice (partial_rotary_factor 0.5 of the 128-wide q/k head), interleaved "
+        "pairs; softmax_scale(128) includes (0.1 ln 128 + 1)^2; queries scaled by "
+        "1 + 0.1 ln(1 + floor(p / 8192)).",
+    ),
+    Preset(
+        "deepseek-v4-main",
+        "deepseek-ai/DeepSeek-V4-Flash-Base",
+        _hub("deepseek-ai/DeepSeek-V4-Flash-Base") + _TRANSFORMERS_DEFAULTS.format("DeepseekV4Config"),
+        _DEEPSEEK_V4_FLASH,
+        note="Sliding-window-only layers: the trailing 64 of each 512-wide [nope | rope] head rotate, "
+        "interleaved pairs, theta 1e4. The layer also rotates values and undoes it on the output.",
+        layer_type="main",
+    ),
+    Preset(
+        "deepseek-v4-compress",
+        "deepseek-ai/DeepSeek-V4-Flash-Base",
+        _hub("deepseek-ai/DeepSeek-V4-Flash-Base") + _TRANSFORMERS_DEFAULTS.format("DeepseekV4Config"),
+        _DEEPSEEK_V4_FLASH,
+        note="Compressed (CSA / HCA) layers and their compressors: compress_rope_theta 160000 on the same "
+        "trailing 64 features. transformers' defaults carry no YaRN block; a checkpoint's rope_scaling "
+        "would apply here only.",
+        layer_type="compress",
+    ),
+]
+
 PRESETS: dict[str, Preset] = {p.name: p for p in _ENTRIES}
 
 
@@ -431,4 +568,6 @@ def get_preset(name: str) -> Preset:
 def preset_kwargs(name: str) -> dict[str, Any]:
     """RopeConfig keyword arguments for a preset."""
     preset = get_preset(name)
-    return (indexer_rope_kwargs if preset.part == "indexer" else rope_kwargs)(preset.config)
+    if preset.part == "indexer":
+        return indexer_rope_kwargs(preset.config)
+    return rope_kwargs(preset.config, layer_type=preset.layer_type or None)

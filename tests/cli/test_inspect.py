@@ -104,6 +104,36 @@ def test_a_config_json_with_a_string_rope_scaling_is_a_one_line_error(tmp_path, 
     assert "dictionary update sequence" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_layers_prints_every_layer_run_of_a_whole_model(capsys):
+    assert main(["inspect", "gemma-4-e2b-full", "--layers"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        "layers 0-4 [sliding_attention]: default base 10000, 256 of 256 features (first), "
+        "half (GPT-NeoX / HF); window 512"
+    )
+    assert out[1].startswith("layer 5 [full_attention]: proportional base 1e+06, 512 of 512 features")
+    assert len(out) == 10
+
+
+def test_layers_json_from_a_config_json_with_nope_and_temperature(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("llama4_text", num_hidden_layers=4).to_dict()))
+    assert main(["inspect", str(path), "--layers", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [(r["first"], r["last"], r["rope"] is None, r["temperature"]) for r in runs] == [
+        (0, 2, False, False),
+        (3, 3, True, True),
+    ]
+    assert runs[0]["attention_chunk_size"] == 8192
+
+
+def test_layers_takes_no_extension_flags(capsys):
+    assert main(["inspect", "gemma-4-e2b-full", "--layers", "--method", "yarn"]) == 2
+    assert "--layers" in capsys.readouterr().err
+
+
 def test_variant_configs_show_their_axes_temperature_and_indexer(tmp_path, capsys):
     hunyuan = tmp_path / "hunyuan" / "config.json"
     hunyuan.parent.mkdir()

@@ -169,3 +169,16 @@ def test_rotation_functions_are_named_apply_rotary_or_apply_rope():
     assert hf_probe.rotation_function("apply_rotary_emb", llama4)
     assert not hf_probe.rotation_function("rotate_half", rotate_half)
     assert not hf_probe.rotation_function("apply_rotary_pos_emb", object())
+
+
+def test_deepseek_v4_trailing_rope_slice_is_found_and_proved():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    x = torch.randn(2, 3, 5, 32)  # (B, H, S, D): [nope | rope], the trailing 8 features rotate
+    angles = torch.arange(5.0)[:, None] * 0.3 ** torch.arange(4.0)  # (S, R/2): one angle per pair
+    call = hf_probe.Call((x, angles.cos()[None], angles.sin()[None]), {}, None)
+    signature = hf_probe.Signature.of(apply_rotary_pos_emb)
+    plan, diff, tol = hf_probe.find_plan(apply_rotary_pos_emb, signature, call, "torch")
+    assert plan is not None and diff <= tol
+    assert (plan.rotary_position, plan.pairing, plan.table) == ("last", "interleaved", "full")
+    assert "trailing features" in plan.describe()

@@ -217,3 +217,35 @@ def test_bad_arguments_are_value_errors():
         RopeConfig(64).softmax_scale(0)
     with pytest.raises(ValueError, match="positions: expected an integer tensor"):
         RopeConfig(64).attention_temperature(torch.tensor([0.5]))
+
+
+def test_position_scaling_is_one_plus_beta_log_of_whole_original_lengths():
+    from ropekit.schedules.softmax import attention_temperature
+
+    scaling = {"llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 100}
+    positions = torch.tensor([0, 99, 100, 250, 10_000])
+    want = [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(101)]
+    assert attention_temperature(scaling, positions).tolist() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "match"),
+    [
+        ({"llama_4_scaling_beta": 0.1}, "original_max_position_embeddings"),
+        ({"llama_4_scaling_beta": -1.0, "original_max_position_embeddings": 8}, "llama_4_scaling_beta"),
+        (
+            {
+                "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 8,
+                "floor_scale": 8,
+                "attn_scale": 1,
+            },
+            "not both",
+        ),
+    ],
+)
+def test_position_scaling_keys_are_checked(scaling, match):
+    from ropekit.schedules.softmax import check_temperature
+
+    with pytest.raises(ValueError, match=match):
+        check_temperature(scaling)

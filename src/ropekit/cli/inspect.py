@@ -48,6 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra scaling key for the --method methods, value as JSON (beta_fast=16)",
     )
     p.add_argument("--layer-type", default=None, help="per-layer-type configs: which layer type to read")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="print every decoder layer's RoPE, window and temperature (ropekit.model_rope) instead",
+    )
     p.add_argument("--plot", metavar="FILE.png", default=None, help="write wavelength / decay / q·k plots")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
@@ -127,9 +132,51 @@ def format_report(inspection) -> str:
     return "\n".join(lines)
 
 
+def format_layers(runs: list[dict]) -> str:
+    lines = []
+    for run in runs:
+        where = (
+            f"layer {run['first']}" if run["first"] == run["last"] else f"layers {run['first']}-{run['last']}"
+        )
+        rope = run["rope"]
+        text = (
+            "no RoPE"
+            if rope is None
+            else (
+                f"{rope['rope_type']} base {rope['base']:g}, {rope['rotary_dim']} of {rope['head_dim']} "
+                f"features ({rope['rotary_position']}), {PAIRING[rope['interleaved']]}"
+            )
+        )
+        extra = [f"window {run['sliding_window']}"] if run["sliding_window"] else []
+        extra += [f"chunk {run['attention_chunk_size']}"] if run["attention_chunk_size"] else []
+        extra += ["query temperature"] if run["temperature"] else []
+        kind = f" [{run['layer_type']}]" if run["layer_type"] else ""
+        lines.append(f"{where}{kind}: {text}" + (f"; {', '.join(extra)}" if extra else ""))
+    return "\n".join(lines)
+
+
+def _layers(args: argparse.Namespace) -> int:
+    from ropekit.presets import PRESETS
+    from ropekit.tools.inspect import layer_plan
+
+    if args.method or args.factor is not None or args.set or args.plot or args.layer_type:
+        raise ValueError(
+            "--layers: shows the model as published; it takes no --method, --factor, --set, "
+            "--plot or --layer-type"
+        )
+    source = PRESETS[args.model.lower()].config if args.model.lower() in PRESETS else args.model
+    if source is args.model and not Path(args.model).exists():
+        raise ValueError(f"model: {args.model!r} is neither a preset nor a config.json path")
+    runs = layer_plan(source)
+    print(json.dumps(runs, indent=2) if args.json else format_layers(runs))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ropekit.tools.inspect import inspect_config, plot_inspection
 
+    if args.layers:
+        return _layers(args)
     if not args.method and (args.factor is not None or args.set):
         flag, value = ("--factor", args.factor) if args.factor is not None else ("--set", args.set[0])
         raise ValueError(

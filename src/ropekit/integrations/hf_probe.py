@@ -13,10 +13,11 @@ The families disagree on three things only, and a :class:`Plan` names one choice
   (interleaved pairs whose results are written out as [evens, odds], DeepSeek-V3's ``rope_interleave``);
 * the layout of q: (B, H, S, D) or (B, S, H, D), read from ``unsqueeze_dim`` when the function has one.
 
-Partial rotary needs no choice: ropekit rotates the first R = 2 * table width features and passes the rest,
-as every HF function does. The table values (frequencies, YaRN's mscale, M-RoPE's section merge, per-layer
-bases) are the model's own, read as they are, so the only thing to get right is the pairing, and
-:func:`find_plan` proves that on random q and k before anything is replaced.
+Partial rotary needs one more choice only for DeepSeek-V4, whose heads are [nope | rope]: ropekit rotates the
+first R = 2 * table width features and passes the rest, as every other HF function does, or the last R. The
+table values (frequencies, YaRN's mscale, M-RoPE's section merge, per-layer bases) are the model's own, read
+as they are, so the only thing to get right is the pairing, and :func:`find_plan` proves that on random q
+and k before anything is replaced.
 """
 
 from __future__ import annotations
@@ -46,26 +47,30 @@ class Plan:
     pairing: str  # "half", "interleaved" or "deinterleave"
     layout: str  # "bhsd" or "bshd"; overridden per call by unsqueeze_dim when the function has it
     conjugate: bool = False  # rotates by -angle (NanoChat's rotate_half flips the other sign)
+    rotary_position: str = "first"  # "last": the trailing features rotate (DeepSeek-V4's [nope | rope] heads)
 
     def describe(self) -> str:
         sign = ", conjugate" if self.conjugate else ""
-        return f"{self.pairing} pairing, {self.table.replace('_', '-')} table, {self.layout}{sign}"
+        where = ", trailing features" if self.rotary_position == "last" else ""
+        return f"{self.pairing} pairing, {self.table.replace('_', '-')} table, {self.layout}{sign}{where}"
 
 
 # Tried in this order; the first one that agrees with the model's function is used.
 CANDIDATES = tuple(
-    Plan(table, pairing, layout, conjugate)
+    Plan(table, pairing, layout, conjugate, position)
     for layout in ("bhsd", "bshd")
-    for table, pairing, conjugate in (
-        ("first_half", "half", False),
-        ("full", "half", False),
-        ("every_other", "interleaved", False),
-        ("first_half", "interleaved", False),
-        ("full", "interleaved", False),
-        ("first_half", "deinterleave", False),
-        ("complex", "interleaved", False),
-        ("first_half", "half", True),
-        ("first_half", "interleaved", True),
+    for table, pairing, conjugate, position in (
+        ("first_half", "half", False, "first"),
+        ("full", "half", False, "first"),
+        ("every_other", "interleaved", False, "first"),
+        ("first_half", "interleaved", False, "first"),
+        ("full", "interleaved", False, "first"),
+        ("first_half", "deinterleave", False, "first"),
+        ("complex", "interleaved", False, "first"),
+        ("first_half", "half", True, "first"),
+        ("first_half", "interleaved", True, "first"),
+        ("full", "interleaved", False, "last"),  # DeepSeek-V4: per-pair tables, trailing rope slice
+        ("first_half", "half", False, "last"),
     )
 )
 
@@ -207,6 +212,8 @@ def _rotate(
     interleaved = plan.pairing == "interleaved"
     first, second = [*views, None][:2]
     kw = dict(positions=positions, interleaved=interleaved, inplace=inplace, backend=backend)
+    if plan.rotary_position != "first":
+        kw["rotary_position"] = plan.rotary_position
     if first is None:
         first, second = second, None
     if second is None:

@@ -26,7 +26,8 @@ __all__ = [
 # Keys HF configs carry inside rope_scaling / rope_parameters that describe the geometry rather than the
 # schedule: RopeConfig reads them itself (base, rotary_dim, M-RoPE sections). A schedule that declares one of
 # them (proportional declares partial_rotary_factor) receives it in its params as well.
-# floor_scale / attn_scale are Llama 4's query temperature on its NoPE layers (ropekit.schedules.softmax).
+# floor_scale / attn_scale are Llama 4's query temperature on its NoPE layers, llama_4_scaling_beta
+# Ministral 3's and Mistral 4's on every layer (ropekit.schedules.softmax).
 STRUCTURAL_KEYS = frozenset(
     {
         "rope_type",
@@ -38,6 +39,7 @@ STRUCTURAL_KEYS = frozenset(
         "mrope_layout",
         "floor_scale",
         "attn_scale",
+        "llama_4_scaling_beta",
     }
 )
 

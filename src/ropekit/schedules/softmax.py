@@ -11,6 +11,10 @@ Most schedules leave the softmax alone: scores are q.k / sqrt(head_dim). Two pub
   position p is multiplied by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) before attention, a
   per-position factor that grows slowly past floor_scale tokens. It is carried in the scaling dict as
   ``floor_scale`` / ``attn_scale`` and read with :func:`attention_temperature`; RoPE layers ignore it.
+* **Ministral 3 / Mistral 4's position scaling** (Hugging Face ``get_llama_4_attn_scale`` in
+  ``modeling_ministral3.py`` / ``modeling_mistral4.py``): every layer multiplies the query at position p by
+  1 + beta * ln(1 + floor(p / original)), with ``llama_4_scaling_beta`` = beta and the rope_parameters'
+  ``original_max_position_embeddings`` = original. Note p, not p + 1 as in Llama 4.
 
 docs/scaling.md ("Attention scale") compares them.
 """
@@ -53,6 +57,19 @@ def check_temperature(scaling: Mapping[str, Any] | None) -> None:
     """
     if not scaling:
         return
+    beta = scaling.get("llama_4_scaling_beta")
+    if beta is not None:
+        if scaling.get("floor_scale") is not None:
+            raise ValueError(
+                "scaling['llama_4_scaling_beta']: a config takes Ministral 3's position scaling or Llama 4's "
+                "floor_scale / attn_scale, not both"
+            )
+        check_positive("scaling['llama_4_scaling_beta']", beta)
+        check_positive(
+            "scaling['original_max_position_embeddings'] (the length llama_4_scaling_beta scales over)",
+            scaling.get("original_max_position_embeddings"),
+        )
+        return
     floor, attn = scaling.get("floor_scale"), scaling.get("attn_scale")
     if floor is None and attn is None:
         return
@@ -69,10 +86,14 @@ def check_temperature(scaling: Mapping[str, Any] | None) -> None:
 def attention_temperature(
     scaling: Mapping[str, Any] | None, positions: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Llama 4's per-position query multiplier, 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)).
+    """The per-position query multiplier a scaling dict implies (ones without one).
+
+    Llama 4: 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)); Ministral 3 / Mistral 4:
+    1 + llama_4_scaling_beta * ln(1 + floor(p / original_max_position_embeddings)).
 
     Args:
-        scaling: a scaling dict holding floor_scale and attn_scale; without them every factor is 1.
+        scaling: a scaling dict holding floor_scale and attn_scale, or llama_4_scaling_beta and
+            original_max_position_embeddings; without them every factor is 1.
         positions: integer tensor of query positions, any shape.
         dtype: output dtype (computed in float64).
 
@@ -84,8 +105,11 @@ def attention_temperature(
     """
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
         raise ValueError(f"positions: expected an integer tensor, got {describe(positions)}")
+    pos = positions.to(torch.float64)
+    if scaling and scaling.get("llama_4_scaling_beta") is not None:
+        steps = torch.floor(pos / float(scaling["original_max_position_embeddings"]))  # (...,)
+        return (torch.log1p(steps) * float(scaling["llama_4_scaling_beta"]) + 1.0).to(dtype)
     if not scaling or scaling.get("floor_scale") is None:
         return torch.ones(positions.shape, dtype=dtype, device=positions.device)
-    pos = positions.to(torch.float64)
     steps = torch.floor((pos + 1.0) / float(scaling["floor_scale"]))  # (...,)
     return (torch.log1p(steps) * float(scaling["attn_scale"]) + 1.0).to(dtype)

@@ -47,6 +47,7 @@ __all__ = ["Row", "check_model_type", "render", "rope_model_types", "tiny_config
 REPRESENTATIVE = (
     "llama", "cohere", "glm", "gptj", "gpt_neox", "phi", "deepseek_v2", "deepseek_v3", "minicpm3",
     "qwen2_vl", "qwen3_vl", "llama4_text", "gemma3_text", "gpt_oss", "modernbert", "esm",
+    "deepseek_v4", "gemma4_text", "olmo3",  # trailing rope slices; per-layer-type tables, patched per layer
 )  # fmt: skip
 TOLERANCE = 1e-4  # max |patched - unpatched| / max |unpatched|, fp32
 SEQ = 12

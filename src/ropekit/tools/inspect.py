@@ -28,6 +28,7 @@ __all__ = [
     "decay_bound",
     "inspect_config",
     "inspection_figure",
+    "layer_plan",
     "original_length",
     "plot_inspection",
     "qk_cosine",
@@ -402,3 +403,42 @@ def plot_inspection(inspection: Inspection, path: str) -> None:
         raise ValueError(f"path: cannot write {str(path)!r} ({err.strerror or err})") from None
     finally:
         plt.close(fig)
+
+
+def layer_plan(config: Any) -> list[dict[str, Any]]:
+    """A whole model's RoPE as runs of consecutive layers that share it (:func:`ropekit.model_rope`).
+
+    Returns:
+        one dict per run: first / last layer, layer_type, the RoPE (head_dim, rotary_dim, base, rope_type,
+        pairing, which features rotate; None for NoPE), sliding_window, attention_chunk_size and whether
+        the layers scale queries by position.
+    """
+    import torch
+
+    from ropekit.model_plan import model_rope
+
+    runs: list[dict[str, Any]] = []
+    probe = torch.tensor([0, 1 << 20])
+    for layer in model_rope(config):
+        rope = layer.rope
+        entry = {
+            "layer_type": layer.layer_type,
+            "rope": None
+            if rope is None
+            else {
+                "head_dim": rope.head_dim,
+                "rotary_dim": rope.rotary_dim,
+                "base": rope.base,
+                "rope_type": rope.rope_type,
+                "interleaved": rope.interleaved,
+                "rotary_position": rope.rotary_position,
+            },
+            "sliding_window": layer.sliding_window,
+            "attention_chunk_size": layer.attention_chunk_size,
+            "temperature": bool((layer.attention_temperature(probe) != 1).any()),
+        }
+        if runs and {k: v for k, v in runs[-1].items() if k not in ("first", "last")} == entry:
+            runs[-1]["last"] = layer.index
+        else:
+            runs.append({"first": layer.index, "last": layer.index, **entry})
+    return runs

@@ -1,0 +1,272 @@
+"""A whole model's RoPE, layer by layer, read from its Hugging Face config.
+
+:func:`model_rope` returns one :class:`LayerRope` per decoder layer: the layer's :class:`RopeConfig` (or None
+where the layer applies no RoPE), the attention window it sees (``sliding_window``, ``attention_chunk_size``)
+and the per-position query temperature its attention multiplies in. It reads what transformers' own modeling
+code reads:
+
+* ``layer_types`` and per-layer-type ``rope_parameters`` (Gemma 2/3/3n/4, OLMo 3, ModernBERT, ...); a type
+  whose parameters are null applies no RoPE; a layer type that is not softmax attention ("conv",
+  "mamba", "linear_attention", ...) has none either;
+* DeepSeek-V4's ``main`` / ``compress`` parameters (sliding-window layers rotate with ``main``, the
+  compressed ones with ``compress``);
+* ``per_layer_config`` / ``global_head_dim`` (Gemma 4's wider full-attention heads);
+* ``no_rope_layers`` (Llama 4, SmolLM3): ``no_rope_layers[i]`` is 1 where layer i *uses* RoPE (both models'
+  attention reads ``use_rope = config.no_rope_layers[layer_idx]``). Llama 4 replaces an empty list by its
+  default (every ``no_rope_layer_interval``-th layer is NoPE); SmolLM3 only replaces a missing one;
+* temperatures: Llama 4's ``floor_scale`` / ``attn_scale`` on its NoPE layers (``attn_temperature_tuning``),
+  Ministral 3 / Mistral 4's ``llama_4_scaling_beta`` on every layer (:mod:`ropekit.schedules.softmax`).
+
+Nested configs are unwrapped as :func:`ropekit.hf_config.load_hf_config` does (``text_config``,
+``thinker_config.text_config``). tests/test_model_rope.py proves each entry against the layer transformers
+builds from the same config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ropekit.config import FrozenScaling, RopeConfig
+from ropekit.hf_config import (
+    DEEPSEEK_V4_ROPE_LABELS,
+    LLAMA4_TEMPERATURE,
+    POSITION_SCALING_KEY,
+    layer_overrides,
+    layer_rope_kwargs,
+    load_hf_config,
+)
+from ropekit.schedules.softmax import attention_temperature
+from ropekit.validation import describe
+
+__all__ = ["LayerRope", "model_rope"]
+
+# Keys that hold the number of decoder layers, in the order HF's configs use them.
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+# Layer types that are not softmax attention: no RoPE, no window.
+NON_ATTENTION = ("linear_attention", "conv", "mamba", "recurrent", "mlp", "moe", "ssm", "deltanet")
+# Models that rotate only their sliding-window layers (their attention: `if self.sliding_window is not None`).
+SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe", "flint", "afmoe"})
+# Models that rotate every layer when the config has no sliding window, else only the sliding layers
+# (`if self.sliding_window is None or self.is_sliding`).
+SLIDING_ONLY_WITH_WINDOW = frozenset({"exaone4", "exaone4_5", "exaone_moe", "kolibri1"})
+# Models whose layer layout is not read from the keys above: which layers attend, or rotate, comes from keys
+# model_rope does not interpret, so it refuses them rather than guess (RopeConfig.from_hf reads their RoPE).
+UNREAD_LAYOUTS = {
+    "jamba": "attn_layer_period / attn_layer_offset",
+    "bamba": "attn_layer_indices",
+    "zamba2": "hybrid_layer_ids and a shared attention block",
+    "zamba": "a shared attention block",
+    "recurrent_gemma": "block_types",
+    "hrm": "its recurrence over layer stacks",
+    "zaya": "its hybrid blocks",
+    "dory": "its recurrent section",
+    "muse_glimmer": "layer_rope_theta",
+    "muse_spark": "layer_rope_theta",
+}
+# Models whose config names a sliding_window that transformers' modeling code never applies (Moshi's
+# decoder builds a plain causal mask).
+NO_WINDOW = frozenset({"moshi"})
+# Models whose attention_chunk_size chunks their "chunked_attention" layers (Llama 4).
+CHUNKED = "chunked_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """One decoder layer's RoPE and attention window.
+
+    Attributes:
+        index: the layer's index in the decoder.
+        layer_type: its entry of the config's ``layer_types`` ("full_attention", "sliding_attention", ...),
+            or None when the config has none.
+        rope: the layer's RoPE, or None for a layer that applies none (NoPE, or no attention at all).
+        sliding_window: how many keys (the query's own included) a query sees, or None (no window).
+        attention_chunk_size: the chunk a query attends within (Llama 4's chunked layers), or None.
+        temperature: the scaling keys its query temperature comes from (see :meth:`attention_temperature`),
+            or None.
+    """
+
+    index: int
+    layer_type: str | None
+    rope: RopeConfig | None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    temperature: FrozenScaling | None = None
+
+    def attention_temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factor this layer multiplies the query at each position by (float32, shaped like positions;
+        ones for a layer without one).
+
+        Raises:
+            ValueError: for positions that are not an integer tensor.
+        """
+        return attention_temperature(self.temperature, positions, torch.float32)
+
+
+def model_rope(config: Any) -> list[LayerRope]:
+    """Every decoder layer's RoPE, window and query temperature, from a Hugging Face config.
+
+    Args:
+        config: a ``PretrainedConfig``, a dict, a config.json path or the folder holding it; multimodal
+            configs are read through their language model's config.
+
+    Returns:
+        one :class:`LayerRope` per decoder layer, in order.
+
+    Raises:
+        ValueError: for a config without a layer count, ``layer_types`` / ``no_rope_layers`` whose length is
+            not the layer count, a layer type without RoPE parameters, or anything
+            :meth:`RopeConfig.from_hf` refuses.
+
+    Example:
+        >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
+        ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
+    """
+    d = load_hf_config(config)
+    if _model_type(d) in UNREAD_LAYOUTS:
+        raise ValueError(
+            f"config['model_type']: model_rope does not read which layers of a {d['model_type']!r} model "
+            f"attend or rotate ({UNREAD_LAYOUTS[_model_type(d)]}); RopeConfig.from_hf reads its RoPE"
+        )
+    count = _layer_count(d)
+    types = _per_layer_list(d, "layer_types", count)
+    uses_rope = _uses_rope(d, count)
+    llama4 = _model_type(d) == "llama4" and d.get("attn_temperature_tuning", True)
+    layers, built = [], {}
+    for index in range(count):
+        layer_type = None if types is None else types[index]
+        overrides = layer_overrides(d, index, layer_type)
+        rope = None
+        if uses_rope[index] and _is_attention(layer_type) and _rotates(d, layer_type):
+            rope = _layer_rope(d, layer_type, overrides, built)
+        temperature = None
+        if llama4 and rope is None and _is_attention(layer_type):
+            temperature = FrozenScaling({k: d.get(k, v) for k, v in LLAMA4_TEMPERATURE.items()})
+        elif rope is not None and rope.scaling and rope.scaling.get(POSITION_SCALING_KEY) is not None:
+            keys = (POSITION_SCALING_KEY, "original_max_position_embeddings")
+            temperature = FrozenScaling({k: rope.scaling[k] for k in keys})
+        layers.append(
+            LayerRope(
+                index=index,
+                layer_type=layer_type,
+                rope=rope,
+                sliding_window=_sliding_window(d, layer_type),
+                attention_chunk_size=_chunk_size(d, layer_type),
+                temperature=temperature,
+            )
+        )
+    return layers
+
+
+def _model_type(d: Mapping[str, Any]) -> str:
+    return str(d.get("model_type") or "").removesuffix("_text")
+
+
+def _layer_count(d: Mapping[str, Any]) -> int:
+    count = next((d[k] for k in LAYER_COUNT_KEYS if d.get(k) is not None), None)
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise ValueError(
+            f"config: expected the number of decoder layers in one of {list(LAYER_COUNT_KEYS)} "
+            f"(a positive integer), got {describe(count)}"
+        )
+    return count
+
+
+def _per_layer_list(d: Mapping[str, Any], key: str, count: int) -> list | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        raise ValueError(
+            f"config[{key!r}]: expected one entry per decoder layer ({count}), got {describe(value)}"
+        )
+    return list(value)
+
+
+def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
+    """Per layer, whether it rotates: no_rope_layers[i] == 1 means layer i uses RoPE (Llama 4, SmolLM3)."""
+    flags = d.get("no_rope_layers")
+    interval = d.get("no_rope_layer_interval")
+    if flags is None or (not flags and _model_type(d) == "llama4"):
+        if flags is None and _model_type(d) not in ("llama4", "smollm3"):
+            return [True] * count
+        interval = 4 if interval is None else interval
+        return [(i + 1) % interval != 0 for i in range(count)]
+    flags = _per_layer_list(d, "no_rope_layers", count)
+    if any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise ValueError(
+            f"config['no_rope_layers']: expected 1 (the layer uses RoPE) or 0 (NoPE) per layer, got {flags!r}"
+        )
+    return [bool(f) for f in flags]
+
+
+def _rotates(d: Mapping[str, Any], layer_type: str | None) -> bool:
+    """False for the layers of a type the model's attention leaves without RoPE."""
+    model_type = _model_type(d)
+    if model_type in SLIDING_ONLY or (model_type in SLIDING_ONLY_WITH_WINDOW and d.get("sliding_window")):
+        return layer_type == SLIDING
+    return True
+
+
+def _is_attention(layer_type: str | None) -> bool:
+    return layer_type is None or (
+        "attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION)
+    )
+
+
+def _layer_rope(
+    d: Mapping[str, Any], layer_type: str | None, overrides: dict, built: dict
+) -> RopeConfig | None:
+    """The layer's RopeConfig (configs that agree are built once and shared), None for null parameters."""
+    params = d.get("rope_parameters")
+    entry = layer_type
+    nested = (
+        isinstance(params, Mapping)
+        and params
+        and all(v is None or isinstance(v, Mapping) for v in params.values())
+    )
+    if _model_type(d) == "deepseek_v4":
+        entry = DEEPSEEK_V4_ROPE_LABELS.get(layer_type, layer_type)
+    elif layer_type is not None and not nested and not _has_typed_bases(d):
+        entry = None  # one RoPE for every layer type
+    if nested and entry is None:
+        raise ValueError(
+            f"config['layer_types']: the config has per-layer-type rope_parameters {sorted(params)} but no "
+            "layer_types saying which layer is which"
+        )
+    if nested and entry in params and params[entry] is None:
+        return None
+    key = (entry, repr(sorted(overrides.items())))
+    if key not in built:
+        built[key] = RopeConfig._from_hf_kwargs(layer_rope_kwargs(d, entry, overrides))
+    return built[key]
+
+
+def _has_typed_bases(d: Mapping[str, Any]) -> bool:
+    """Legacy per-layer-type bases (Gemma 3's rope_local_base_freq, ModernBERT's global / local theta)."""
+    return any(
+        d.get(k) is not None for k in ("rope_local_base_freq", "global_rope_theta", "local_rope_theta")
+    )
+
+
+def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
+    if _model_type(d) in NO_WINDOW:
+        return None
+    window = d.get("sliding_window")
+    if _model_type(d) == "modernbert" and d.get("local_attention") is not None:
+        # Bidirectional: a query sees local_attention // 2 keys each side; HF passes half the window + 1.
+        window = d["local_attention"] // 2 + 1
+    if window is None or d.get("use_sliding_window") is False:
+        return None
+    if layer_type is None or layer_type == SLIDING or _model_type(d) == "deepseek_v4":
+        return int(window)
+    return None
+
+
+def _chunk_size(d: Mapping[str, Any], layer_type: str | None) -> int | None:
+    size = d.get("attention_chunk_size")
+    return int(size) if size is not None and layer_type == CHUNKED else None

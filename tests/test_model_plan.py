@@ -1,0 +1,270 @@
+"""ropekit.model_rope: a whole model's RoPE, layer by layer, equal to what transformers' own layers apply.
+
+The proofs build tiny models from transformers 5.24's configs (nothing is downloaded) and compare every
+decoder layer with its plan entry (tests/model_rope_proof.py). The fast set covers each per-layer feature
+once; the sweep over every RoPE model type is in the proof tier.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import model_rope_proof as proof
+import ropekit
+from ropekit import LayerRope, RopeConfig, model_rope
+
+# One model type per per-layer feature the plan reads.
+FAST = (
+    "llama",  # one RoPE, every layer
+    "gemma4_text",  # proportional full-attention layers with wider heads, default sliding ones
+    "gemma4",  # the same through the multimodal wrapper's text_config
+    "gemma3n_text",  # per-layer-type bases, sliding window
+    "olmo3",  # per-layer-type parameters, sliding and full layers
+    "llama4_text",  # NoPE layers with temperature, chunked RoPE layers, complex interleaved tables
+    "smollm3",  # NoPE layers (no_rope_layers)
+    "ministral3",  # llama_4_scaling_beta temperature on every layer
+    "mistral4",  # MLA: qk_rope_head_dim interleaved, llama_4_scaling_beta
+    "deepseek_v4",  # main / compress RoPE on the trailing 64 of 512 features, sliding window everywhere
+    "qwen3_omni_moe_thinker",  # the thinker's nested text_config, M-RoPE tables
+)
+
+
+def hf_dict(model_type, **changes):
+    d = AutoConfig.for_model(model_type).to_dict()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_plan_equals_every_layer_of_the_tiny_model(model_type):
+    problems, unmeasured = proof.prove(model_type)
+    assert problems == []
+    assert not [u for u in unmeasured if "temperature" in u or "interface" in u]
+
+
+# Model types model_rope refuses with a ValueError rather than guess: hybrids whose attention layers come
+# from keys it does not read, encoder-decoder or nested layouts without a decoder layer count, NanoChat's
+# rotation by -angle.
+REFUSED = frozenset(
+    {
+        "bamba", "dory", "hrm_text", "jamba", "muse_glimmer", "muse_glimmer_text", "muse_spark",
+        "muse_spark_text", "nanochat", "recurrent_gemma", "zamba", "zamba2", "zaya", "blt", "dia",
+        "moonshine_streaming", "nemo_speechlm", "nemotron_h", "t5gemma", "t5gemma2",
+    }
+)  # fmt: skip
+# Model types whose layers differ from the plan in a way the plan does not describe.
+UNDESCRIBED = {
+    "qwen4_exp": "indexed attention: its indexer's top-k hides keys the causal mask would show",
+    "qwen4_exp_text": "indexed attention: its indexer's top-k hides keys the causal mask would show",
+    "diffusion_gemma": "its positions are not arange(seq) on a token forward",
+}
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("model_type", sorted(proof.hf_coverage.rope_model_types()))
+def test_plan_equals_every_layer_for_every_rope_model_type(model_type):
+    if model_type in UNDESCRIBED:
+        pytest.xfail(UNDESCRIBED[model_type])
+    try:
+        problems, _ = proof.prove(model_type)
+    except proof.NotBuilt as err:
+        pytest.skip(str(err))
+    except ValueError as err:
+        if model_type not in REFUSED:
+            raise
+        assert "model_rope" in str(err) or "decoder layers" in str(err) or "RopeConfig" in str(err)
+        return
+    assert model_type not in REFUSED, "model_rope now reads it: take it off REFUSED"
+    assert problems == []
+
+
+# -- what the plan says for the published configs (transformers' defaults are the released models') ----------
+def test_gemma4_full_layers_use_the_wide_proportional_head_and_sliding_layers_the_default():
+    plan = model_rope(AutoConfig.for_model("gemma4"))
+    full = [layer for layer in plan if layer.layer_type == "full_attention"]
+    sliding = [layer for layer in plan if layer.layer_type == "sliding_attention"]
+    assert [layer.index for layer in full] == [5, 11, 17, 23, 29]
+    assert full[0].rope == RopeConfig(
+        512, 1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+        max_position_embeddings=131072,
+    )  # fmt: skip
+    assert sliding[0].rope == RopeConfig(256, 1e4, max_position_embeddings=131072)
+    assert {layer.sliding_window for layer in sliding} == {512}
+    assert {layer.sliding_window for layer in full} == {None}
+
+
+def test_gemma4_hub_config_global_head_dim_is_read():
+    d = hf_dict("gemma4_text")
+    d.pop("per_layer_config")
+    d["global_head_dim"] = 384
+    assert RopeConfig.from_hf(d, layer_type="full_attention").head_dim == 384
+    assert model_rope(d)[5].rope.head_dim == 384
+    assert model_rope(d)[4].rope.head_dim == 256
+
+
+def test_deepseek_v4_layers_rotate_the_trailing_64_of_512_features_with_main_or_compress():
+    plan = model_rope(AutoConfig.for_model("deepseek_v4"))
+    for layer in plan:
+        assert (layer.rope.head_dim, layer.rope.rotary_dim) == (512, 64)
+        assert layer.rope.rotary_position == "last" and layer.rope.interleaved
+        want = 1e4 if layer.layer_type == "sliding_attention" else 160000.0
+        assert layer.rope.base == want
+        assert layer.sliding_window == 128
+    d = hf_dict("deepseek_v4", layer_types=["sliding_attention"] + ["compressed_sparse_attention"] * 42)
+    assert model_rope(d)[0].rope.base == 1e4
+    assert RopeConfig.from_hf(d, layer_type="main").base == 1e4
+    assert RopeConfig.from_hf(d, layer_type="sliding_attention") == RopeConfig.from_hf(d, layer_type="main")
+    assert RopeConfig.from_hf(d, layer_type="compress").rotary_dim == 64
+
+
+def test_mistral4_rotates_all_of_qk_rope_head_dim_interleaved():
+    rope = RopeConfig.from_hf(AutoConfig.for_model("mistral4"))
+    assert (rope.head_dim, rope.rotary_dim, rope.interleaved) == (64, 64, True)
+    # MLA: the softmax scale carries DeepSeek's mscale^2 over the whole 128-wide q/k head
+    assert rope.softmax_scale(128) == pytest.approx(
+        128**-0.5 * (0.1 * 1.0 * torch.log(torch.tensor(128.0)).item() + 1) ** 2
+    )
+
+
+def test_mistral4_default_rope_over_a_partial_head_is_refused():
+    d = hf_dict("mistral4")
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="whole 128-wide head"):
+        RopeConfig.from_hf(d)
+
+
+def test_position_temperature_of_ministral3_and_mistral4_is_one_plus_beta_log():
+    positions = torch.tensor([0, 16383, 16384, 3 * 16384, 10**6])
+    want = 1 + 0.1 * torch.log1p(torch.floor(positions.double() / 16384))
+    for model_type in ("ministral3",):
+        plan = model_rope(AutoConfig.for_model(model_type))
+        got = plan[0].attention_temperature(positions)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.float())
+        assert RopeConfig.from_hf(AutoConfig.for_model(model_type)).scaling["llama_4_scaling_beta"] == 0.1
+    want4 = 1 + 0.1 * torch.log1p(torch.floor(positions.double() / 8192))
+    torch.testing.assert_close(
+        model_rope(AutoConfig.for_model("mistral4"))[3].attention_temperature(positions), want4.float()
+    )
+
+
+def test_position_temperature_matches_transformers_own_function():
+    from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+    positions = torch.arange(0, 200_000, 997)
+    theirs = get_llama_4_attn_scale(positions[None], 0.1, 16384)[0, 0, :, 0]
+    ours = model_rope(AutoConfig.for_model("ministral3"))[0].attention_temperature(positions)
+    torch.testing.assert_close(ours, theirs.float())
+
+
+def test_llama4_nope_layers_carry_the_temperature_and_rope_layers_the_chunk():
+    plan = model_rope(AutoConfig.for_model("llama4_text"))
+    nope = [layer for layer in plan if layer.rope is None]
+    assert [layer.index for layer in nope] == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
+    assert all(layer.attention_chunk_size is None for layer in nope)
+    assert {layer.attention_chunk_size for layer in plan if layer.rope is not None} == {8192}
+    p = torch.tensor([0, 8190, 8191, 10**6])
+    torch.testing.assert_close(
+        nope[0].attention_temperature(p), (1 + 0.1 * torch.log1p(torch.floor((p + 1.0) / 8192))).float()
+    )
+    assert torch.equal(plan[0].attention_temperature(p), torch.ones(4))
+
+
+def test_no_rope_layers_one_means_the_layer_rotates_in_llama4_and_smollm3():
+    for model_type in ("llama4_text", "smollm3"):
+        d = hf_dict(model_type, num_hidden_layers=3, layer_types=None)
+        d["no_rope_layers"] = [0, 1, 1]
+        plan = model_rope(d)
+        assert [layer.rope is None for layer in plan] == [True, False, False]
+
+
+def test_an_empty_no_rope_layers_is_llama4s_default_and_smollm3s_error():
+    plan = model_rope(hf_dict("llama4_text", num_hidden_layers=8, layer_types=None, no_rope_layers=[]))
+    assert [layer.rope is None for layer in plan] == [False, False, False, True] * 2
+    with pytest.raises(ValueError, match="no_rope_layers"):
+        model_rope(hf_dict("smollm3", num_hidden_layers=8, layer_types=None, no_rope_layers=[]))
+
+
+def test_qwen3_omni_reads_the_thinker_text_config():
+    d = hf_dict("qwen3_omni_moe")
+    text = d["thinker_config"]["text_config"]
+    text.update(head_dim=128, num_attention_heads=32, num_hidden_layers=4)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20],
+                               "mrope_interleaved": True}  # fmt: skip
+    plan = model_rope(d)
+    assert len(plan) == 4
+    assert plan[0].rope.mrope_section == (24, 20, 20) and plan[0].rope.mrope_layout == "interleaved"
+    assert RopeConfig.from_hf(d) == plan[0].rope
+
+
+def test_layers_that_are_not_attention_get_no_rope():
+    d = hf_dict("qwen3_next", num_hidden_layers=4)
+    d["layer_types"] = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    assert [layer.rope is None for layer in model_rope(d)] == [True, True, True, False]
+
+
+def test_entries_are_frozen_and_shared_between_equal_layers():
+    plan = model_rope(AutoConfig.for_model("olmo3"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan[0].rope = None
+    assert plan[0].rope is plan[1].rope
+    assert isinstance(plan[0], LayerRope) and ropekit.model_rope is model_rope
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_hidden_layers": None}, "number of decoder layers"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({"no_rope_layers": [2] * 36}, "no_rope_layers"),
+        ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+    ],
+)
+def test_configs_it_cannot_read_are_a_value_error(change, match):
+    with pytest.raises(ValueError, match=match):
+        model_rope(hf_dict("smollm3", **change))
+
+
+def test_model_rope_does_not_modify_the_config():
+    d = hf_dict("gemma4_text")
+    before = repr(d)
+    model_rope(d)
+    assert repr(d) == before
+
+
+# -- the proof can fail ----------------------------------------------------------------------------------
+def test_the_proof_sees_a_wrong_base_or_width():
+    model = proof.build("olmo3")
+    seen = proof.observe(model)
+    _, fn, call = seen[0].rotations[0]
+    right = model_rope(model.config)[0].rope
+    assert proof.rotation_difference(right, fn, call)[0] <= proof.TOLERANCE
+    for wrong in (
+        RopeConfig(right.head_dim, right.base * 2),
+        RopeConfig(right.head_dim, right.base, rotary_dim=right.head_dim // 2),
+        RopeConfig(right.head_dim, right.base, interleaved=True),
+    ):
+        assert proof.rotation_difference(wrong, fn, call)[0] > 100 * proof.TOLERANCE
+
+
+def test_the_proof_sees_a_wrong_window():
+    layer = LayerRope(0, "sliding_attention", None, sliding_window=8)
+    assert not torch.equal(proof.expected_allowed(layer), proof.expected_allowed(LayerRope(0, None, None)))
+    chunked = LayerRope(0, "chunked_attention", None, attention_chunk_size=4)
+    assert proof.expected_allowed(chunked).sum() < proof.expected_allowed(layer).sum()
+
+
+def test_rotary_embedding_for_model_serves_each_layer_its_own_table():
+    ropes = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("gemma4_text"))
+    plan = model_rope(AutoConfig.for_model("gemma4_text"))
+    assert len(ropes) == len(plan) == 30
+    assert ropes[0] is ropes[4] and ropes[5] is ropes[11] and ropes[0] is not ropes[5]
+    assert [r.config for r in ropes] == [layer.rope for layer in plan]
+    q, k = torch.randn(1, 7, 2, 512, dtype=torch.float64), torch.randn(1, 7, 1, 512, dtype=torch.float64)
+    got, _ = ropes[5](q, k)
+    cos, sin = plan[5].rope.cos_sin(7, dtype=torch.float64)
+    torch.testing.assert_close(got, ropekit.apply_rotary(q, cos, sin))
+    smol = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("smollm3"))
+    assert [r is None for r in smol[:4]] == [False, False, False, True]
