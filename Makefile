@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ropekit-installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv engines-venv clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q triton==3.9.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# The engines' environment (vLLM, SGLang, torchtitan) for tests/engines: vLLM needs transformers < 5.21,
+# which the main .venv does not hold. The engines go in with --no-deps (their wheels pin torch 2.14 and CUDA);
+# torch and triton are named again in each install so that no requirement can replace them.
+ENGINES_VENV  := .venv-engines
+ENGINES_PY    := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.ropekit-installed
+PINNED        := torch==2.13.0 triton==3.9.0
+
+engines-venv: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile requirements/engines.txt requirements/engines-nodeps.txt
+	python3 -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install -q torch==2.13.0
+	$(ENGINES_PY) -m pip install -q $(PINNED)
+	$(ENGINES_PY) -m pip install -q $(PINNED) -r requirements/engines.txt -e .
+	$(ENGINES_PY) -m pip install -q --no-deps -r requirements/engines-nodeps.txt
+	touch $(ENGINES_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m ropekit demo
@@ -27,4 +45,4 @@ test: lint
 	$(PY) -m pytest -n 2 -q tests
 
 clean:
-	rm -rf $(VENV) build dist ropekit-report
+	rm -rf $(VENV) $(ENGINES_VENV) build dist ropekit-report
