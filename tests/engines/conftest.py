@@ -1,0 +1,23 @@
+"""tests/engines runs only in .venv-engines (``make engines-venv``), where vLLM, SGLang and torchtitan are
+installed: if they cannot be imported here, that is a broken environment, and the run fails (never skips).
+
+The engines read their platform at import: vLLM is told it runs on the CPU before anything imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+try:
+    import sglang.srt.layers.rotary_embedding  # noqa: F401
+    import sglang.srt.plugins  # noqa: F401
+    import vllm.config  # noqa: F401
+    import vllm.model_executor.layers.rotary_embedding  # noqa: F401
+    import vllm.plugins  # noqa: F401
+except ImportError as err:  # pragma: no cover - a broken engines environment
+    raise RuntimeError(
+        f"tests/engines needs the engines environment (make engines-venv, then run it with "
+        f".venv-engines/bin/python -m pytest tests/engines): {err}"
+    ) from err
