@@ -28,7 +28,7 @@ import logging
 import torch
 
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, rotary_embedding
-from ropekit.integrations.vllm import MRopeForwards
+from ropekit.integrations.vllm import mrope_rotate
 
 __all__ = ["LEFT", "TARGETS", "register"]
 
@@ -90,14 +90,20 @@ def mrope_forward_native(original, self, positions, query, key, fused_set_kv_buf
     if not _mrope_served(self, positions):
         return original(self, positions, query, key, fused_set_kv_buffer_arg)
     _no_fused(fused_set_kv_buffer_arg)
-    return MRopeForwards.forward_native(self, positions, query, key)
+    if positions.dim() == 1:
+        cache = _cache(self, query)
+        return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+    return mrope_rotate(self, positions, query, key, inplace=False)
 
 
 def mrope_forward_inplace(original, self, positions, query, key, fused_set_kv_buffer_arg=None):
     """SGLang's ``MRotaryEmbedding.forward_cuda`` / ``forward_cpu``: in place, plus the fused KV write."""
     if not _mrope_served(self, positions):
         return original(self, positions, query, key, fused_set_kv_buffer_arg)
-    MRopeForwards.forward_cuda(self, positions, query, key)
+    if positions.dim() == 1:
+        rotary_embedding(positions, query, key, self.head_size, _cache(self, query), self.is_neox_style)
+    else:
+        mrope_rotate(self, positions, query, key, inplace=True)
     if fused_set_kv_buffer_arg is not None:
         _store(fused_set_kv_buffer_arg, key, positions.shape[-1])
     return query, key

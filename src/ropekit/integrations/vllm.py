@@ -44,7 +44,7 @@ from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.schedules.mrope import mrope_axis_of_pair
 from ropekit.validation import describe
 
-__all__ = ["ADAPTERS", "LEFT", "register", "registered"]
+__all__ = ["ADAPTERS", "LEFT", "mrope_rotate", "register", "registered"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,42 +80,43 @@ class CacheForwards:
     forward_cpu = forward_cuda
 
 
-class MRopeForwards(CacheForwards):
-    """vLLM's ``MRotaryEmbedding``: positions (T,) as :class:`CacheForwards`; positions (axes, T) give each
-    frequency pair the row of its own axis (Qwen2-VL's chunked sections, or Qwen3-VL's interleaved layout with
-    ``mrope_interleaved``), then ropekit rotates with those per-token rows.
+def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
+    """M-RoPE with positions (axes, T) on a [cos | sin] cache, for vLLM's and SGLang's ``MRotaryEmbedding``
+    (``mrope_section``, ``mrope_interleaved``, ``head_size``, ``is_neox_style``, ``cos_sin_cache``): each
+    frequency pair takes the cache row of its own axis (Qwen2-VL's chunked sections, Qwen3-VL's interleaved
+    layout), then ropekit rotates with those per-token rows. Returns (query, key) rotated, new unless inplace.
     """
+    positions = _with_offsets(positions, offsets)
+    cache = _cache(module, query)
+    half = cache.shape[1] // 2
+    axis = mrope_axis_of_pair(module.mrope_section, bool(module.mrope_interleaved)).to(cache.device)
+    rows = cache[positions]  # (axes, T, R)
+    index = axis.expand(1, rows.shape[1], half)  # (1, T, R/2)
+    cos, sin = rows[..., :half].gather(0, index)[0], rows[..., half:].gather(0, index)[0]  # (T, R/2) each
+    tokens = positions.shape[-1]
+    q = query.view(1, tokens, -1, module.head_size)  # (1, T, Hq, D)
+    flags = dict(interleaved=not module.is_neox_style, inplace=inplace, per_token=True)
+    if key is None:
+        return apply_rotary(q, cos, sin, **flags).view(query.shape), None
+    k = key.view(1, tokens, -1, module.head_size)  # (1, T, Hk, D)
+    q, k = apply_rotary_qk(q, k, cos, sin, **flags)
+    return q.view(query.shape), k.view(key.shape)
 
-    def _rows(self, positions, offsets, query):
-        """(cos, sin), each (T, R/2): per token, every pair's value from its axis's cache row."""
-        positions = _with_offsets(positions, offsets)
-        cache = _cache(self, query)
-        half = cache.shape[1] // 2
-        axis = mrope_axis_of_pair(self.mrope_section, bool(self.mrope_interleaved)).to(cache.device)
-        rows = cache[positions]  # (axes, T, R)
-        index = axis.expand(1, rows.shape[1], half)  # (1, T, R/2)
-        return rows[..., :half].gather(0, index)[0], rows[..., half:].gather(0, index)[0]
 
-    def _rotate(self, positions, query, key, offsets, inplace):
-        cos, sin = self._rows(positions, offsets, query)
-        tokens = positions.shape[-1]
-        q = query.view(1, tokens, -1, self.head_size)  # (1, T, Hq, D)
-        flags = dict(interleaved=not self.is_neox_style, inplace=inplace, per_token=True)
-        if key is None:
-            return apply_rotary(q, cos, sin, **flags).view(query.shape), None
-        k = key.view(1, tokens, -1, self.head_size)  # (1, T, Hk, D)
-        q, k = apply_rotary_qk(q, k, cos, sin, **flags)
-        return q.view(query.shape), k.view(key.shape)
+class MRopeForwards(CacheForwards):
+    """vLLM's ``MRotaryEmbedding``: positions (T,) as :class:`CacheForwards`, positions (axes, T) through
+    :func:`mrope_rotate`.
+    """
 
     def forward_native(self, positions, query, key=None, offsets=None):
         if positions.dim() == 1:
             return CacheForwards.forward_native(self, positions, query, key, offsets)
-        return self._rotate(positions, query, key, offsets, inplace=False)
+        return mrope_rotate(self, positions, query, key, offsets, inplace=False)
 
     def forward_cuda(self, positions, query, key=None, offsets=None):
         if positions.dim() == 1:
             return CacheForwards.forward_cuda(self, positions, query, key, offsets)
-        self._rotate(positions, query, key, offsets, inplace=True)
+        mrope_rotate(self, positions, query, key, offsets, inplace=True)
         return query, key
 
     forward_cpu = forward_cuda
