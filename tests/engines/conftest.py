@@ -11,10 +11,10 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 try:
-    import sglang.srt.layers.rotary_embedding  # noqa: F401
+    import sglang.srt.layers.rotary_embedding
     import sglang.srt.plugins  # noqa: F401
-    import vllm.config  # noqa: F401
-    import vllm.model_executor.layers.rotary_embedding  # noqa: F401
+    import vllm.config
+    import vllm.model_executor.layers.rotary_embedding
     import vllm.plugins  # noqa: F401
 except ImportError as err:  # pragma: no cover - a broken engines environment
     raise RuntimeError(

@@ -1,9 +1,9 @@
-"""ropekit's SGLang plugin against the real SGLang 0.5.23 (its Python package, on the CPU; see docs/engines.md).
+"""ropekit's SGLang plugin against the real SGLang 0.5.23 (its Python package, on the CPU; docs/engines.md).
 
-The plugin is loaded as SGLang loads it: ``sglang.srt.plugins.load_plugins()`` finds the ``sglang.srt.plugins``
-entry point in ropekit's installed metadata and applies the hooks through its hook registry. The oracle is
-SGLang's own method (the hook's ``__wrapped__`` original) on the same module, and the float64 rotation by the
-module's cache rows.
+The plugin is loaded as SGLang loads it: ``sglang.srt.plugins.load_plugins()`` finds the
+``sglang.srt.plugins`` entry point in ropekit's installed metadata and applies the hooks through its hook
+registry. The oracle is SGLang's own method (the hook's ``__wrapped__`` original) on the same module, and the
+float64 rotation by the module's cache rows.
 """
 
 from __future__ import annotations

@@ -94,7 +94,12 @@ FAMILIES = [
         "MRotaryEmbedding",
         32,
         True,
-        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mrope_section": [4, 6, 6]},
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 16,
+            "mrope_section": [4, 6, 6],
+        },
         16,
     ),
 ]
@@ -249,7 +254,9 @@ def test_every_vllm_rotary_class_is_replaced_or_left_with_a_reason():
         for name, obj in inspect.getmembers(vllm_rope, inspect.isclass)
         if issubclass(obj, nn.Module) and "Rotary" in name and name not in ("RotaryEmbeddingBase",)
     }
-    assert classes <= set(plugin.ADAPTERS) | set(plugin.LEFT), classes - set(plugin.ADAPTERS) - set(plugin.LEFT)
+    assert classes <= set(plugin.ADAPTERS) | set(plugin.LEFT), (
+        classes - set(plugin.ADAPTERS) - set(plugin.LEFT)
+    )
     assert not set(plugin.ADAPTERS) & set(plugin.LEFT)
     for name in plugin.LEFT:  # what is left stays vLLM's
         assert name not in plugin.registered()
@@ -269,7 +276,9 @@ def test_vllm_plugins_not_naming_ropekit_leaves_vllms_classes():
 
     def built(plugins):
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": plugins}
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         return run.stdout.strip().splitlines()[-1]
 
     assert built("some_other_plugin") == "vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding"

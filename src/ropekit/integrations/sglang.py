@@ -2,19 +2,21 @@
 
 Turned on by installing ropekit: the entry point ``sglang.srt.plugins: ropekit =
 ropekit.integrations.sglang:register`` is in its metadata, and ``SGLANG_PLUGINS`` (comma-separated names)
-filters plugins as usual. SGLang calls :func:`register` in every process (``load_plugins``), then applies the
-hooks itself.
+filters plugins as usual. SGLang calls :func:`register` in every process (``load_plugins``), then applies
+the hooks itself.
 
 How it plugs in: SGLang's hook registry (``sglang.srt.plugins.hook_registry``, ``HookType.AROUND`` on a
-method by dotted path, so the few calls ropekit does not serve still reach SGLang's own method). The methods replaced are those of :data:`TARGETS`, each a class's own
-``forward_native`` / ``forward_cpu`` / ``forward_cuda``: subclasses that inherit them (linear, dynamic NTK,
-NTK-alpha, Llama 3, Gemma 4, YaRN and DeepSeek YaRN's ``forward_cuda``) are served too, with their own caches.
-Construction and the ``[cos | sin]`` cache (``cos_sin_cache``, (P, R)) stay SGLang's:
+method by dotted path, so the few calls ropekit does not serve still reach SGLang's own method). The
+methods hooked are those of :data:`TARGETS`, each a class's own ``forward_native`` / ``forward_cpu`` /
+``forward_cuda``: subclasses that inherit them (linear, dynamic NTK, NTK-alpha, Llama 3, Gemma 4, YaRN,
+and DeepSeek YaRN's ``forward_cuda``) are served too, with their own caches. Construction and the
+``[cos | sin]`` cache (``cos_sin_cache``, (P, R)) stay SGLang's:
 
-* ``forward_cuda`` / ``forward_cpu`` rotate query and key in place (:func:`ropekit.compat.vllm.rotary_embedding`)
-  and return them, as SGLang's kernels do. With ``fused_set_kv_buffer_arg`` (SGLang's ``FusedSetKVBufferArg``:
-  ``value``, ``k_buffer`` (slots, Hk * D), ``v_buffer``, ``cache_loc``), the rotated key and the value are also
-  written into the buffers at ``cache_loc``, as SGLang's fused kernel does.
+* ``forward_cuda`` / ``forward_cpu`` rotate query and key in place
+  (:func:`ropekit.compat.vllm.rotary_embedding`) and return them, as SGLang's kernels do. With
+  ``fused_set_kv_buffer_arg`` (SGLang's ``FusedSetKVBufferArg``: ``value``, ``k_buffer`` (slots, Hk * D),
+  ``v_buffer``, ``cache_loc``), the rotated key and the value are also written into the buffers at
+  ``cache_loc``, as SGLang's fused kernel does.
 * ``forward_native`` returns new tensors and leaves its inputs alone; like SGLang's, it refuses the fused
   argument.
 
@@ -51,7 +53,7 @@ def _store(fused, key: torch.Tensor, tokens: int) -> None:
 def _no_fused(fused) -> None:
     if fused is not None:
         raise ValueError(
-            "fused_set_kv_buffer_arg: expected None on SGLang's native path (as SGLang's own forward_native); "
+            "fused_set_kv_buffer_arg: expected None on SGLang's native path (as its own forward_native); "
             "the fused KV write is served by forward_cuda and forward_cpu"
         )
 
@@ -82,7 +84,9 @@ def forward_inplace(original, self, positions, query, key, offsets=None, fused_s
 def _mrope_served(self, positions) -> bool:
     """M-RoPE layouts ropekit serves: text positions, or (axes, T) with chunked or interleaved sections (not
     GLM's interleaving, which stays SGLang's)."""
-    return positions.dim() == 1 or (bool(self.mrope_section) and not getattr(self, "mrope_interleaved_glm", 0))
+    return positions.dim() == 1 or (
+        bool(self.mrope_section) and not getattr(self, "mrope_interleaved_glm", 0)
+    )
 
 
 def mrope_forward_native(original, self, positions, query, key, fused_set_kv_buffer_arg=None):
@@ -126,7 +130,7 @@ TARGETS: dict[str, object] = {
 # SGLang's rotary classes whose forward stays SGLang's, and why.
 LEFT: dict[str, str] = {
     "DeepseekScalingRotaryEmbedding.forward_native / forward_cpu": (
-        "its own native and CPU paths (DeepSeek-V3.2's indexer layout); its forward_cuda is the base one, served"
+        "its own native and CPU paths; its forward_cuda is the base one, which ropekit serves"
     ),
     "MRotaryEmbedding with mrope_interleaved_glm": "GLM's interleaving; the hook hands these calls to SGLang",
     "Ernie4_5_VLRotaryEmbedding": "ERNIE 4.5-VL's M-RoPE layout in its own forward",

@@ -4,31 +4,34 @@ Turned on by installing ropekit (the entry point ``vllm.general_plugins: ropekit
 ropekit.integrations.vllm:register`` is in its metadata) and, where a deployment filters plugins,
 ``VLLM_PLUGINS=ropekit``. vLLM calls :func:`register` in every process it starts, so it is idempotent.
 
-How it plugs in: vLLM's supported door for an out-of-tree kernel, ``CustomOp.register_oot(_decorated_op_cls=...,
-name=...)``. ``CustomOp.__new__`` looks the class name up in that registry, so ``get_rope(...)`` and every model
-that builds ``RotaryEmbedding(...)`` directly then build ropekit's class instead. Each replacement *subclasses*
-vLLM's class: construction and the ``[cos | sin]`` cache (``cos_sin_cache``, (P, R), row p =
-[cos(p theta) | sin(p theta)], vLLM's own numbers) stay vLLM's; only the forward paths change:
+How it plugs in: vLLM's supported door for an out-of-tree kernel,
+``CustomOp.register_oot(_decorated_op_cls=..., name=...)``. ``CustomOp.__new__`` looks the class name up in
+that registry, so ``get_rope(...)`` and every model that builds ``RotaryEmbedding(...)`` directly then build
+ropekit's class instead. Each replacement *subclasses* vLLM's class: construction and the ``[cos | sin]``
+cache (``cos_sin_cache``, (P, R), row p = [cos(p theta) | sin(p theta)], vLLM's own numbers) stay vLLM's;
+only the forward paths change:
 
 * ``forward_cuda`` / ``forward_cpu`` (an enabled op: vLLM's default without Inductor, or
   ``--compilation_config.custom_ops '["+rotary_embedding"]'``) rotate query and key in place through
   ``torch.ops.ropekit.rotary_embedding`` (vLLM's op signature) and return them, as vLLM's
   ``ops.rotary_embedding`` path does;
 * ``forward_native`` (a disabled op, traced by Inductor) returns new tensors and leaves its inputs alone, as
-  vLLM's does.
+  vLLM's does. Both take vLLM's ``offsets`` form (added to the positions) where its class has it.
 
-Both are :mod:`ropekit.compat.vllm`'s functions on the module's own cache: one piece of code serves ropekit's
-vLLM-compatible API and vLLM itself. The math runs in float32 whatever the cache dtype (vLLM's native path casts
-the cache to the query's dtype first), so in bfloat16 ropekit is as close or closer to the exact rotation.
+Both are :mod:`ropekit.compat.vllm`'s functions on the module's own cache: one piece of code serves
+ropekit's vLLM-compatible API and vLLM itself. The math runs in float32 whatever the cache dtype (vLLM's
+native path computes in the query's dtype), so in bfloat16 ropekit is as close or closer to the exact
+rotation; in float32 the two agree bit for bit (docs/engines.md).
 
 Which classes: :data:`ADAPTERS` maps a vLLM class name to the ropekit forwards that serve it exactly (a new
 class is one line there); :data:`LEFT` names the rotary classes left to vLLM, with the reason, and
 :func:`register` logs both once. A class missing from the installed vLLM is skipped and logged.
 
-Fused QK-norm + RoPE: vLLM fuses them only inside its Inductor pass (``QKNormRoPEFusionPass``), which rewrites
-the graph to ``torch.ops._C.fused_qk_norm_rope``, an op of vLLM's compiled extension; it is not a ``CustomOp``
-and no plugin door reaches it (serving it would mean registering a kernel in vLLM's private ``_C`` namespace),
-so it stays vLLM's. ``ropekit.compat.vllm.fused_qk_norm_rope`` offers the same call outside vLLM.
+Fused QK-norm + RoPE: vLLM fuses them only inside an Inductor pass (``QKNormRoPEFusionPass``) that rewrites
+the graph to ``torch.ops._C.fused_qk_norm_rope``, an op of vLLM's compiled extension; it is not a
+``CustomOp`` and no plugin door reaches it (serving it would mean registering a kernel in vLLM's private
+``_C`` namespace), so it stays vLLM's. ``ropekit.compat.vllm.fused_qk_norm_rope`` offers the same call
+outside vLLM.
 
 Nothing here imports vLLM until :func:`register` runs.
 """
@@ -50,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 def _cache(module, query: torch.Tensor) -> torch.Tensor:
-    """The module's [cos | sin] cache on the query's device (vLLM moves it with the model; this is a fallback)."""
+    """The module's [cos | sin] cache on the query's device (vLLM moves it with the model; a fallback)."""
     cache = module.cos_sin_cache
     return cache if cache.device == query.device else cache.to(query.device)
 
@@ -123,15 +126,17 @@ class MRopeForwards(CacheForwards):
 
 
 class Llama4VisionForwards:
-    """vLLM's ``Llama4VisionRotaryEmbedding``: query and key (B, S, H, D), token s of every image rotated by row
-    s of a complex cache (S, 1, D/2) (2-D patch frequencies, the class token's row the identity), pairs
+    """vLLM's ``Llama4VisionRotaryEmbedding``: query and key (B, S, H, D), token s of every image rotated by
+    row s of a complex cache (S, 1, D/2) (2-D patch frequencies, the class token's row the identity), pairs
     (2i, 2i+1). ropekit reads the cache's real and imaginary parts as its cos and sin tables.
     """
 
     def _tables(self, query):
         cache = self.cos_sin_cache
         if not torch.is_complex(cache):
-            raise ValueError(f"cos_sin_cache: expected vLLM's complex (S, 1, D/2) cache, got {describe(cache)}")
+            raise ValueError(
+                f"cos_sin_cache: expected vLLM's complex (S, 1, D/2) cache, got {describe(cache)}"
+            )
         cache = cache.to(query.device)[:, 0]  # (S, D/2)
         return cache.real.contiguous(), cache.imag.contiguous()
 
@@ -180,7 +185,8 @@ LEFT: dict[str, str] = {
     "BailingMRotaryEmbedding": "Bailing's M-RoPE layout has its own forward",
     "Ernie4_5_VLRotaryEmbedding": "ERNIE 4.5-VL's M-RoPE layout has its own forward",
     "fused_qk_norm_rope": (
-        "an Inductor pattern pass rewrites to torch.ops._C.fused_qk_norm_rope, vLLM's compiled op: no plugin door"
+        "an Inductor pattern pass rewrites to torch.ops._C.fused_qk_norm_rope, vLLM's compiled op: "
+        "no plugin door"
     ),
 }
 
@@ -222,8 +228,6 @@ def register() -> None:
         replaced.append(name)
     if replaced:
         logger.info("ropekit: serving vLLM's %s", ", ".join(replaced))
-        logger.info(
-            "ropekit: left to vLLM: %s", "; ".join(f"{name} ({why})" for name, why in LEFT.items())
-        )
+        logger.info("ropekit: left to vLLM: %s", "; ".join(f"{name} ({why})" for name, why in LEFT.items()))
     if absent:
         logger.info("ropekit: not in this vLLM, skipped: %s", ", ".join(absent))
