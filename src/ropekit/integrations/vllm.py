@@ -172,7 +172,7 @@ LEFT: dict[str, str] = {
         "a plain nn.Module in vLLM 0.33, not a CustomOp: CustomOp.register_oot cannot reach it"
     ),
     "DualChunkRotaryEmbedding": (
-        "dual-chunk attention's forward returns five differently-rotated query parts, not one rotation; "
+        "dual-chunk attention's forward returns several differently-rotated query parts, not one rotation; "
         "its constructor also needs a CUDA device"
     ),
     "DeepseekV4ScalingRotaryEmbedding": (
