@@ -5,11 +5,6 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ropekit-installed
-# The engines (vLLM, SGLang, torchtitan) get their own environment: vLLM's package requires transformers<5.21,
-# the HF parity tests of the main one a newer transformers.
-EVENV  := .venv-engines
-EPY    := $(EVENV)/bin/python
-ESTAMP := $(EVENV)/.ropekit-installed
 
 .PHONY: demo test proofs lint venv engines-venv clean
 
@@ -22,15 +17,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-engines-venv: $(ESTAMP)
+# The engines' environment (vLLM, SGLang, torchtitan) for tests/engines: vLLM needs transformers < 5.21,
+# which the main .venv does not hold. The engines go in with --no-deps (their wheels pin torch 2.14 and CUDA);
+# torch and triton are named again in each install so that no requirement can replace them.
+ENGINES_VENV  := .venv-engines
+ENGINES_PY    := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.ropekit-installed
+PINNED        := torch==2.13.0 triton==3.9.0
 
-$(ESTAMP): pyproject.toml Makefile requirements/engines.txt requirements/engines-nodeps.txt
-	python3 -m venv $(EVENV)
-	$(EPY) -m pip install -q torch==2.13.0
-	$(EPY) -m pip install -q triton==3.9.0
-	$(EPY) -m pip install -q -e . -r requirements/engines.txt
-	$(EPY) -m pip install -q --no-deps -r requirements/engines-nodeps.txt
-	touch $(ESTAMP)
+engines-venv: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile requirements/engines.txt requirements/engines-nodeps.txt
+	python3 -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install -q torch==2.13.0
+	$(ENGINES_PY) -m pip install -q $(PINNED)
+	$(ENGINES_PY) -m pip install -q $(PINNED) -r requirements/engines.txt -e .
+	$(ENGINES_PY) -m pip install -q --no-deps -r requirements/engines-nodeps.txt
+	touch $(ENGINES_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m ropekit demo
@@ -44,9 +47,9 @@ test: lint
 	$(PY) -m pytest -n 2 -q -m "not proof and not engine" --durations=15 tests
 
 # The heavy tier: full grids, every Triton compile, full-size interpreter suites, then the engines.
-proofs: $(STAMP) $(ESTAMP)
+proofs: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m pytest -n 2 -q -m proof --durations=15 tests
-	ROPEKIT_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -n 2 -q -m engine --durations=15 tests/engines
+	ROPEKIT_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -n 2 -q -m engine --durations=15 tests/engines
 
 clean:
-	rm -rf $(VENV) $(EVENV) build dist ropekit-report
+	rm -rf $(VENV) $(ENGINES_VENV) build dist ropekit-report

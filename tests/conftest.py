@@ -21,6 +21,7 @@ from rotary_reference import reference_rotation, tolerance
 
 __all__ = ["reference_rotation", "tolerance"]  # kept importable from here for older test files
 
+
 # The machine is shared and slow: no per-example deadline. Tests that need more or fewer examples say so.
 settings.register_profile("ropekit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ropekit")

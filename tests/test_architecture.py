@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ropekit"
 
-# Bottom to top, as drawn in ARCHITECTURE.md. A module belongs to the first layer with a matching prefix.
+# Bottom to top, as drawn in ARCHITECTURE.md. A module belongs to the layer with its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("validation", ("ropekit.validation", "ropekit.dtensor_inputs")),
     ("reference", ("ropekit.reference",)),
@@ -43,11 +43,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("public API", ("ropekit",)),  # the package root: only the exact name "ropekit"
     ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations")),
+    # Plugins an engine loads (docs/engines.md): on the peers (compat.vllm serves vLLM's cache contract).
+    ("engine plugins", ("ropekit.integrations.vllm", "ropekit.integrations.sglang")),
     ("tools", ("ropekit.tools",)),
     ("cli", ("ropekit.cli", "ropekit.__main__")),
 ]
 TOOLS_WING = ("ropekit.tools", "ropekit.cli", "ropekit.__main__")
-HEAVY = ("matplotlib", "tqdm", "transformers")
+# The engines too: their plugins import them only when the engine calls them.
+HEAVY = ("matplotlib", "tqdm", "transformers", "vllm", "sglang")
 # Modules that import an engine at module level: only the engine imports them (torchtitan's
 # --override.imports), and only the engines environment has the engine.
 ENGINE_MODULES = ("ropekit.integrations.torchtitan",)
@@ -60,10 +63,10 @@ def _matches(name: str, prefix: str) -> bool:
 
 
 def layer_of(name: str) -> int:
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        if any(_matches(name, p) for p in prefixes):
-            return rank
-    raise LookupError(name)
+    found = [(len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _matches(name, p)]
+    if not found:
+        raise LookupError(name)
+    return max(found)[1]
 
 
 def module_name(path: Path) -> str:

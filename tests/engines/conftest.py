@@ -1,14 +1,24 @@
-"""tests/engines/ runs in the engines environment only (``make proofs``: ``ROPEKIT_ENGINES=1``, .venv-engines;
-tests/conftest.py leaves the folder out everywhere else). There a missing engine is an error, never a skip:
-a proof that silently ran nothing would pass."""
+"""tests/engines runs only in .venv-engines (``make engines-venv``), where vLLM, SGLang and torchtitan are
+installed: if they cannot be imported here, that is a broken environment, and the run fails (never skips).
 
-import importlib.util
+The engines read their platform at import: vLLM is told it runs on the CPU before anything imports it.
+"""
 
-import pytest
+from __future__ import annotations
 
-# The engines the files here import at module level (requirements/engines*.txt installs them).
-ENGINES = ("vllm", "torchtitan")
+import os
 
-missing = [engine for engine in ENGINES if importlib.util.find_spec(engine) is None]
-if missing:
-    raise pytest.UsageError(f"tests/engines/ needs {missing} installed: run it through `make proofs`")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+try:
+    import sglang.srt.layers.rotary_embedding
+    import sglang.srt.plugins
+    import torchtitan.models.common.rope  # noqa: F401
+    import vllm.config
+    import vllm.model_executor.layers.rotary_embedding
+    import vllm.plugins  # noqa: F401
+except ImportError as err:  # pragma: no cover - a broken engines environment
+    raise RuntimeError(
+        f"tests/engines needs the engines environment (make engines-venv, then run it with "
+        f".venv-engines/bin/python -m pytest tests/engines): {err}"
+    ) from err

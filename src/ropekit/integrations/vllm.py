@@ -1,0 +1,233 @@
+"""ropekit inside vLLM: a general plugin that serves vLLM's rotary classes with ropekit's kernels.
+
+Turned on by installing ropekit (the entry point ``vllm.general_plugins: ropekit =
+ropekit.integrations.vllm:register`` is in its metadata) and, where a deployment filters plugins,
+``VLLM_PLUGINS=ropekit``. vLLM calls :func:`register` in every process it starts, so it is idempotent.
+
+How it plugs in: vLLM's supported door for an out-of-tree kernel,
+``CustomOp.register_oot(_decorated_op_cls=..., name=...)``. ``CustomOp.__new__`` looks the class name up in
+that registry, so ``get_rope(...)`` and every model that builds ``RotaryEmbedding(...)`` directly then build
+ropekit's class instead. Each replacement *subclasses* vLLM's class: construction and the ``[cos | sin]``
+cache (``cos_sin_cache``, (P, R), row p = [cos(p theta) | sin(p theta)], vLLM's own numbers) stay vLLM's;
+only the forward paths change:
+
+* ``forward_cuda`` / ``forward_cpu`` (an enabled op: vLLM's default without Inductor, or
+  ``--compilation_config.custom_ops '["+rotary_embedding"]'``) rotate query and key in place through
+  ``torch.ops.ropekit.rotary_embedding`` (vLLM's op signature) and return them, as vLLM's
+  ``ops.rotary_embedding`` path does;
+* ``forward_native`` (a disabled op, traced by Inductor) returns new tensors and leaves its inputs alone, as
+  vLLM's does. Both take vLLM's ``offsets`` form (added to the positions) where its class has it.
+
+Both are :mod:`ropekit.compat.vllm`'s functions on the module's own cache: one piece of code serves
+ropekit's vLLM-compatible API and vLLM itself. The math runs in float32 whatever the cache dtype (vLLM's
+native path computes in the query's dtype), so in bfloat16 ropekit is as close or closer to the exact
+rotation; in float32 the two agree bit for bit (docs/engines.md).
+
+Which classes: :data:`ADAPTERS` maps a vLLM class name to the ropekit forwards that serve it exactly (a new
+class is one line there); :data:`LEFT` names the rotary classes left to vLLM, with the reason, and
+:func:`register` logs both once. A class missing from the installed vLLM is skipped and logged.
+
+Fused QK-norm + RoPE: vLLM fuses them only inside an Inductor pass (``QKNormRoPEFusionPass``) that rewrites
+the graph to ``torch.ops._C.fused_qk_norm_rope``, an op of vLLM's compiled extension; it is not a
+``CustomOp`` and no plugin door reaches it (serving it would mean registering a kernel in vLLM's private
+``_C`` namespace), so it stays vLLM's. ``ropekit.compat.vllm.fused_qk_norm_rope`` offers the same call
+outside vLLM.
+
+Nothing here imports vLLM until :func:`register` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, rotary_embedding
+from ropekit.functional import apply_rotary, apply_rotary_qk
+from ropekit.schedules.mrope import mrope_axis_of_pair
+from ropekit.validation import describe
+
+__all__ = ["ADAPTERS", "LEFT", "mrope_rotate", "register", "registered"]
+
+logger = logging.getLogger(__name__)
+
+
+def _cache(module, query: torch.Tensor) -> torch.Tensor:
+    """The module's [cos | sin] cache on the query's device (vLLM moves it with the model; a fallback)."""
+    cache = module.cos_sin_cache
+    return cache if cache.device == query.device else cache.to(query.device)
+
+
+def _with_offsets(positions: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's ``offsets`` form (DeepSeek, M-RoPE): per-token offsets added to the positions."""
+    return positions if offsets is None else positions + offsets
+
+
+class CacheForwards:
+    """vLLM's ``RotaryEmbedding`` forward: row ``positions[t]`` of the [cos | sin] cache rotates token t.
+
+    Serves every class whose forward is that lookup and which differs from ``RotaryEmbedding`` only in how it
+    fills its cache (scaled frequencies, a YaRN mscale baked into the rows, ...).
+    """
+
+    def forward_native(self, positions, query, key=None, offsets=None):
+        positions = _with_offsets(positions, offsets)
+        cache = _cache(self, query)
+        return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+
+    def forward_cuda(self, positions, query, key=None, offsets=None):
+        positions = _with_offsets(positions, offsets)
+        rotary_embedding(positions, query, key, self.head_size, _cache(self, query), self.is_neox_style)
+        return query, key
+
+    forward_cpu = forward_cuda
+
+
+def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
+    """M-RoPE with positions (axes, T) on a [cos | sin] cache, for vLLM's and SGLang's ``MRotaryEmbedding``
+    (``mrope_section``, ``mrope_interleaved``, ``head_size``, ``is_neox_style``, ``cos_sin_cache``): each
+    frequency pair takes the cache row of its own axis (Qwen2-VL's chunked sections, Qwen3-VL's interleaved
+    layout), then ropekit rotates with those per-token rows. Returns (query, key) rotated, new unless inplace.
+    """
+    positions = _with_offsets(positions, offsets)
+    cache = _cache(module, query)
+    half = cache.shape[1] // 2
+    axis = mrope_axis_of_pair(module.mrope_section, bool(module.mrope_interleaved)).to(cache.device)
+    rows = cache[positions]  # (axes, T, R)
+    index = axis.expand(1, rows.shape[1], half)  # (1, T, R/2)
+    cos, sin = rows[..., :half].gather(0, index)[0], rows[..., half:].gather(0, index)[0]  # (T, R/2) each
+    tokens = positions.shape[-1]
+    q = query.view(1, tokens, -1, module.head_size)  # (1, T, Hq, D)
+    flags = dict(interleaved=not module.is_neox_style, inplace=inplace, per_token=True)
+    if key is None:
+        return apply_rotary(q, cos, sin, **flags).view(query.shape), None
+    k = key.view(1, tokens, -1, module.head_size)  # (1, T, Hk, D)
+    q, k = apply_rotary_qk(q, k, cos, sin, **flags)
+    return q.view(query.shape), k.view(key.shape)
+
+
+class MRopeForwards(CacheForwards):
+    """vLLM's ``MRotaryEmbedding``: positions (T,) as :class:`CacheForwards`, positions (axes, T) through
+    :func:`mrope_rotate`.
+    """
+
+    def forward_native(self, positions, query, key=None, offsets=None):
+        if positions.dim() == 1:
+            return CacheForwards.forward_native(self, positions, query, key, offsets)
+        return mrope_rotate(self, positions, query, key, offsets, inplace=False)
+
+    def forward_cuda(self, positions, query, key=None, offsets=None):
+        if positions.dim() == 1:
+            return CacheForwards.forward_cuda(self, positions, query, key, offsets)
+        mrope_rotate(self, positions, query, key, offsets, inplace=True)
+        return query, key
+
+    forward_cpu = forward_cuda
+
+
+class Llama4VisionForwards:
+    """vLLM's ``Llama4VisionRotaryEmbedding``: query and key (B, S, H, D), token s of every image rotated by
+    row s of a complex cache (S, 1, D/2) (2-D patch frequencies, the class token's row the identity), pairs
+    (2i, 2i+1). ropekit reads the cache's real and imaginary parts as its cos and sin tables.
+    """
+
+    def _tables(self, query):
+        cache = self.cos_sin_cache
+        if not torch.is_complex(cache):
+            raise ValueError(
+                f"cos_sin_cache: expected vLLM's complex (S, 1, D/2) cache, got {describe(cache)}"
+            )
+        cache = cache.to(query.device)[:, 0]  # (S, D/2)
+        return cache.real.contiguous(), cache.imag.contiguous()
+
+    def forward_native(self, query, key=None):
+        cos, sin = self._tables(query)
+        if key is None:
+            return apply_rotary(query, cos, sin, interleaved=True), None
+        return apply_rotary_qk(query, key, cos, sin, interleaved=True)
+
+    forward_cuda = forward_native
+    forward_cpu = forward_native
+
+
+# vLLM class name -> the ropekit forwards that serve it exactly. The replacement class is built from the two
+# at register() time (vLLM is not imported before), forwards first.
+ADAPTERS: dict[str, type] = {
+    "RotaryEmbedding": CacheForwards,
+    "LinearScalingRotaryEmbedding": CacheForwards,
+    "NTKScalingRotaryEmbedding": CacheForwards,
+    "DynamicNTKScalingRotaryEmbedding": CacheForwards,
+    "DynamicNTKAlphaRotaryEmbedding": CacheForwards,
+    "YaRNScalingRotaryEmbedding": CacheForwards,
+    "DeepseekScalingRotaryEmbedding": CacheForwards,
+    "Llama3RotaryEmbedding": CacheForwards,
+    "Gemma4RotaryEmbedding": CacheForwards,
+    "MRotaryEmbedding": MRopeForwards,
+    "Llama4VisionRotaryEmbedding": Llama4VisionForwards,
+}
+
+# vLLM's rotary classes that stay vLLM's, and why.
+LEFT: dict[str, str] = {
+    "Phi3LongRoPEScaledRotaryEmbedding": (
+        "a plain nn.Module in vLLM 0.33, not a CustomOp: CustomOp.register_oot cannot reach it"
+    ),
+    "DualChunkRotaryEmbedding": (
+        "dual-chunk attention's forward returns several differently-rotated query parts, not one rotation; "
+        "its constructor also needs a CUDA device"
+    ),
+    "DeepseekV4ScalingRotaryEmbedding": (
+        "DeepSeek-V4's forward rotates the last rotary_dim features, with an inverse flag, on a float32 cache"
+    ),
+    "FourierRotaryEmbedding": "FoPE mixes frequencies per head in its own forward_native, not a cache lookup",
+    "MRotaryEmbeddingInterleaved": (
+        "openPangu's layout reorders the cache columns in its own forward() (bypassing CustomOp dispatch)"
+    ),
+    "BailingMRotaryEmbedding": "Bailing's M-RoPE layout has its own forward",
+    "Ernie4_5_VLRotaryEmbedding": "ERNIE 4.5-VL's M-RoPE layout has its own forward",
+    "fused_qk_norm_rope": (
+        "an Inductor pattern pass rewrites to torch.ops._C.fused_qk_norm_rope, vLLM's compiled op: "
+        "no plugin door"
+    ),
+}
+
+_REGISTERED: dict[str, type] = {}
+
+
+def registered() -> dict[str, type]:
+    """vLLM class name -> the ropekit class this process registered in its place (empty before register())."""
+    return dict(_REGISTERED)
+
+
+def register() -> None:
+    """Register ropekit's class for every vLLM rotary class in :data:`ADAPTERS` (vLLM's general-plugin hook).
+
+    Idempotent: a class already registered by this module is left as it is; a name another plugin registered
+    first is left to that plugin (logged). The replacement keeps vLLM's op name (``rotary_embedding``), so
+    ``--compilation_config.custom_ops '["+rotary_embedding"]'`` switches it as it switches vLLM's class.
+    """
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers import rotary_embedding as vllm_rope
+
+    replaced, absent = [], []
+    for name, forwards in ADAPTERS.items():
+        if name in _REGISTERED:
+            continue
+        base = getattr(vllm_rope, name, None)
+        if base is None:
+            absent.append(name)
+            continue
+        other = custom_op.op_registry_oot.get(name)
+        if other is not None:
+            logger.warning("ropekit: vLLM's %s is already replaced by %s; left as it is", name, other)
+            continue
+        op_name = base.name  # the in-tree op's switch name ("rotary_embedding")
+        cls = type(f"Ropekit{name}", (forwards, base), {"__module__": __name__, "__doc__": forwards.__doc__})
+        custom_op.CustomOp.register_oot(_decorated_op_cls=cls, name=name)
+        cls.name = op_name  # register_oot names it after the key; keep vLLM's custom_ops switch working
+        _REGISTERED[name] = cls
+        replaced.append(name)
+    if replaced:
+        logger.info("ropekit: serving vLLM's %s", ", ".join(replaced))
+        logger.info("ropekit: left to vLLM: %s", "; ".join(f"{name} ({why})" for name, why in LEFT.items()))
+    if absent:
+        logger.info("ropekit: not in this vLLM, skipped: %s", ", ".join(absent))
