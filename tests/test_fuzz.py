@@ -13,6 +13,13 @@ gradients flow. The model below decides, without ropekit's code, whether the cal
 
 Anything else (another exception, a crash, NaN/inf, a modified input) fails. ``ROPEKIT_FUZZ_EXAMPLES`` sets
 the number of eager examples (default 2000, ~15 s); the compiled test runs 1/200 as many (10, ~20 s).
+
+The serving surfaces (tests/serving_fuzz.py: the KV-cache fusion, FP8, the cache shift, QK-norm, FlashInfer's
+paged append, the vLLM / FlashInfer / flash-attn compat calls) run SERVING_EXAMPLES draws per family here,
+eager on every CPU backend, and a few compiled; each call is held to a model of every byte it may touch (the
+float64 reference at its declared outputs, the bytes as they were everywhere else). Their ``proof`` versions
+run ``ROPEKIT_FUZZ_EXAMPLES`` draws per family (``make proofs``), and the serving families again with the
+Triton backend under its interpreter.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import reference_rotation, tolerance
-from ropekit import apply_rotary, apply_rotary_qk
+from ropekit import apply_rotary, apply_rotary_qk, apply_rotary_qk_fp8
 from ropekit.backends import BACKENDS
+from rotary_reference import reference_tables
+from serving_fuzz import COMPILED_FAMILIES, FAMILIES, fused_calls, run_call, shift_calls
 
 EXAMPLES = int(os.environ.get("ROPEKIT_FUZZ_EXAMPLES", "2000"))
 CPU_KERNEL = BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is None
@@ -273,3 +282,112 @@ def test_any_compiled_call_is_right_or_an_error(case):
     torch._dynamo.reset()
     compiled = _compiled_call(case)
     _check(case, call=compiled, compiled=True)
+
+
+# ---- the serving surfaces (tests/serving_fuzz.py) ----------------------------------------------------------
+
+SERVING_EXAMPLES = 40  # per family in make test: ~1 s each on a 2-core VM
+# The aliasing families: on main they fail within 3 to 35 draws (30 runs each, issue 24's defects 2 and 3);
+# 100 keeps a miss below one in a million.
+ALIAS_EXAMPLES = 100
+COMPILED_SERVING_EXAMPLES = 3  # each a fresh torch.compile (seconds each)
+_SERVING_SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+# The aliasing families fail on main (issue 24): skipping the shrink phase keeps their expected failure fast.
+_NO_SHRINK = dict(_SERVING_SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=SERVING_EXAMPLES, **_SERVING_SETTINGS)
+@given(data=st.data())
+def test_any_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs(family, data):
+    run_call(data.draw(FAMILIES[family], label=family))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24 defect 2: fixed on branch safety-core")
+@settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
+@given(case=fused_calls(alias=True))
+def test_a_fused_source_that_aliases_a_cache_is_refused_or_read_before_any_write(case):
+    """k, v or q a view of the cache being written: a ValueError with nothing written, or every source read
+    as it was before the call (issue 24, defect 2: the cpu backend reads a k row it already overwrote)."""
+    run_call(case)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24 defect 3: fixed on branch safety-core")
+@settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
+@given(case=shift_calls(duplicates=True))
+def test_a_shift_with_duplicate_slots_is_refused_or_rotates_each_slot_once(case):
+    """shift_cache_ with one slot named twice: a ValueError with nothing written, or that slot rotated once
+    (issue 24, defect 3: the cpu backend rotates it twice)."""
+    run_call(case)
+
+
+@settings(max_examples=COMPILED_SERVING_EXAMPLES, **_NO_SHRINK)  # a shrink step is a compile
+@given(data=st.data())
+def test_any_compiled_serving_call_is_right_or_an_error(data):
+    """The same draws inside torch.compile (aot_eager): the model holds, or the call raises with nothing
+    written."""
+    family = data.draw(st.sampled_from(sorted(COMPILED_FAMILIES)), label="family")
+    case = data.draw(COMPILED_FAMILIES[family], label=family)
+    torch._dynamo.reset()
+    run_call(case, call=torch.compile(case.call, backend="aot_eager", dynamic=False))
+
+
+PROOF_EXAMPLES = EXAMPLES  # ROPEKIT_FUZZ_EXAMPLES, per family
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=PROOF_EXAMPLES, **_SERVING_SETTINGS)
+@given(data=st.data())
+def test_proof_any_serving_call_is_right_or_a_value_error(family, data):
+    run_call(data.draw(FAMILIES[family], label=family))
+
+
+@pytest.mark.proof
+@pytest.mark.xfail(strict=True, reason="issue 24 defects 2 and 3: fixed on branch safety-core")
+@settings(max_examples=PROOF_EXAMPLES, **_NO_SHRINK)
+@given(data=st.data())
+def test_proof_aliasing_and_duplicate_slots_are_refused_or_right(data):
+    run_call(data.draw(st.one_of(fused_calls(alias=True), shift_calls(duplicates=True))))
+
+
+# ---- found by the serving families on main (beyond issue 24's list) ----------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: an empty FP8 call on the cpu backend raises the internal "
+    "'channels: expected at least one channel' where the torch backend returns empty outputs",
+)
+@pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
+def test_an_empty_fp8_call_returns_empty_outputs_on_the_cpu_backend_as_on_torch():
+    cos, sin = reference_tables(8, 16)
+    q, k = torch.randn(0, 2, 8), torch.randn(0, 1, 8)
+    outs = apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, positions=torch.zeros(0).long(),
+                               backend="cpu")  # fmt: skip
+    assert [(tuple(o.shape), o.dtype) for o in outs] == [
+        ((0, 2, 8), torch.float8_e4m3fn),
+        ((0, 1, 8), torch.float8_e4m3fn),
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: compat.vllm.apply_rope_with_cos_sin_cache (and FlashInfer's alias) "
+    "reads cos_sin_cache.__dict__, which dynamo cannot trace (InternalTorchDynamoError)",
+)
+def test_the_out_of_place_vllm_rotation_runs_under_torch_compile():
+    from ropekit.compat import vllm
+
+    cos, sin = reference_tables(8, 16)
+    cache = torch.cat([cos, sin], -1)
+    positions, query = torch.arange(3), torch.randn(3, 2 * 8)
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda p, q: vllm.apply_rope_with_cos_sin_cache(p, q, None, 8, cache, True), backend="aot_eager"
+    )
+    got, _ = step(positions, query)
+    want = reference_rotation(query.view(3, 2, 8), cos, sin, positions.numpy(), interleaved=False)
+    torch.testing.assert_close(got.view(3, 2, 8).double(), want, **tolerance(torch.float32))
