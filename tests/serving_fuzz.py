@@ -254,7 +254,7 @@ def fused_calls(draw, alias: bool = False):
     v_dim = head_dim if alias or draw(st.booleans()) else draw(st.integers(1, 6))
     if alias:
         q_heads = k_heads
-    tokens = draw(st.integers(2 if alias else 0, max(min(num_slots, 6), 2)))
+    tokens = draw(st.integers(2 if alias else 0, min(num_slots, 6)))  # alias: num_slots >= 2
     packed = alias or draw(st.booleans())
     lead = (tokens,) if packed else (1, tokens) if draw(st.booleans()) or tokens < 2 else (2, tokens // 2)
     tokens = int(np.prod(lead))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from ropekit import apply_rotary, apply_rotary_qk, apply_rotary_qk_fp8
 from ropekit.backends import BACKENDS
 from rotary_reference import reference_tables
 from serving_fuzz import COMPILED_FAMILIES, FAMILIES, fused_calls, run_call, shift_calls
+from triton_interpreter import run_interpreter_cases
 
 EXAMPLES = int(os.environ.get("ROPEKIT_FUZZ_EXAMPLES", "2000"))
 CPU_KERNEL = BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is None
@@ -343,6 +345,16 @@ PROOF_EXAMPLES = EXAMPLES  # ROPEKIT_FUZZ_EXAMPLES, per family
 @given(data=st.data())
 def test_proof_any_serving_call_is_right_or_a_value_error(family, data):
     run_call(data.draw(FAMILIES[family], label=family))
+
+
+@pytest.mark.proof
+def test_proof_serving_calls_on_the_triton_backend_under_its_interpreter(monkeypatch):
+    """tests/fuzz_triton_cases.py with TRITON_INTERPRET=1 and ROPEKIT_FUZZ_BACKENDS=triton, in a fresh process
+    (about 5 minutes of wall time on a loaded 2-core VM at 15 draws per family)."""
+    monkeypatch.setenv("ROPEKIT_FUZZ_BACKENDS", "triton")
+    run_interpreter_cases(
+        Path(__file__).parent / "fuzz_triton_cases.py", cwd=Path(__file__).parent, timeout=1800
+    )
 
 
 @pytest.mark.proof
