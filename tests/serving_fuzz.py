@@ -461,7 +461,7 @@ def shift_calls(draw, duplicates: bool = False):
     duplicates=True: slots name one slot twice; the call refuses it with nothing written, or rotates that
     slot once (slots are a set: the docs say distinct)."""
     memory = Memory(_seed(draw))
-    dtype = draw(st.sampled_from([*DTYPES, torch.float64]))
+    dtype = draw(st.sampled_from(DTYPES if duplicates else [*DTYPES, torch.float64]))
     backend = _backend(draw, dtype)
     layout = draw(st.sampled_from(LAYOUTS))
     page_size = 1 if layout == "flat" else draw(st.integers(1, 4))
@@ -482,8 +482,8 @@ def shift_calls(draw, duplicates: bool = False):
         n = draw(st.integers(1 if duplicates else 0, num_slots))
         chosen = torch.randperm(num_slots, generator=memory.g)[:n]
         ids = chosen.tolist()
-        if n and draw(st.integers(0, 3)) == 0:
-            ids[draw(st.integers(0, n - 1))] = -1
+        if n > 1 and draw(st.integers(0, 3)) == 0:
+            ids[draw(st.integers(1, n - 1))] = -1  # never chosen[0], the slot a duplicate names again
         if duplicates:
             ids.insert(draw(st.integers(0, len(ids))), chosen[0].item())
             why.append(f"slot {chosen[0].item()} twice")

@@ -289,7 +289,7 @@ def test_any_compiled_call_is_right_or_an_error(case):
 # ---- the serving surfaces (tests/serving_fuzz.py) ----------------------------------------------------------
 
 SERVING_EXAMPLES = 40  # per family in make test: ~1 s each on a 2-core VM
-# The aliasing families: on main they fail within 3 to 35 draws (30 runs each, issue 24's defects 2 and 3);
+# The aliasing families: on main they fail within 3 to 47 draws (30 runs each; issue 24, defects 2 and 3);
 # 100 keeps a miss below one in a million.
 ALIAS_EXAMPLES = 100
 COMPILED_SERVING_EXAMPLES = 3  # each a fresh torch.compile (seconds each)
