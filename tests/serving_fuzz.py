@@ -689,11 +689,12 @@ def paged_calls(draw):
 
 @st.composite
 def compat_calls(draw, compiled: bool = False):
-    """vLLM's rotary_embedding (in place; query and key sometimes slices of one qkv buffer, sometimes the same
+    """vLLM's rotary_embedding and its RotaryEmbedding module's forward (in place, the module with its own
+    cache in the model dtype; query and key sometimes slices of one qkv buffer, sometimes the same
     tensor), FlashInfer's apply_rope_with_cos_sin_cache (out of place) and flash-attn's apply_rotary_emb (in
     place or not, int or per-sequence offsets); sometimes a position past the table."""
     memory = Memory(_seed(draw))
-    calls = ["vllm.rotary_embedding", "flash_attn.apply_rotary_emb"]
+    calls = ["vllm.rotary_embedding", "vllm.RotaryEmbedding.forward", "flash_attn.apply_rotary_emb"]
     if not compiled:  # under torch.compile it fails in dynamo today (COMPILED_OUT_OF_PLACE_DEFECT)
         calls.append("flashinfer.apply_rope_with_cos_sin_cache")
     which = draw(st.sampled_from(calls))
@@ -740,7 +741,15 @@ def compat_calls(draw, compiled: bool = False):
     bad = bad and tokens > 0
     why = f"{which} {backend} {dtype} bad {bad}"
     cache, cos, sin = _cos_sin_cache(memory, half)
-    if dtype != torch.float32 and which.startswith("vllm") and draw(st.booleans()):
+    module = None
+    if which == "vllm.RotaryEmbedding.forward":  # the module's own [cos | sin] buffer, in the model dtype
+        module = vllm_compat.RotaryEmbedding(
+            head_size, 2 * half, TABLE_LEN, 10000.0, not interleaved, dtype, backend=backend
+        )
+        memory.buffers.remove(cache)
+        cache = memory.adopt(module.cos_sin_cache)
+        cos, sin = (t.float() for t in cache.split(half, dim=-1))
+    elif dtype != torch.float32 and which.startswith("vllm") and draw(st.booleans()):
         memory.buffers.remove(cache)
         cache = memory.adopt(cache.to(dtype))  # vLLM keeps its cache in the model dtype
         cos, sin = (t.to(dtype).float() for t in (cos, sin))
@@ -770,7 +779,16 @@ def compat_calls(draw, compiled: bool = False):
             if which.startswith("vllm") and not same:
                 memory.write(t, wants[-1][0].reshape(t.shape), bound=wants[-1][1].reshape(t.shape))
 
-    if which.startswith("vllm"):
+    if module is not None:
+
+        def call():
+            return module(positions, query, key)
+
+        def check_result(result):
+            assert result[0] is query and result[1] is key
+
+        outcome = "error" if bad or same else "ok"
+    elif which.startswith("vllm"):
 
         def call():
             return vllm_compat.rotary_embedding(positions, query, key, head_size, cache, not interleaved,
