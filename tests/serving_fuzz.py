@@ -124,9 +124,14 @@ class Call:
     """One drawn call: the memory model, the call, its expected outcome ("ok", "error" or "either") and a
     check of what it returns; ``why`` says what the draw is, for a failure's message."""
 
-    def __init__(self, memory: Memory, call, outcome: str, check_result=None, why: str = "") -> None:
+    def __init__(
+        self, memory: Memory, call, outcome: str, check_result=None, why: str = "", written=()
+    ) -> None:
         self.memory, self.call, self.outcome, self.why = memory, call, outcome, why
         self.check_result = check_result or (lambda result: None)
+        # The caller's tensors a served call writes in place (at least one element each): their version
+        # counters must move, as after a PyTorch in-place op, so autograd sees the write.
+        self.written = [t for t in written if t.numel()]
 
     def __repr__(self) -> str:
         return f"Call({self.outcome}: {self.why})"
@@ -146,6 +151,7 @@ def run_call(case: Call, call: Callable[[], object] | None = None) -> None:
             (call or case.call)()
         memory.assert_unchanged(f"an invalid call ({case.why})")
         return
+    versions = [t._version for t in case.written]
     try:
         result = (call or case.call)()
     except refusals:
@@ -155,6 +161,8 @@ def run_call(case: Call, call: Callable[[], object] | None = None) -> None:
         return
     case.check_result(result)
     memory.assert_as_modelled()
+    for t, version in zip(case.written, versions, strict=True):
+        assert t._version > version, f"an in-place write left the version counter as it was ({case.why})"
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------------
@@ -362,7 +370,9 @@ def fused_calls(draw, alias: bool = False):
     outcome = "error" if invalid else "either" if alias or duplicate else "ok"
     if alias and kind == "q<-k_cache" and inplace:
         outcome = "error"  # q written in place over the cache it writes: refused today (check_disjoint)
-    return Call(memory, call, outcome, check_result, ", ".join(why))
+    written = [k_cache, v_cache] if any(s >= 0 for s in slots.tolist()) else []
+    written += [q] if inplace else []
+    return Call(memory, call, outcome, check_result, ", ".join(why), written)
 
 
 # ---- apply_rotary_qk_fp8 -----------------------------------------------------------------------------------
@@ -513,7 +523,7 @@ def shift_calls(draw, duplicates: bool = False):
         assert result is cache
 
     outcome = "error" if invalid else "either" if duplicates else "ok"
-    return Call(memory, call, outcome, check_result, ", ".join(why))
+    return Call(memory, call, outcome, check_result, ", ".join(why), [cache] if targets else [])
 
 
 # ---- qk_norm_rotary_ ---------------------------------------------------------------------------------------
@@ -590,7 +600,7 @@ def qk_norm_calls(draw):
         assert result is qkv
 
     why = f"{backend} {dtype} lead {lead} heads {q_heads}/{k_heads} all_heads {all_heads} bad {bad}"
-    return Call(memory, call, "error" if bad else "ok", check_result, why)
+    return Call(memory, call, "error" if bad else "ok", check_result, why, [qkv])
 
 
 # ---- compat.flashinfer: the paged append -------------------------------------------------------------------
@@ -681,7 +691,7 @@ def paged_calls(draw):
         assert ((got.double() - q_want).abs() <= q_bound).all(), "q_rope_out off the FP8 contract"
 
     why = f"{backend} {dtype} {fp8} {layout} page_size {page_size} lengths {lengths} bad_page {bad_page}"
-    return Call(memory, call, "error" if bad_page else "ok", check_result, why)
+    return Call(memory, call, "error" if bad_page else "ok", check_result, why, [k_cache, v_cache])
 
 
 # ---- compat: vLLM, FlashInfer and flash-attn call conventions ----------------------------------------------
@@ -735,7 +745,7 @@ def compat_calls(draw, compiled: bool = False):
             assert (result is x) if inplace else result.shape == x.shape
             assert ((result.double() - want).abs() <= bound).all(), "flash_attn.apply_rotary_emb off"
 
-        return Call(memory, call, "error" if bad else "ok", check_result, why)
+        return Call(memory, call, "error" if bad else "ok", check_result, why, [x] if inplace else [])
 
     tokens = draw(st.integers(0, 5))
     bad = bad and tokens > 0
@@ -810,7 +820,8 @@ def compat_calls(draw, compiled: bool = False):
                 assert ((out.double().reshape(want.shape) - want).abs() <= bound).all(), "out of place off"
 
         outcome = "error" if bad else "ok"
-    return Call(memory, call, outcome, check_result, why)
+    in_place = [] if not which.startswith("vllm") or same else [query] + ([] if key is None else [key])
+    return Call(memory, call, outcome, check_result, why, in_place)
 
 
 # The families a compiled call draws from (the compat family without the call that fails in dynamo).
