@@ -37,6 +37,12 @@ class Mutation(NamedTuple):
     old: str  # exact text, found exactly once in path
     new: str
     tests: tuple[str, ...]  # pytest node ids (relative to the repository root) of which one must fail
+    # More (path, old, new) edits made with this one: two checks that guard the same write (a host check
+    # and the C loop's) each survive alone by design; removed together, a test must fail.
+    also: tuple[tuple[str, str, str], ...] = ()
+
+    def edits(self) -> list[tuple[str, str, str]]:
+        return [(self.path, self.old, self.new), *self.also]
 
 
 _BOUNDARY = "tests/test_boundary.py::test_in_place_write_bumps_the_version_counter_on_every_backend"
@@ -182,7 +188,11 @@ MUTATIONS: list[Mutation] = [
         "ropekit/backends/fused_cpu.py",
         _FUSED_SLOT_BOUND,
         "            if (0) return -2 - token; \\\n",
-        ("tests/fused/test_shift.py", f"{_FUZZ}[shift]"),
+        (
+            "tests/fused/test_shift.py",
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[shift]",
+        ),
     ),
     Mutation(
         "shift: no |delta| bound",
@@ -245,9 +255,76 @@ MUTATIONS: list[Mutation] = [
 ]
 
 
-def occurrences(m: Mutation, root: Path = ROOT) -> int:
-    """How many times m's old text occurs in its file under root/src."""
-    return (root / "src" / m.path).read_text().count(m.old)
+# Checks that guard one write twice (a host check before the C loop's own), removed together.
+MUTATIONS += [
+    Mutation(
+        "functional: no offset bound in the launch plan nor in the C rotary loop",
+        "ropekit/backends/plan.py",
+        "    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):\n",
+        "    if plan is None:\n",
+        ("tests/backends/test_plan.py::test_a_planned_call_still_refuses_an_offset_past_the_table",),
+        also=(("ropekit/backends/cpu.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
+    ),
+    Mutation(
+        "fused: no row bound in the C fused loop nor in the op's host check",
+        "ropekit/backends/fused_cpu.py",
+        _C_ROW_BOUND,
+        "        int64_t bad = -1; \\\n",
+        (
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[fused]",
+        ),
+        also=(("ropekit/fused/cache.py", "    pos.check_table(cos.shape[0])\n", ""),),
+    ),
+    Mutation(
+        "qk_norm: no row bound in the C loop nor in the op's host check",
+        "ropekit/backends/qk_norm_cpu.py",
+        _C_ROW_BOUND,
+        "        int64_t bad = -1; \\\n",
+        ("tests/fused/test_qk_norm.py::test_a_position_past_the_table_writes_nothing", f"{_FUZZ}[qk_norm]"),
+        also=(("ropekit/fused/qk_norm.py", "    pos.check_table(cos.shape[0])\n", ""),),
+    ),
+]
+
+# The same protections against the serving fuzzer alone (tests/serving_fuzz.py): it finds them without a
+# directed test.
+MUTATIONS += [
+    Mutation(
+        "fuzzer alone: fused, no version bump after a kernel writes the caches",
+        "ropekit/fused/plan.py",
+        _FUSED_BUMP,
+        "            pass\n",
+        (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
+    ),
+    Mutation(
+        "fuzzer alone: fused, no slot bound in the C loop",
+        "ropekit/backends/fused_cpu.py",
+        _FUSED_SLOT_BOUND,
+        "            if (0) return -2 - token; \\\n",
+        (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
+    ),
+    Mutation(
+        "fuzzer alone: qk_norm, no version bump after a kernel writes qkv",
+        "ropekit/fused/qk_norm.py",
+        "    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n"
+        '    if impl != "torch":\n'
+        "        torch.autograd.graph.increment_version(qkv)",
+        '    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n    if impl != "torch":\n        pass',
+        (f"{_FUZZ}[qk_norm]",),
+    ),
+    Mutation(
+        "fuzzer alone: compat.vllm, no version bump on the direct in-place path",
+        "ropekit/compat/vllm.py",
+        "    _increment_version([query] if key is None else [query, key])\n",
+        "",
+        (f"{_FUZZ}[compat]",),
+    ),
+]
+
+
+def occurrences(m: Mutation, root: Path = ROOT) -> list[int]:
+    """How many times each old text of m occurs in its file under root/src (each must be 1)."""
+    return [(root / "src" / path).read_text().count(old) for path, old, _ in m.edits()]
 
 
 def _copy_tree(dest: Path) -> None:
@@ -277,11 +354,12 @@ def run_one(m: Mutation, *, timeout: int = 1200) -> tuple[str, str, float]:
     with tempfile.TemporaryDirectory(prefix="ropekit-mutant-") as tmp:
         dest = Path(tmp)
         _copy_tree(dest)
-        target = dest / "src" / m.path
-        text = target.read_text()
-        if text.count(m.old) != 1:
-            return "error", f"old text found {text.count(m.old)} times in src/{m.path}", 0.0
-        target.write_text(text.replace(m.old, m.new))
+        for path, old, new in m.edits():
+            target = dest / "src" / path
+            text = target.read_text()
+            if text.count(old) != 1:
+                return "error", f"old text found {text.count(old)} times in src/{path}", 0.0
+            target.write_text(text.replace(old, new))
         cache = dest / "kernel-cache"
         cache.mkdir(mode=0o700)
         env = {
@@ -309,6 +387,8 @@ def run_one(m: Mutation, *, timeout: int = 1200) -> tuple[str, str, float]:
         return "caught", failed, seconds
     if result.returncode == 0:
         return "survives", last, seconds
+    if result.returncode < 0:  # the test process died (a write outside a buffer corrupted the heap)
+        return "caught", f"the tests crashed (signal {-result.returncode}): {last}", seconds
     return "error", f"pytest exit {result.returncode}: {last}", seconds
 
 

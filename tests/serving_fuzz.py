@@ -308,7 +308,7 @@ def fused_calls(draw, alias: bool = False):
         a, b = draw(st.permutations(range(tokens)))[:2]
         slots[a] = slots[b] = perm[a]
         why.append(f"duplicate slot {int(perm[a])}")
-    bad_slot = not alias and tokens and draw(st.integers(0, 9)) == 0
+    bad_slot = not alias and tokens and draw(st.integers(0, 5)) == 0
     if bad_slot:
         slots[draw(st.integers(0, tokens - 1))] = draw(st.sampled_from([num_slots, -2, num_slots + 7]))
         why.append("a slot outside the cache")
@@ -497,7 +497,7 @@ def shift_calls(draw, duplicates: bool = False):
         if duplicates:
             ids.insert(draw(st.integers(0, len(ids))), chosen[0].item())
             why.append(f"slot {chosen[0].item()} twice")
-        bad_slot = bool(ids) and draw(st.integers(0, 9)) == 0 and not duplicates
+        bad_slot = bool(ids) and draw(st.integers(0, 3)) == 0 and not duplicates
         if bad_slot:
             ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from([num_slots, -2]))
             why.append("a slot outside the cache")
@@ -634,7 +634,7 @@ def paged_calls(draw):
     pages_of = [-(-(e + n) // page_size) for e, n in zip(existing, lengths, strict=True)]
     pool = sum(pages_of) + draw(st.integers(0, 2))
     kv_indices = torch.randperm(max(pool, 1), generator=memory.g)[: sum(pages_of)]
-    bad_page = sum(pages_of) > 0 and sum(lengths) > 0 and draw(st.integers(0, 9)) == 0
+    bad_page = sum(pages_of) > 0 and sum(lengths) > 0 and draw(st.integers(0, 4)) == 0
     kv_indptr = torch.tensor(np.cumsum([0, *pages_of]), dtype=torch.int32)
     batch_indices = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)
     positions = torch.tensor([e + j for e, n in zip(existing, lengths, strict=True) for j in range(n)],

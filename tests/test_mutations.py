@@ -18,9 +18,11 @@ SURVIVES_ON_MAIN = {
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
 def test_each_mutation_applies_exactly_once_and_names_tests_that_exist(mutation):
-    assert (ROOT / "src" / mutation.path).is_file(), mutation.path
-    assert occurrences(mutation) == 1, f"the old text of {mutation.name!r} is not in src/{mutation.path} once"
-    assert mutation.new != mutation.old
+    for path, old, new in mutation.edits():
+        assert (ROOT / "src" / path).is_file(), path
+        assert new != old
+    counts = occurrences(mutation)
+    assert counts == [1] * len(counts), f"an old text of {mutation.name!r} is not in its file once: {counts}"
     assert mutation.tests, "a mutation names the tests that must catch it"
     for node in mutation.tests:
         assert (ROOT / node.split("::")[0]).is_file(), node
