@@ -616,7 +616,7 @@ def _cos_sin_cache(memory: Memory, half: int) -> tuple[torch.Tensor, torch.Tenso
 def paged_calls(draw):
     """FlashInfer's rope_quantize_fp8_append_paged_kv_cache (GQA): a page table of a few requests over a
     shuffled page pool, NHD or HND FP8 caches, partial rope (a nope part), both scales; sometimes a page
-    index past the pool (an error, the caches as they were)."""
+    index past the pool, or a position whose page lies past kv_indices (errors, the caches as they were)."""
     memory = Memory(_seed(draw))
     dtype = draw(st.sampled_from(DTYPES))
     backend = _backend(draw, dtype)
@@ -642,9 +642,12 @@ def paged_calls(draw):
     nnz = len(batch_indices)
     slots = [int(kv_indices[kv_indptr[b] + p // page_size]) * page_size + p % page_size
              for b, p in zip(batch_indices.tolist(), positions.tolist(), strict=True)]  # fmt: skip
-    if bad_page:  # the page of the first token of the first request with new tokens: past the pool
+    if bad_page and draw(st.booleans()):  # the first new token's page index: past the pool
         first = int(kv_indptr[batch_indices[0]] + positions[0] // page_size)
         kv_indices[first] = max(pool, 1) + draw(st.integers(0, 3))
+    elif bad_page:  # the last new token's position: past every entry of kv_indices
+        last = int(batch_indices[-1])
+        positions[-1] = (len(kv_indices) - int(kv_indptr[last]) + draw(st.integers(0, 2))) * page_size
     for t in (kv_indices, kv_indptr, batch_indices, positions):
         memory.adopt(t)
     shape = (max(pool, 1), page_size, k_heads, head_dim) if layout == "NHD" else (
