@@ -35,7 +35,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import reference_rotation, tolerance
-from ropekit import apply_rotary, apply_rotary_qk, apply_rotary_qk_fp8
+from ropekit import (
+    apply_rotary,
+    apply_rotary_qk,
+    apply_rotary_qk_and_cache,
+    apply_rotary_qk_fp8,
+    qk_norm_rotary_,
+    shift_cache_,
+)
 from ropekit.backends import BACKENDS
 from rotary_reference import reference_tables
 from serving_fuzz import COMPILED_FAMILIES, FAMILIES, fused_calls, run_call, shift_calls
@@ -403,3 +410,49 @@ def test_the_out_of_place_vllm_rotation_runs_under_torch_compile():
     got, _ = step(positions, query)
     want = reference_rotation(query.view(3, 2, 8), cos, sin, positions.numpy(), interleaved=False)
     torch.testing.assert_close(got.view(3, 2, 8).double(), want, **tolerance(torch.float32))
+
+
+_COMPILED_WRITES = {
+    "apply_rotary_qk_and_cache": lambda cos, sin, t: apply_rotary_qk_and_cache(
+        None,
+        torch.randn(1, 3, 2, 8),
+        torch.randn(1, 3, 2, 8),
+        cos,
+        sin,
+        k_cache=t,
+        v_cache=torch.zeros_like(t),
+        slot_mapping=torch.tensor([[0, 2, 4]]),
+        cache_layout="flat",
+        backend="cpu",
+    ),
+    "shift_cache_": lambda cos, sin, t: shift_cache_(t, cos, sin, 2, cache_layout="flat", backend="cpu"),
+    "qk_norm_rotary_": lambda cos, sin, t: qk_norm_rotary_(
+        t.view(6, 16),
+        torch.ones(4),
+        torch.ones(4),
+        cos[:, :2],
+        sin[:, :2],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        eps=1e-6,
+        backend="cpu",
+    ),
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: under torch.compile the C kernels' writes "
+    "leave the version counters as they were (eager moves them)",
+)
+@pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
+@pytest.mark.parametrize("op", sorted(_COMPILED_WRITES))
+def test_a_compiled_serving_write_moves_the_version_counter_as_in_eager(op):
+    cos, sin = reference_tables(8, 16)
+    cache = torch.randn(6, 2, 8)
+    torch._dynamo.reset()
+    step = torch.compile(lambda: _COMPILED_WRITES[op](cos, sin, cache), backend="aot_eager")
+    before = cache._version
+    step()
+    assert cache._version > before
