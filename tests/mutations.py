@@ -104,13 +104,6 @@ MUTATIONS: list[Mutation] = [
         "        int64_t bad = -1; \\\n",
         ("tests/backends/test_cpu.py", "tests/backends/test_kernel_op.py", "tests/backends/test_plan.py"),
     ),
-    Mutation(
-        "functional: no offset bound in the launch plan",
-        "ropekit/backends/plan.py",
-        "    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):\n",
-        "    if plan is None:\n",
-        ("tests/backends/test_plan.py",),
-    ),
     # ---- module: RotaryEmbedding.forward(inplace=True), whose steady step is the launch plan ----
     Mutation(
         "module: no version bump in the C launch plan's run (the module's steady step)",
@@ -168,13 +161,6 @@ MUTATIONS: list[Mutation] = [
             f"{_FUZZ}[fused]",
         ),
     ),
-    Mutation(
-        "fused: no row bound in the C fused loop",
-        "ropekit/backends/fused_cpu.py",
-        "        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \\\n",
-        "        int64_t bad = -1; \\\n",
-        ("tests/fused/test_cache.py", "tests/fused/test_fp8.py", f"{_FUZZ}[fused]", f"{_FUZZ}[fp8]"),
-    ),
     # ---- shift: shift_cache_ ----
     Mutation(
         "shift: no version bump after a kernel rotates the cache",
@@ -195,7 +181,7 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
-        "shift: no |delta| bound",
+        "shift: no bound on abs(delta)",
         "ropekit/fused/shift.py",
         "    if row >= cos.shape[0]:\n",
         "    if False:\n",
@@ -213,13 +199,6 @@ MUTATIONS: list[Mutation] = [
         "        torch.autograd.graph.increment_version(qkv)",
         '    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n    if impl != "torch":\n        pass',
         ("tests/fused/test_qk_norm.py",),
-    ),
-    Mutation(
-        "qk_norm: no row bound in the C loop",
-        "ropekit/backends/qk_norm_cpu.py",
-        "        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \\\n",
-        "        int64_t bad = -1; \\\n",
-        ("tests/fused/test_qk_norm.py", f"{_FUZZ}[qk_norm]"),
     ),
     # ---- compat: vLLM's in-place rotary_embedding, FlashInfer's paged append ----
     Mutation(
@@ -255,7 +234,8 @@ MUTATIONS: list[Mutation] = [
 ]
 
 
-# Checks that guard one write twice (a host check before the C loop's own), removed together.
+# Checks that guard one write twice (a host check before the C loop's own), removed together: each alone
+# survives by design (measured: docs/safety.md, ## Mutations).
 MUTATIONS += [
     Mutation(
         "functional: no offset bound in the launch plan nor in the C rotary loop",
@@ -311,13 +291,6 @@ MUTATIONS += [
         "        torch.autograd.graph.increment_version(qkv)",
         '    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n    if impl != "torch":\n        pass',
         (f"{_FUZZ}[qk_norm]",),
-    ),
-    Mutation(
-        "fuzzer alone: compat.vllm, no version bump on the direct in-place path",
-        "ropekit/compat/vllm.py",
-        "    _increment_version([query] if key is None else [query, key])\n",
-        "",
-        (f"{_FUZZ}[compat]",),
     ),
 ]
 
