@@ -13,22 +13,40 @@ gradients flow. The model below decides, without ropekit's code, whether the cal
 
 Anything else (another exception, a crash, NaN/inf, a modified input) fails. ``ROPEKIT_FUZZ_EXAMPLES`` sets
 the number of eager examples (default 2000, ~15 s); the compiled test runs 1/200 as many (10, ~20 s).
+
+The serving surfaces (tests/serving_fuzz.py: the KV-cache fusion, FP8, the cache shift, QK-norm, FlashInfer's
+paged append, the vLLM / FlashInfer / flash-attn compat calls) run SERVING_EXAMPLES draws per family here,
+eager on every CPU backend, and a few compiled; each call is held to a model of every byte it may touch (the
+float64 reference at its declared outputs, the bytes as they were everywhere else). Their ``proof`` versions
+run ``ROPEKIT_FUZZ_EXAMPLES`` draws per family (``make proofs``), and the serving families again with the
+Triton backend under its interpreter.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import reference_rotation, tolerance
-from ropekit import apply_rotary, apply_rotary_qk
+from ropekit import (
+    apply_rotary,
+    apply_rotary_qk,
+    apply_rotary_qk_and_cache,
+    apply_rotary_qk_fp8,
+    qk_norm_rotary_,
+    shift_cache_,
+)
 from ropekit.backends import BACKENDS
+from rotary_reference import reference_tables
+from serving_fuzz import COMPILED_FAMILIES, FAMILIES, fused_calls, run_call, shift_calls
+from triton_interpreter import run_interpreter_cases
 
 EXAMPLES = int(os.environ.get("ROPEKIT_FUZZ_EXAMPLES", "2000"))
 CPU_KERNEL = BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is None
@@ -273,3 +291,168 @@ def test_any_compiled_call_is_right_or_an_error(case):
     torch._dynamo.reset()
     compiled = _compiled_call(case)
     _check(case, call=compiled, compiled=True)
+
+
+# ---- the serving surfaces (tests/serving_fuzz.py) ----------------------------------------------------------
+
+SERVING_EXAMPLES = 40  # per family in make test: ~1 s each on a 2-core VM
+# The aliasing families: on main they fail within 3 to 47 draws (30 runs each; issue 24, defects 2 and 3);
+# 100 keeps a miss below one in a million.
+ALIAS_EXAMPLES = 100
+COMPILED_SERVING_EXAMPLES = 3  # each a fresh torch.compile (seconds each)
+_SERVING_SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+# The aliasing families fail on main (issue 24): skipping the shrink phase keeps their expected failure fast.
+_NO_SHRINK = dict(_SERVING_SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=SERVING_EXAMPLES, **_SERVING_SETTINGS)
+@given(data=st.data())
+def test_any_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs(family, data):
+    run_call(data.draw(FAMILIES[family], label=family))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24 defect 2: fixed on branch safety-core")
+@settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
+@given(case=fused_calls(alias=True))
+def test_a_fused_source_that_aliases_a_cache_is_refused_or_read_before_any_write(case):
+    """k, v or q a view of the cache being written: a ValueError with nothing written, or every source read
+    as it was before the call (issue 24, defect 2: the cpu backend reads a k row it already overwrote)."""
+    run_call(case)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24 defect 3: fixed on branch safety-core")
+@settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
+@given(case=shift_calls(duplicates=True))
+def test_a_shift_with_duplicate_slots_is_refused_or_rotates_each_slot_once(case):
+    """shift_cache_ with one slot named twice: a ValueError with nothing written, or that slot rotated once
+    (issue 24, defect 3: the cpu backend rotates it twice)."""
+    run_call(case)
+
+
+@settings(max_examples=COMPILED_SERVING_EXAMPLES, **_NO_SHRINK)  # a shrink step is a compile
+@given(data=st.data())
+def test_any_compiled_serving_call_is_right_or_an_error(data):
+    """The same draws inside torch.compile (aot_eager): the model holds, or the call raises with nothing
+    written."""
+    family = data.draw(st.sampled_from(sorted(COMPILED_FAMILIES)), label="family")
+    case = data.draw(COMPILED_FAMILIES[family], label=family)
+    torch._dynamo.reset()
+    run_call(case, call=torch.compile(case.call, backend="aot_eager", dynamic=False))
+
+
+PROOF_EXAMPLES = EXAMPLES  # ROPEKIT_FUZZ_EXAMPLES, per family
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=PROOF_EXAMPLES, **_SERVING_SETTINGS)
+@given(data=st.data())
+def test_proof_any_serving_call_is_right_or_a_value_error(family, data):
+    run_call(data.draw(FAMILIES[family], label=family))
+
+
+@pytest.mark.proof
+def test_proof_serving_calls_on_the_triton_backend_under_its_interpreter(monkeypatch):
+    """tests/fuzz_triton_cases.py with TRITON_INTERPRET=1 and ROPEKIT_FUZZ_BACKENDS=triton, in a fresh process
+    (about 5 minutes of wall time on a loaded 2-core VM at 15 draws per family)."""
+    monkeypatch.setenv("ROPEKIT_FUZZ_BACKENDS", "triton")
+    run_interpreter_cases(
+        Path(__file__).parent / "fuzz_triton_cases.py", cwd=Path(__file__).parent, timeout=1800
+    )
+
+
+@pytest.mark.proof
+@pytest.mark.xfail(strict=True, reason="issue 24 defects 2 and 3: fixed on branch safety-core")
+@settings(max_examples=PROOF_EXAMPLES, **_NO_SHRINK)
+@given(data=st.data())
+def test_proof_aliasing_and_duplicate_slots_are_refused_or_right(data):
+    run_call(data.draw(st.one_of(fused_calls(alias=True), shift_calls(duplicates=True))))
+
+
+# ---- found by the serving families on main (beyond issue 24's list) ----------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: an empty FP8 call on the cpu backend raises the internal "
+    "'channels: expected at least one channel' where the torch backend returns empty outputs",
+)
+@pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
+def test_an_empty_fp8_call_returns_empty_outputs_on_the_cpu_backend_as_on_torch():
+    cos, sin = reference_tables(8, 16)
+    q, k = torch.randn(0, 2, 8), torch.randn(0, 1, 8)
+    outs = apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, positions=torch.zeros(0).long(),
+                               backend="cpu")  # fmt: skip
+    assert [(tuple(o.shape), o.dtype) for o in outs] == [
+        ((0, 2, 8), torch.float8_e4m3fn),
+        ((0, 1, 8), torch.float8_e4m3fn),
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: compat.vllm.apply_rope_with_cos_sin_cache (and FlashInfer's alias) "
+    "reads cos_sin_cache.__dict__, which dynamo cannot trace (InternalTorchDynamoError)",
+)
+def test_the_out_of_place_vllm_rotation_runs_under_torch_compile():
+    from ropekit.compat import vllm
+
+    cos, sin = reference_tables(8, 16)
+    cache = torch.cat([cos, sin], -1)
+    positions, query = torch.arange(3), torch.randn(3, 2 * 8)
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda p, q: vllm.apply_rope_with_cos_sin_cache(p, q, None, 8, cache, True), backend="aot_eager"
+    )
+    got, _ = step(positions, query)
+    want = reference_rotation(query.view(3, 2, 8), cos, sin, positions.numpy(), interleaved=False)
+    torch.testing.assert_close(got.view(3, 2, 8).double(), want, **tolerance(torch.float32))
+
+
+_COMPILED_WRITES = {
+    "apply_rotary_qk_and_cache": lambda cos, sin, t: apply_rotary_qk_and_cache(
+        None,
+        torch.randn(1, 3, 2, 8),
+        torch.randn(1, 3, 2, 8),
+        cos,
+        sin,
+        k_cache=t,
+        v_cache=torch.zeros_like(t),
+        slot_mapping=torch.tensor([[0, 2, 4]]),
+        cache_layout="flat",
+        backend="cpu",
+    ),
+    "shift_cache_": lambda cos, sin, t: shift_cache_(t, cos, sin, 2, cache_layout="flat", backend="cpu"),
+    "qk_norm_rotary_": lambda cos, sin, t: qk_norm_rotary_(
+        t.view(6, 16),
+        torch.ones(4),
+        torch.ones(4),
+        cos[:, :2],
+        sin[:, :2],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        eps=1e-6,
+        backend="cpu",
+    ),
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the serving fuzzer: under torch.compile the C kernels' writes "
+    "leave the version counters as they were (eager moves them)",
+)
+@pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
+@pytest.mark.parametrize("op", sorted(_COMPILED_WRITES))
+def test_a_compiled_serving_write_moves_the_version_counter_as_in_eager(op):
+    cos, sin = reference_tables(8, 16)
+    cache = torch.randn(6, 2, 8)
+    torch._dynamo.reset()
+    step = torch.compile(lambda: _COMPILED_WRITES[op](cos, sin, cache), backend="aot_eager")
+    before = cache._version
+    step()
+    assert cache._version > before

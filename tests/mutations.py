@@ -1,0 +1,391 @@
+"""Mutation runs of the in-place write safety: each protection of an in-place path, removed, must fail a test.
+
+Each entry of MUTATIONS names one protection (a version-counter bump, a memory-overlap check, a row / slot /
+page bound) of one in-place path (functional, module, fused cache write, cache shift, QK-norm, compat), the
+exact text that implements it in a file under src/, the text it becomes without it, and the pytest node ids
+that must then fail. A run copies src/, tests/ and pyproject.toml to a temporary directory, applies one
+mutation there (the working tree is never edited), and runs the named tests with the copy's src/ first on
+PYTHONPATH and its own C-kernel build cache; the mutation is "caught" when they fail, "survives" when they
+pass.
+
+    python tests/mutations.py            # every mutation; exit status 1 if one survives
+    python tests/mutations.py --list     # names only
+    python tests/mutations.py --only NAME [--only NAME ...]
+
+docs/safety.md (## Mutations) lists the results; tests/test_mutations.py checks that every entry still
+applies (its old text occurs exactly once) and, as a proof, runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Mutation(NamedTuple):
+    name: str
+    path: str  # relative to src/
+    old: str  # exact text, found exactly once in path
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (relative to the repository root) of which one must fail
+    # More (path, old, new) edits made with this one: two checks that guard the same write (a host check
+    # and the C loop's) each survive alone by design; removed together, a test must fail.
+    also: tuple[tuple[str, str, str], ...] = ()
+
+    def edits(self) -> list[tuple[str, str, str]]:
+        return [(self.path, self.old, self.new), *self.also]
+
+
+_BOUNDARY = "tests/test_boundary.py::test_in_place_write_bumps_the_version_counter_on_every_backend"
+_COMPAT_BOUNDARY = "tests/test_boundary.py::test_compat_in_place_write_bumps_the_version_counter"
+_FUZZ = "tests/test_fuzz.py::test_any_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs"
+
+# The C launch plan's run (cpu.py), shared by the functional API, the module and compat.vllm's steady step.
+_C_PLAN_BUMP = (
+    "            if inplace:  # what the dispatcher would do: tell autograd that q and k changed\n"
+    "                torch._C._increment_version((q,) if k is None else (q, k))\n"
+    "            return q_out, k_out\n"
+)
+_C_ROW_BOUND = "        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \\\n"
+_FUSED_BUMP = "            torch.autograd.graph.increment_version(live)\n"
+_FUSED_SLOT_BOUND = "            if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \\\n"
+
+MUTATIONS: list[Mutation] = [
+    # ---- functional: apply_rotary / apply_rotary_qk in place ----
+    Mutation(
+        "functional: no version bump on the direct (no-dispatcher) in-place path",
+        "ropekit/backends/kernel_op.py",
+        "            self._rotary_(*args)\n"
+        "            # What the dispatcher would do: tell autograd that q and k changed (docs/safety.md).\n"
+        "            torch._C._increment_version((q,) if k is None else (q, k))\n",
+        "            self._rotary_(*args)\n",
+        (
+            _BOUNDARY,
+            "tests/test_boundary.py::test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op",
+        ),
+    ),
+    Mutation(
+        "functional: no version bump in the C launch plan's run",
+        "ropekit/backends/cpu.py",
+        _C_PLAN_BUMP,
+        "            return q_out, k_out\n",
+        (_BOUNDARY, "tests/backends/test_plan.py", "tests/backends/test_cpu.py"),
+    ),
+    Mutation(
+        "functional: no q / k overlap check",
+        "ropekit/functional.py",
+        '    if k is not None:\n        check_disjoint("q", q, "k", k)\n',
+        "",
+        ("tests/test_functional.py", "tests/backends/test_plan.py"),
+    ),
+    Mutation(
+        "functional: no self-overlap check (an expanded x written in place)",
+        "ropekit/functional.py",
+        "        check_writable(name, t)\n    if k is not None:\n",
+        "    if k is not None:\n",
+        (
+            "tests/test_autograd.py::test_in_place_on_an_expanded_tensor_is_a_value_error_and_leaves_it_untouched",
+            "tests/test_functional.py",
+        ),
+    ),
+    Mutation(
+        "functional: no row bound in the C rotary loop",
+        "ropekit/backends/cpu.py",
+        _C_ROW_BOUND,
+        "        int64_t bad = -1; \\\n",
+        ("tests/backends/test_cpu.py", "tests/backends/test_kernel_op.py", "tests/backends/test_plan.py"),
+    ),
+    # ---- module: RotaryEmbedding.forward(inplace=True), whose steady step is the launch plan ----
+    Mutation(
+        "module: no version bump in the C launch plan's run (the module's steady step)",
+        "ropekit/backends/cpu.py",
+        _C_PLAN_BUMP,
+        "            return q_out, k_out\n",
+        (f"{_BOUNDARY}[RotaryEmbedding.forward-cpu]", "tests/test_module.py"),
+    ),
+    Mutation(
+        "module: the plan's q / k overlap verdict always 'disjoint'",
+        "ropekit/backends/plan.py",
+        "                shared = _share_elements(q, k)\n",
+        "                shared = False\n",
+        ("tests/backends/test_plan.py", "tests/test_module.py"),
+    ),
+    # ---- fused: apply_rotary_qk_and_cache ----
+    Mutation(
+        "fused: no version bump after a kernel writes the caches",
+        "ropekit/fused/plan.py",
+        _FUSED_BUMP,
+        "            pass\n",
+        ("tests/fused/test_cache.py",),
+    ),
+    Mutation(
+        "fused: no k_cache / v_cache overlap check",
+        "ropekit/fused/cache.py",
+        '    check_disjoint("k_cache", k_cache, "v_cache", v_cache)\n',
+        "",
+        ("tests/fused/test_cache.py::test_shared_k_and_v_cache_is_refused",),
+    ),
+    Mutation(
+        "fused: no overlap check of an in-place q",
+        "ropekit/fused/cache.py",
+        '            check_disjoint("q", q, name, t)\n',
+        "            pass\n",
+        ("tests/fused/test_cache.py::test_inplace_q_that_shares_memory_with_k_is_refused_before_writing",),
+    ),
+    Mutation(
+        "fused: no slot bound in the C loop",
+        "ropekit/backends/fused_cpu.py",
+        _FUSED_SLOT_BOUND,
+        "            if (0) return -2 - token; \\\n",
+        (
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[fused]",
+        ),
+    ),
+    Mutation(
+        "fused: no slot bound in the torch reference",
+        "ropekit/backends/fused_eager.py",
+        "            if lo < -1 or hi >= num_slots:\n",
+        "            if False:\n",
+        (
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[fused]",
+        ),
+    ),
+    # ---- shift: shift_cache_ ----
+    Mutation(
+        "shift: no version bump after a kernel rotates the cache",
+        "ropekit/fused/plan.py",
+        _FUSED_BUMP,
+        "            pass\n",
+        ("tests/fused/test_shift.py",),
+    ),
+    Mutation(
+        "shift: no slot bound in the C loop",
+        "ropekit/backends/fused_cpu.py",
+        _FUSED_SLOT_BOUND,
+        "            if (0) return -2 - token; \\\n",
+        (
+            "tests/fused/test_shift.py",
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[shift]",
+        ),
+    ),
+    Mutation(
+        "shift: no bound on abs(delta)",
+        "ropekit/fused/shift.py",
+        "    if row >= cos.shape[0]:\n",
+        "    if False:\n",
+        (
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[shift]",
+        ),
+    ),
+    # ---- QK-norm: qk_norm_rotary_ ----
+    Mutation(
+        "qk_norm: no version bump after a kernel writes qkv",
+        "ropekit/fused/qk_norm.py",
+        "    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n"
+        '    if impl != "torch":\n'
+        "        torch.autograd.graph.increment_version(qkv)",
+        '    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n    if impl != "torch":\n        pass',
+        ("tests/fused/test_qk_norm.py",),
+    ),
+    # ---- compat: vLLM's in-place rotary_embedding, FlashInfer's paged append ----
+    Mutation(
+        "compat.vllm: no version bump on the direct in-place path",
+        "ropekit/compat/vllm.py",
+        "    _increment_version([query] if key is None else [query, key])\n",
+        "",
+        (
+            "tests/compat/test_vllm.py::test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite",
+            _COMPAT_BOUNDARY,
+        ),
+    ),
+    Mutation(
+        "compat.flashinfer: no page bound on the page table",
+        "ropekit/compat/flashinfer.py",
+        "        and (int(table_index.min()) < 0 or int(table_index.max()) >= kv_indices.numel())\n",
+        "        and False\n",
+        (
+            "tests/compat/test_flashinfer.py::test_append_refuses_bad_input_and_leaves_the_caches_alone",
+            f"{_FUZZ}[paged]",
+        ),
+    ),
+    Mutation(
+        "compat.flashinfer: no slot bound (the fused op's, under the paged append)",
+        "ropekit/backends/fused_cpu.py",
+        _FUSED_SLOT_BOUND,
+        "            if (0) return -2 - token; \\\n",
+        (
+            "tests/compat/test_flashinfer.py::test_append_refuses_bad_input_and_leaves_the_caches_alone",
+            f"{_FUZZ}[paged]",
+        ),
+    ),
+]
+
+
+# Checks that guard one write twice (a host check before the C loop's own), removed together: each alone
+# survives by design (measured: docs/safety.md, ## Mutations).
+MUTATIONS += [
+    Mutation(
+        "functional: no offset bound in the launch plan nor in the C rotary loop",
+        "ropekit/backends/plan.py",
+        "    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):\n",
+        "    if plan is None:\n",
+        ("tests/backends/test_plan.py::test_a_planned_call_still_refuses_an_offset_past_the_table",),
+        also=(("ropekit/backends/cpu.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
+    ),
+    Mutation(
+        "fused: no row bound in the C fused loop nor in the op's host check",
+        "ropekit/backends/fused_cpu.py",
+        _C_ROW_BOUND,
+        "        int64_t bad = -1; \\\n",
+        (
+            "tests/fused/test_cache.py::test_bad_input_is_one_value_error_and_writes_nothing",
+            f"{_FUZZ}[fused]",
+        ),
+        also=(("ropekit/fused/cache.py", "    pos.check_table(cos.shape[0])\n", ""),),
+    ),
+    Mutation(
+        "qk_norm: no row bound in the C loop nor in the op's host check",
+        "ropekit/backends/qk_norm_cpu.py",
+        _C_ROW_BOUND,
+        "        int64_t bad = -1; \\\n",
+        ("tests/fused/test_qk_norm.py::test_a_position_past_the_table_writes_nothing", f"{_FUZZ}[qk_norm]"),
+        also=(("ropekit/fused/qk_norm.py", "    pos.check_table(cos.shape[0])\n", ""),),
+    ),
+]
+
+# The same protections against the serving fuzzer alone (tests/serving_fuzz.py): it finds them without a
+# directed test.
+MUTATIONS += [
+    Mutation(
+        "fuzzer alone: fused, no version bump after a kernel writes the caches",
+        "ropekit/fused/plan.py",
+        _FUSED_BUMP,
+        "            pass\n",
+        (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
+    ),
+    Mutation(
+        "fuzzer alone: fused, no slot bound in the C loop",
+        "ropekit/backends/fused_cpu.py",
+        _FUSED_SLOT_BOUND,
+        "            if (0) return -2 - token; \\\n",
+        (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
+    ),
+    Mutation(
+        "fuzzer alone: qk_norm, no version bump after a kernel writes qkv",
+        "ropekit/fused/qk_norm.py",
+        "    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n"
+        '    if impl != "torch":\n'
+        "        torch.autograd.graph.increment_version(qkv)",
+        '    launch(view, *weights, cos, sin, rows, pos.offset, spec)\n    if impl != "torch":\n        pass',
+        (f"{_FUZZ}[qk_norm]",),
+    ),
+]
+
+
+def occurrences(m: Mutation, root: Path = ROOT) -> list[int]:
+    """How many times each old text of m occurs in its file under root/src (each must be 1)."""
+    return [(root / "src" / path).read_text().count(old) for path, old, _ in m.edits()]
+
+
+def _copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "*.egg-info")
+    for name in ("src", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+_PROBE = """
+import sys, torch
+import ropekit
+assert ropekit.__file__.startswith(sys.argv[1]), f"ropekit imported from {ropekit.__file__}, not the copy"
+from ropekit.backends import BACKENDS, fused_cpu
+from ropekit.backends.qk_norm_cpu import NormSpec, unavailable_reason
+spec = NormSpec(1, 1, 2, 1e-6, 0.0, False, True, False)
+reasons = [BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)),
+           fused_cpu.unavailable_reason(), unavailable_reason(spec)]
+assert reasons == [None, None, None], f"a C kernel does not build in the mutated tree: {reasons}"
+"""
+
+
+def run_one(m: Mutation, *, timeout: int = 1200) -> tuple[str, str, float]:
+    """(verdict, detail, seconds): verdict "caught", "survives" or "error" (not applied, or the tests could
+    not run: a mutation that breaks the build or the collection proves nothing)."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ropekit-mutant-") as tmp:
+        dest = Path(tmp)
+        _copy_tree(dest)
+        for path, old, new in m.edits():
+            target = dest / "src" / path
+            text = target.read_text()
+            if text.count(old) != 1:
+                return "error", f"old text found {text.count(old)} times in src/{path}", 0.0
+            target.write_text(text.replace(old, new))
+        cache = dest / "kernel-cache"
+        cache.mkdir(mode=0o700)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(dest / "src"), os.environ.get("PYTHONPATH", "")]),
+            "ROPEKIT_CACHE_DIR": str(cache),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(dest / "src")],
+            env=env,
+            cwd=dest,
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode != 0:
+            return "error", probe.stderr.strip().splitlines()[-1], time.monotonic() - start
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+        cmd += ["-W", "ignore::pytest.PytestUnknownMarkWarning", *m.tests]
+        result = subprocess.run(cmd, env=env, cwd=dest, capture_output=True, text=True, timeout=timeout)
+    seconds = time.monotonic() - start
+    last = (result.stdout.strip().splitlines() or [""])[-1]
+    if result.returncode == 1:
+        failed = next((line for line in result.stdout.splitlines() if line.startswith("FAILED")), last)
+        return "caught", failed, seconds
+    if result.returncode == 0:
+        return "survives", last, seconds
+    if result.returncode < 0:  # the test process died (a write outside a buffer corrupted the heap)
+        return "caught", f"the tests crashed (signal {-result.returncode}): {last}", seconds
+    return "error", f"pytest exit {result.returncode}: {last}", seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run this mutation only")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutation(s): {sorted(unknown)}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\t(src/{m.path})")
+        return 0
+    bad = 0
+    for m in chosen:
+        verdict, detail, seconds = run_one(m)
+        bad += verdict != "caught"
+        print(f"{verdict:9s} {seconds:6.1f}s  {m.name}\n{'':18s}{detail}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
