@@ -63,7 +63,9 @@ def _matches(name: str, prefix: str) -> bool:
 
 
 def layer_of(name: str) -> int:
-    found = [(len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _matches(name, p)]
+    found = [
+        (len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _matches(name, p)
+    ]
     if not found:
         raise LookupError(name)
     return max(found)[1]

@@ -314,7 +314,6 @@ def test_any_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs(
     run_call(data.draw(FAMILIES[family], label=family))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 defect 2: fixed on branch safety-core")
 @settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
 @given(case=fused_calls(alias=True))
 def test_a_fused_source_that_aliases_a_cache_is_refused_or_read_before_any_write(case):
@@ -323,7 +322,6 @@ def test_a_fused_source_that_aliases_a_cache_is_refused_or_read_before_any_write
     run_call(case)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 defect 3: fixed on branch safety-core")
 @settings(max_examples=ALIAS_EXAMPLES, **_NO_SHRINK)
 @given(case=shift_calls(duplicates=True))
 def test_a_shift_with_duplicate_slots_is_refused_or_rotates_each_slot_once(case):
@@ -365,7 +363,6 @@ def test_proof_serving_calls_on_the_triton_backend_under_its_interpreter(monkeyp
 
 
 @pytest.mark.proof
-@pytest.mark.xfail(strict=True, reason="issue 24 defects 2 and 3: fixed on branch safety-core")
 @settings(max_examples=PROOF_EXAMPLES, **_NO_SHRINK)
 @given(data=st.data())
 def test_proof_aliasing_and_duplicate_slots_are_refused_or_right(data):
@@ -441,11 +438,8 @@ _COMPILED_WRITES = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the serving fuzzer: under torch.compile the C kernels' writes "
-    "leave the version counters as they were (eager moves them)",
-)
+# Found by the serving fuzzer: under torch.compile the C kernels' writes left the version counters as they
+# were; the fused ops are registered torch.library ops now, whose dispatcher bumps what they mutate.
 @pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
 @pytest.mark.parametrize("op", sorted(_COMPILED_WRITES))
 def test_a_compiled_serving_write_moves_the_version_counter_as_in_eager(op):

@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 try:
     import sglang.srt.layers.rotary_embedding
-    import sglang.srt.plugins
+    import sglang.srt.plugins  # noqa: F401
     import torchtitan.models.common.rope  # noqa: F401
     import vllm.config
     import vllm.model_executor.layers.rotary_embedding
