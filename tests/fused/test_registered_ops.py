@@ -244,7 +244,9 @@ def _sharing_tables(cache_shape):
     return cos_view, sin, storage[256 : 256 + torch.Size(cache_shape).numel()].view(cache_shape), storage
 
 
-@pytest.mark.parametrize("case", ["k_cache in cos", "v_cache in k", "q in k_cache"])
+@pytest.mark.parametrize(
+    "case", ["k_cache in cos", "v_cache in k", "q in k_cache", "slot_mapping in v_cache"]
+)
 @pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
 def test_the_registered_cache_ops_refuse_a_written_tensor_sharing_memory_and_write_nothing(backend, case):
     q = torch.randn(2, 3, 4, 16)
@@ -260,25 +262,37 @@ def test_the_registered_cache_ops_refuse_a_written_tensor_sharing_memory_and_wri
             storage[64 : 64 + v_cache.numel()].view(v_cache.shape),
         )
         match = "v_cache: it is written and shares memory with k, which the call reads"
-    else:  # q rotated in place inside k_cache's memory
+    elif case == "q in k_cache":  # q rotated in place inside k_cache's memory
         storage = k_cache.view(-1)
         q = storage[: q.numel()].view(q.shape)
         match = "k_cache: the call writes q and k_cache, which share memory"
+    else:  # int64 slots laid in v_cache's bytes (the torch backend would write through them unchecked)
+        storage = v_cache.view(-1)
+        slots = torch.empty(0, dtype=torch.int64).set_(v_cache.untyped_storage(), 200, (6,), (1,))
+        slots.copy_(cache_args(backend)[6])
+        match = "v_cache: it is written and shares memory with slot_mapping, which the call reads"
     before = [t.clone() for t in (q, k_cache, v_cache, storage)]
     with pytest.raises(ValueError, match=match):
         torch.ops.ropekit.rotary_qk_and_cache_(q, k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest)
-    assert all(torch.equal(a, b) for a, b in zip((q, k_cache, v_cache, storage), before, strict=True))
+    for a, b in zip((q, k_cache, v_cache, storage), before, strict=True):  # bit for bit: slot -1 reads as NaN
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 @pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
-def test_the_registered_shift_op_refuses_duplicate_slots_and_a_cache_sharing_the_table(backend):
+def test_the_registered_shift_op_refuses_duplicate_slots_and_writes_nothing(backend):
     k_cache = torch.randn(PAGES, PAGE_SIZE, 2, 16)
     cos, sin = tables()
     before = k_cache.clone()
     with pytest.raises(ValueError, match=r"slots: slot 3 is given twice \(tokens 1 and 2\)"):
         torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", torch.tensor([0, 3, 3]), False, backend)
     assert torch.equal(k_cache, before)
-    cos, sin, k_cache, storage = _sharing_tables(k_cache.shape)
+    torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", torch.tensor([0, -1, -1]), False, backend)
+    assert not torch.equal(k_cache, before)  # -1 (a skipped slot) may repeat
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_shift_op_refuses_a_cache_sharing_the_table_and_writes_nothing(backend):
+    cos, sin, k_cache, storage = _sharing_tables((PAGES, PAGE_SIZE, 2, 16))
     before = storage.clone()
     with pytest.raises(ValueError, match="k_cache: it is written and shares memory with cos, which the call"):
         torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", None, False, backend)
