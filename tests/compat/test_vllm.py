@@ -516,3 +516,54 @@ def test_a_steady_in_place_step_is_its_own_plan_costing_no_more_calls_than_the_c
     clash = qkv.clone()  # key's heads inside query's: same strides, shared elements
     with pytest.raises(ValueError, match="key"):
         rotary_embedding(positions, clash[:, :256], clash[:, 128:256], 64, cache, True)
+
+
+def _planned_vllm_step(rope, positions):
+    """Two in-place calls of good values with query (5, 4 * 64) and key (5, 2 * 64): vLLM's plan for the kind
+    exists after them."""
+    import ropekit.backends.plan as plan
+
+    plan.clear_plans()
+    for _ in range(2):
+        rope.forward(positions, torch.randn(5, 4 * 64), torch.randn(5, 2 * 64))
+    assert any(
+        key[0] == "compat.vllm.rotary_embedding" and run is not None for key, run in plan._plans.items()
+    )
+
+
+@pytest.mark.parametrize("written", ["query", "key"])
+@pytest.mark.parametrize("through", ["forward", "rotary_embedding", "op"])
+def test_query_or_key_inside_the_cos_sin_cache_after_a_plan_raises_and_writes_nothing(through, written):
+    rope = get_rope(64, 64, True, {"rope_theta": 10000.0})
+    positions = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(5))
+    _planned_vllm_step(rope, positions)
+    storage = torch.zeros(2 * 64 * 64)
+    cache = storage[: 64 * 64].view(64, 64)  # the planned cache's layout
+    cache.copy_(rope.cos_sin_cache)
+    query, key = torch.randn(5, 4 * 64), torch.randn(5, 2 * 64)
+    if written == "query":
+        query = storage[1024 : 1024 + 5 * 256].view(5, 256)  # rows 16 .. 35 of the cache
+    else:
+        key = storage[2048 : 2048 + 5 * 128].view(5, 128)
+    before = [t.clone() for t in (storage, query, key)]
+    with pytest.raises(ValueError, match=f"^{written}: it is written and shares memory with cos"):
+        if through == "forward":
+            rope.cos_sin_cache = cache
+            rope.forward(positions, query, key)
+        elif through == "rotary_embedding":
+            rotary_embedding(positions, query, key, 64, cache, True)
+        else:
+            torch.ops.ropekit.rotary_embedding(positions, query, key, 64, cache, True)
+    assert all(torch.equal(a, b) for a, b in zip((storage, query, key), before, strict=True))
+
+
+def test_an_inference_query_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
+    rope = get_rope(64, 64, True, {"rope_theta": 10000.0})
+    positions = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(6))
+    _planned_vllm_step(rope, positions)
+    with torch.inference_mode():
+        query, key = torch.randn(5, 4 * 64), torch.randn(5, 2 * 64)
+    before = query.clone(), key.clone()
+    with pytest.raises(ValueError, match=r"^query: an inference tensor \(made under torch.inference_mode"):
+        rope.forward(positions, query, key)
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])

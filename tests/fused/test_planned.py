@@ -234,3 +234,77 @@ def test_a_strided_slot_mapping_is_read_as_the_checked_path_reads_it():
         got = [c.clone() for c in caches]
         call(q.clone(), k, v, cos, sin, got, strided, offsets, "nhd", True)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def unchanged(tensors, before) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+
+
+def test_duplicate_slots_after_a_plan_raise_the_checked_error_and_write_nothing():
+    q, k, v, cos, sin, caches, _, offsets = planned_step()
+    before = [t.clone() for t in (q, *caches)]
+    with pytest.raises(ValueError, match=r"slot_mapping: slot 3 is given twice \(tokens 0 and 1\)"):
+        call(q, k, v, cos, sin, caches, torch.tensor([[3], [3]]), offsets, "nhd", True)
+    assert unchanged((q, *caches), before)
+    call(q, k, v, cos, sin, caches, torch.tensor([[-1], [-1]]), offsets, "nhd", True)  # -1 may repeat
+    assert unchanged(caches, before[1:])
+
+
+def test_a_k_cache_inside_the_cos_table_after_a_plan_raises_and_writes_nothing():
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    storage = torch.zeros(cos.numel() + caches[0].numel())
+    cos_view = storage.as_strided(cos.shape, cos.stride(), 0)  # the planned cos's layout
+    cos_view.copy_(cos)
+    k_cache = storage.as_strided(caches[0].shape, caches[0].stride(), 1000)  # the planned k_cache's layout
+    before = [t.clone() for t in (q, storage, caches[1])]
+    with pytest.raises(ValueError, match="k_cache: it is written and shares memory with cos, which the call"):
+        call(q, k, v, cos_view, sin, [k_cache, caches[1]], slots, offsets, "nhd", True)
+    assert unchanged((q, storage, caches[1]), before)
+
+
+def test_per_sequence_offsets_inside_a_cache_after_a_plan_raise_and_write_nothing():
+    q, k, v, cos, sin, caches, slots, _ = planned_step(per_sequence=True)
+    # int64 offsets (2,) laid in v_cache's bytes, holding valid rows: only the memory rule refuses them.
+    offsets = torch.empty(0, dtype=torch.int64).set_(caches[1].untyped_storage(), 100, (2,), (1,))
+    offsets.copy_(torch.tensor([3, 5]))
+    before = [t.clone() for t in (q, *caches)]
+    with pytest.raises(ValueError, match="v_cache: it is written and shares memory with offsets, which the"):
+        call(q, k, v, cos, sin, caches, slots, offsets, "nhd", True)
+    assert unchanged((q, *caches), before)
+
+
+def test_an_inference_q_written_in_place_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
+    q, k, v, cos, sin, caches, slots, offsets = planned_step()
+    with torch.inference_mode():
+        q_inference = q.clone()
+    before = [t.clone() for t in (q_inference, *caches)]
+    with pytest.raises(
+        RuntimeError, match=r"q: an inference tensor \(made under torch.inference_mode\(\)\)"
+    ) as e:
+        call(q_inference, k, v, cos, sin, caches, slots, offsets, "nhd", True)
+    assert isinstance(e.value, ValueError)  # ropekit's InPlaceError: both, as the checked path raises it
+    assert unchanged((q_inference, *caches), before)
+
+
+def test_qk_norm_weight_inside_qkv_after_a_plan_raises_and_writes_nothing():
+    qkv, weights, cos, sin, kw = qk_norm_inputs("offset")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    q_weight = qkv.view(-1)[256:384]  # (128,), unit stride: the planned q_weight's layout, in qkv's bytes
+    before = qkv.clone()
+    with pytest.raises(
+        ValueError, match="qkv: it is written and shares memory with q_weight, which the call"
+    ):
+        qk_norm_call(qkv, [q_weight, weights[1]], cos, sin, kw)
+    assert torch.equal(qkv, before)
+
+
+def test_qk_norm_of_an_inference_qkv_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
+    qkv, weights, cos, sin, kw = qk_norm_inputs("offset")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    with torch.inference_mode():
+        qkv_inference = qkv.clone()
+    with pytest.raises(ValueError, match=r"qkv: an inference tensor \(made under torch.inference_mode\(\)\)"):
+        qk_norm_call(qkv_inference, weights, cos, sin, kw)
+    assert torch.equal(qkv_inference, qkv)

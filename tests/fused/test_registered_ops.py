@@ -213,3 +213,87 @@ def test_compiled_in_place_step_writes_q_and_the_caches_as_eager_does():
     assert not torch.equal(eager[0], q)  # q was rotated in place
     for a, b in zip(compiled, eager, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_cache_ops_refuse_duplicate_slots_and_write_nothing(backend, in_place):
+    q = torch.randn(2, 3, 4, 16)
+    k, v, cos, sin, pos, offset, _, k_cache, v_cache, *rest = cache_args(backend)
+    before = [t.clone() for t in (q, k_cache, v_cache)]
+    slots = torch.tensor([0, 5, -1, 5, 9, 12])
+    args = (k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest)
+    with pytest.raises(ValueError, match=r"slot_mapping: slot 5 is given twice \(tokens 1 and 3\)"):
+        if in_place:
+            torch.ops.ropekit.rotary_qk_and_cache_(q, *args)
+        else:
+            torch.ops.ropekit.rotary_qk_and_cache(q, torch.empty_like(q), *args)
+    assert all(torch.equal(a, b) for a, b in zip((q, k_cache, v_cache), before, strict=True))
+    skipped = torch.tensor([0, -1, -1, 3, 9, 12])  # -1 (a skipped token) may repeat
+    torch.ops.ropekit.rotary_qk_and_cache(None, None, k, v, cos, sin, pos, offset, skipped, k_cache, v_cache,
+                                          *rest)  # fmt: skip
+    assert not torch.equal(k_cache, before[1])
+
+
+def _sharing_tables(cache_shape):
+    """cos and sin as (64, 8) tables whose memory a cache of cache_shape, laid inside cos, shares."""
+    cos, sin = tables()
+    storage = torch.zeros(cos.numel() + 1024)
+    cos_view = storage[: cos.numel()].view(cos.shape)
+    cos_view.copy_(cos)
+    return cos_view, sin, storage[256 : 256 + torch.Size(cache_shape).numel()].view(cache_shape), storage
+
+
+@pytest.mark.parametrize(
+    "case", ["k_cache in cos", "v_cache in k", "q in k_cache", "slot_mapping in v_cache"]
+)
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_cache_ops_refuse_a_written_tensor_sharing_memory_and_write_nothing(backend, case):
+    q = torch.randn(2, 3, 4, 16)
+    k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest = cache_args(backend)
+    if case == "k_cache in cos":
+        cos, sin, k_cache, storage = _sharing_tables(k_cache.shape)
+        match = "k_cache: it is written and shares memory with cos, which the call reads"
+    elif case == "v_cache in k":
+        storage = torch.zeros(k.numel() + v_cache.numel())
+        storage[: k.numel()].copy_(k.view(-1))
+        k, v_cache = (
+            storage[: k.numel()].view(k.shape),
+            storage[64 : 64 + v_cache.numel()].view(v_cache.shape),
+        )
+        match = "v_cache: it is written and shares memory with k, which the call reads"
+    elif case == "q in k_cache":  # q rotated in place inside k_cache's memory
+        storage = k_cache.view(-1)
+        q = storage[: q.numel()].view(q.shape)
+        match = "k_cache: the call writes q and k_cache, which share memory"
+    else:  # int64 slots laid in v_cache's bytes (the torch backend would write through them unchecked)
+        storage = v_cache.view(-1)
+        slots = torch.empty(0, dtype=torch.int64).set_(v_cache.untyped_storage(), 200, (6,), (1,))
+        slots.copy_(cache_args(backend)[6])
+        match = "v_cache: it is written and shares memory with slot_mapping, which the call reads"
+    before = [t.clone() for t in (q, k_cache, v_cache, storage)]
+    with pytest.raises(ValueError, match=match):
+        torch.ops.ropekit.rotary_qk_and_cache_(q, k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest)
+    for a, b in zip((q, k_cache, v_cache, storage), before, strict=True):  # bit for bit: slot -1 reads as NaN
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_shift_op_refuses_duplicate_slots_and_writes_nothing(backend):
+    k_cache = torch.randn(PAGES, PAGE_SIZE, 2, 16)
+    cos, sin = tables()
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=r"slots: slot 3 is given twice \(tokens 1 and 2\)"):
+        torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", torch.tensor([0, 3, 3]), False, backend)
+    assert torch.equal(k_cache, before)
+    torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", torch.tensor([0, -1, -1]), False, backend)
+    assert not torch.equal(k_cache, before)  # -1 (a skipped slot) may repeat
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_shift_op_refuses_a_cache_sharing_the_table_and_writes_nothing(backend):
+    cos, sin, k_cache, storage = _sharing_tables((PAGES, PAGE_SIZE, 2, 16))
+    before = storage.clone()
+    with pytest.raises(ValueError, match="k_cache: it is written and shares memory with cos, which the call"):
+        torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", None, False, backend)
+    assert torch.equal(storage, before)
