@@ -564,3 +564,16 @@ def test_check_no_alias_allows_only_a_write_in_place_of_its_own_source():
     with pytest.raises(ValueError, match=r"b: the call writes a and b, which share memory"):
         check_no_alias((("a", x), ("b", x[0])), (), optional=False)
     check_no_alias((("x", x), ("k", None)), (("scale", 0.5), ("cos", None)))  # non-tensors are skipped
+
+
+def test_an_empty_tensor_with_a_stride_0_axis_is_writable_while_compiling_as_in_eager(monkeypatch):
+    """Found by the fuzzer: an empty (0, 4, 1, 2) tensor with strides (2, 0, 0, 1) has no elements, so none
+    share memory; eager (torch's own overlap query) accepts it and the compiled check must too."""
+    from ropekit import validation
+
+    empty = torch.empty(0, 1, 1, 2).expand(0, 4, 1, 2)
+    validation.check_writable("k", empty)
+    monkeypatch.setattr(validation, "is_compiling", lambda: True)
+    validation.check_writable("k", empty)
+    with pytest.raises(ValueError, match="k: inplace=True needs a tensor whose elements do not share memory"):
+        validation.check_writable("k", torch.empty(1, 1, 2).expand(3, 1, 2))

@@ -216,7 +216,9 @@ def check_writable(name: str, x: torch.Tensor) -> None:
     rotated once per alias). The same rule, in nearly the same words, as PyTorch's ``add_`` on such a view."""
     x = local(x)  # a DTensor: the shard this rank writes
     if is_compiling():  # torch's overlap query is not traceable: catch the common case, a stride-0 axis
-        overlapping = any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride(), strict=True))
+        overlapping = x.numel() > 1 and any(
+            n > 1 and s == 0 for n, s in zip(x.shape, x.stride(), strict=True)
+        )
     else:  # 1: provably overlapping; 2: too hard to tell (as torch, which refuses 1 only)
         overlapping = torch._debug_has_internal_overlap(x) == 1
     if overlapping:

@@ -241,9 +241,9 @@ def launched(monkeypatch) -> list[str]:
     for module in (ropekit.fused.fp8, ropekit.fused.cache):
         original_run = module.run
 
-        def run(name, plan, written, _original=original_run):
+        def run(name, plan, written, _original=original_run, **kwargs):
             seen.append(name)
-            return _original(name, plan, written)
+            return _original(name, plan, written, **kwargs)
 
         monkeypatch.setattr(module, "run", run)
     original_launcher = ropekit.fused.qk_norm._launcher

@@ -43,8 +43,22 @@ def _same_cache(ours, theirs, scale=1.0):
 
 
 def _vllm(*args, **kwargs):
-    with vllm_config.set_current_vllm_config(vllm_config.VllmConfig()):
-        return vllm_rope.get_rope(*args, **kwargs)
+    """vLLM's own class, even when ropekit's plugin is registered in this process (test_vllm_plugin.py loads
+    it): the oracle is built with the plugin's entries out of vLLM's registry, and fresh (get_rope caches
+    each configuration's module)."""
+    from vllm.model_executor import custom_op
+
+    registry = custom_op.op_registry_oot
+    ours = {name: cls for name, cls in registry.items() if cls.__module__.startswith("ropekit.")}
+    try:
+        for name in ours:
+            del registry[name]
+        with vllm_config.set_current_vllm_config(vllm_config.VllmConfig()):
+            vllm_rope._ROPE_DICT.clear()
+            return vllm_rope.get_rope(*args, **kwargs)
+    finally:
+        registry.update(ours)
+        vllm_rope._ROPE_DICT.clear()
 
 
 def _qk(tokens, heads, kv_heads, head_size, seed=0):
