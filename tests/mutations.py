@@ -298,7 +298,10 @@ MUTATIONS += [
 
 
 _NO_CALL = "(lambda *args, **kwargs: None)("  # a call removed, its arguments still evaluated
-_PLANNED_SLOTS = "            if ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any():\n                return None\n"
+_PLANNED_SLOTS = (
+    "            if ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any():\n"
+    "                return None\n"
+)
 _DISTINCT = "    check_distinct_slots(name, flat)\n    return flat\n"
 _WIDE = '    if name != "torch" and widest > MAX_WIDTH:\n'
 
@@ -329,8 +332,8 @@ MUTATIONS += [
     Mutation(
         "qk_norm: no memory check (a weight or a table in qkv)",
         "ropekit/fused/qk_norm.py",
-        "    check_no_alias(  # the memory rule: qkv is rotated in place of itself; what it reads stays apart\n",
-        f"    {_NO_CALL}  # the memory rule: qkv is rotated in place of itself; what it reads stays apart\n",
+        "    check_no_alias(  # the memory rule: qkv is rotated in place of itself;",
+        f"    {_NO_CALL}  # the memory rule: qkv is rotated in place of itself;",
         ("tests/fused/test_qk_norm.py",),
     ),
     Mutation(
@@ -370,7 +373,9 @@ MUTATIONS += [
         "ropekit/fused/planned.py",
         _PLANNED_SLOTS,
         "            if False:\n                return None\n",
-        ("tests/fused/test_cache.py",),
+        (
+            "tests/fused/test_cache.py::test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing",
+        ),
     ),
     Mutation(
         "fused, planned: no memory check",
@@ -379,7 +384,7 @@ MUTATIONS += [
         "                if False:\n                    return None\n",
         (
             "tests/fused/test_planned.py::test_shared_memory_still_raises_after_a_plan",
-            "tests/fused/test_cache.py",
+            "tests/fused/test_cache.py::test_a_planned_step_still_refuses_caches_that_share_memory",
         ),
     ),
     Mutation(
@@ -387,35 +392,41 @@ MUTATIONS += [
         "ropekit/fused/planned.py",
         "        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():\n",
         "        if False:\n",
-        ("tests/fused/test_cache.py",),
+        (
+            "tests/fused/test_cache.py::test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode",
+        ),
     ),
     Mutation(
         "qk_norm, planned: no memory check",
         "ropekit/fused/planned.py",
         "                if start < hi and lo < start + (size or t.numel() * t.element_size()):\n",
         "                if False:\n",
-        ("tests/fused/test_qk_norm.py",),
+        (
+            "tests/fused/test_qk_norm.py::test_a_planned_step_still_refuses_a_weight_inside_qkv_and_an_inference_qkv",
+        ),
     ),
     Mutation(
         "qk_norm, planned: an inference qkv written outside inference mode",
         "ropekit/fused/planned.py",
         "        if qkv.is_inference() and not torch.is_inference_mode_enabled():\n",
         "        if False:\n",
-        ("tests/fused/test_qk_norm.py",),
+        (
+            "tests/fused/test_qk_norm.py::test_a_planned_step_still_refuses_a_weight_inside_qkv_and_an_inference_qkv",
+        ),
     ),
     Mutation(
         "compat.vllm, planned: no memory check of query against the cache and positions",
         "ropekit/compat/vllm.py",
         "        if (c < q + q_span and q < c_end) or (p < q + q_span and q < p_end):\n",
         "        if False:\n",
-        ("tests/compat/test_vllm.py", "tests/compat/test_vllm_variants.py"),
+        ("tests/test_boundary.py::test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key",),
     ),
     Mutation(
         "compat.vllm, planned: no memory check of key against the cache and positions",
         "ropekit/compat/vllm.py",
         "            if (c < k + k_span and k < c_end) or (p < k + k_span and k < p_end):\n",
         "            if False:\n",
-        ("tests/compat/test_vllm.py", "tests/compat/test_vllm_variants.py"),
+        ("tests/test_boundary.py::test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key",),
     ),
     Mutation(
         "fused: no wide-head bound (select(..., widest=...))",
