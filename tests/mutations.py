@@ -114,7 +114,11 @@ MUTATIONS: list[Mutation] = [
         "ropekit/backends/cpu.py",
         _C_PLAN_BUMP,
         "            return q_out, k_out\n",
-        (f"{_BOUNDARY}[RotaryEmbedding.forward-cpu]", "tests/test_module.py"),
+        (
+            f"{_BOUNDARY}[RotaryEmbedding.forward-cpu]",
+            "tests/backends/test_plan.py::test_a_planned_in_place_write_bumps_the_version_counter",
+            "tests/test_module.py",
+        ),
     ),
     Mutation(
         "module: the plan's q / k overlap verdict always 'disjoint'",
@@ -213,6 +217,7 @@ MUTATIONS: list[Mutation] = [
         (
             "tests/compat/test_vllm.py::test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite",
             _COMPAT_BOUNDARY,
+            "tests/test_boundary.py::test_compat_vllm_planned_step_bumps_the_version_exactly_once",
         ),
     ),
     Mutation(
@@ -226,13 +231,22 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
-        "compat.flashinfer: no slot bound (the fused op's, under the paged append)",
-        "ropekit/backends/fused_cpu.py",
-        _FUSED_SLOT_BOUND,
-        "            if (0) return -2 - token; \\\n",
+        # The page table's host check (page ids in [0, num_pages)) keeps every slot inside the caches: the C
+        # loop's slot bound under it alone survives by design.
+        "compat.flashinfer: no page-id bound in the page table nor slot bound in the C loop",
+        "ropekit/compat/flashinfer.py",
+        "    bad = ((used < 0) | (used >= num_pages)).nonzero()\n",
+        "    bad = (used < 0).nonzero()\n",
         (
             "tests/compat/test_flashinfer.py::test_append_refuses_bad_input_and_leaves_the_caches_alone",
             f"{_FUZZ}[paged]",
+        ),
+        also=(
+            (
+                "ropekit/backends/fused_cpu.py",
+                _FUSED_SLOT_BOUND,
+                "            if (0) return -2 - token; \\\n",
+            ),
         ),
     ),
 ]
@@ -327,7 +341,9 @@ MUTATIONS += [
         "ropekit/fused/shift.py",
         '    check_no_alias((("k_cache", k_cache),), reads, optional=False)\n    name = select(',
         f'    {_NO_CALL}(("k_cache", k_cache),), reads, optional=False)\n    name = select(',
-        ("tests/fused/test_shift.py",),
+        (
+            "tests/fused/test_shift.py::test_a_table_or_slots_inside_the_cache_is_a_value_error_and_nothing_rotates",
+        ),
     ),
     Mutation(
         "qk_norm: no memory check (a weight or a table in qkv)",

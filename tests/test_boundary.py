@@ -109,3 +109,21 @@ def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(writ
     with pytest.raises(ValueError, match="shares memory"):
         step(query, key, inside)
     assert all(torch.equal(a, b) for a, b in zip((memory, query, key), before, strict=True))
+
+
+def test_compat_vllm_planned_step_bumps_the_version_exactly_once():
+    """compat.vllm's steady step runs its own launch plan (pointers, one C call): the bump after it is the
+    only one, as a PyTorch in-place op makes one; a step without it would let autograd miss the write."""
+    import ropekit.backends.plan as plan
+    from call_count import ropekit_calls
+    from ropekit.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(64, 64, generator=g)
+    positions = torch.tensor([1, 7, 3])
+    query, key = torch.randn(3, 2 * 64, generator=g), torch.randn(3, 64, generator=g)
+    plan.clear_plans()
+    rotary_embedding(positions, query, key, 64, cache, True)  # plans the kind
+    versions = query._version, key._version
+    assert "run" in ropekit_calls(lambda: rotary_embedding(positions, query, key, 64, cache, True))
+    assert (query._version, key._version) == (versions[0] + 1, versions[1] + 1)
