@@ -221,7 +221,7 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
-        "compat.flashinfer: no page bound on the page table",
+        "compat.flashinfer: no position bound on the page table (a position past its request's pages)",
         "ropekit/compat/flashinfer.py",
         "        bad = ((pos < 0) | (pos >= limit)).nonzero()\n",
         "        bad = (pos < 0).nonzero()\n",
