@@ -80,3 +80,50 @@ def test_inverse_must_be_a_bool():
     x, (cos, sin) = torch.randn(1, 2, 1, 8), (torch.ones(4, 2), torch.zeros(4, 2))
     with pytest.raises(ValueError, match=r"inverse: expected"):
         apply_rotary(x, cos, sin, inverse="yes")
+
+
+@pytest.mark.parametrize("written", ["query", "key"])
+def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(written):
+    """The memory rule on compat.vllm's own launch plan (_plan): a steady in-place step whose query or key
+    lies in the cos/sin cache it reads (the same layouts as the planned key) reaches the checked path's
+    error, with nothing written. (Here, not in tests/compat/test_vllm.py, while another branch edits that.)"""
+    import ropekit.backends.plan as plan
+    from call_count import ropekit_calls
+    from ropekit.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(64, 64, generator=g)  # (max_position, rotary_dim): [cos | sin]
+    positions = torch.tensor([1, 7, 3, 0, 9])
+    plan.clear_plans()
+    step = lambda q, k, c: rotary_embedding(positions, q, k, 64, c, True)  # noqa: E731
+    query, key = torch.randn(5, 4 * 64, generator=g), torch.randn(5, 2 * 64, generator=g)
+    step(query.clone(), key.clone(), cache)
+    assert "run" in ropekit_calls(lambda: step(query.clone(), key.clone(), cache))  # the plan served it
+    memory = torch.randn(64 * 64, generator=g)  # the cache, and query or key as a view of its first rows
+    inside = memory.view(64, 64)
+    if written == "query":
+        query = memory[: 5 * 256].view(5, 256)
+    else:
+        key = memory[: 5 * 128].view(5, 128)
+    before = memory.clone(), query.clone(), key.clone()
+    with pytest.raises(ValueError, match="shares memory"):
+        step(query, key, inside)
+    assert all(torch.equal(a, b) for a, b in zip((memory, query, key), before, strict=True))
+
+
+def test_compat_vllm_planned_step_bumps_the_version_exactly_once():
+    """compat.vllm's steady step runs its own launch plan (pointers, one C call): the bump after it is the
+    only one, as a PyTorch in-place op makes one; a step without it would let autograd miss the write."""
+    import ropekit.backends.plan as plan
+    from call_count import ropekit_calls
+    from ropekit.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(64, 64, generator=g)
+    positions = torch.tensor([1, 7, 3])
+    query, key = torch.randn(3, 2 * 64, generator=g), torch.randn(3, 64, generator=g)
+    plan.clear_plans()
+    rotary_embedding(positions, query, key, 64, cache, True)  # plans the kind
+    versions = query._version, key._version
+    assert "run" in ropekit_calls(lambda: rotary_embedding(positions, query, key, 64, cache, True))
+    assert (query._version, key._version) == (versions[0] + 1, versions[1] + 1)

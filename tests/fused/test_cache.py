@@ -255,3 +255,62 @@ def test_the_c_loop_checks_its_own_width_bound_before_writing(monkeypatch):
     with pytest.raises(ValueError, match="wider than the C loop's scratch row"):
         fused_cpu.launch(plan, checked=True)
     assert not dst.any()
+
+
+def _planned_decode(seed: int = 0):
+    """Inputs of an in-place decode step on the C loop whose key has a launch plan (two calls made: the first
+    plans it, the second is served by it), and a function to call it again with changed arguments."""
+    from call_count import ropekit_calls
+
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    q, k, v = (torch.randn(2, 1, h, 16, generator=g) for h in (4, 2, 2))
+    caches = [torch.zeros(4, 8, 2, 16) for _ in range(2)]  # "nhd" (pages, page_size, heads, head_dim)
+
+    def step(q, slots, caches=caches):
+        return ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, cache_layout="nhd",
+            offsets=5, inplace=True, backend="cpu",
+        )  # fmt: skip
+
+    slots = torch.tensor([[3], [9]])
+    step(q.clone(), slots)
+    assert "run" in ropekit_calls(lambda: step(q.clone(), slots))  # the plan served it
+    return q, caches, step
+
+
+def test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing():
+    """Issue 24, defect 3, on the launch plan (ropekit.fused.planned): a slot twice sends the call to the
+    checked path, which names it; "last token wins" was the C loop's answer without the check."""
+    q, caches, step = _planned_decode()
+    before, q_before = [c.clone() for c in caches], q.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping: slot 6 is given twice \(tokens 0 and 1\)"):
+        step(q, torch.tensor([[6], [6]]))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and torch.equal(q, q_before)
+    step(q, torch.tensor([[-1], [-1]]))  # padding may repeat: the plan writes q, no cache slot
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and not torch.equal(
+        q, q_before
+    )
+
+
+def test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode():
+    """Issue 24: PyTorch refuses an in-place write of an inference tensor outside inference mode; a planned
+    step (which writes through pointers) sends it to the checked path, which raises it before writing."""
+    q, caches, step = _planned_decode()
+    with torch.inference_mode():
+        frozen = q.clone()
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match=r"q: an inference tensor .* outside inference mode"):
+        step(frozen, torch.tensor([[1], [2]]))
+    assert torch.equal(frozen, q) and all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_a_planned_step_still_refuses_caches_that_share_memory():
+    """The memory rule on the launch plan: k_cache and v_cache over one memory (the same strides as the
+    planned key) send the call to the checked path, which names them; nothing is written."""
+    q, _, step = _planned_decode()
+    shared = torch.zeros(4, 8, 2, 16)
+    q_before = q.clone()
+    with pytest.raises(ValueError, match="v_cache: the call writes k_cache and v_cache, which share memory"):
+        step(q, torch.tensor([[1], [2]]), caches=[shared, shared])
+    assert not shared.any() and torch.equal(q, q_before)

@@ -418,3 +418,28 @@ def test_a_view_of_a_leaf_or_an_inference_qkv_is_refused_before_writing(backend)
     with pytest.raises(RuntimeError, match="qkv: an inference tensor"):
         qk_norm_rotary_(frozen, wq, wk, cos, sin, **kw, backend=backend)
     assert torch.equal(frozen, qkv)
+
+
+def test_a_planned_step_still_refuses_a_weight_inside_qkv_and_an_inference_qkv():
+    """The launch plan of qk_norm_rotary_ (ropekit.fused.planned) writes through pointers: a q_weight inside
+    qkv (the same layout as the planned key's) and an inference qkv outside inference mode still reach the
+    checked path's errors, with nothing written."""
+    from call_count import ropekit_calls
+
+    qkv, wq, wk, cos, sin, kw = _packed()
+
+    def step(x, q_weight=wq):
+        return qk_norm_rotary_(x, q_weight, wk, cos, sin, **kw, offsets=2, backend="cpu")
+
+    step(qkv.clone())
+    assert "run" in ropekit_calls(lambda: step(qkv.clone()))  # the plan served it
+    inside = qkv.clone()
+    before = inside.clone()
+    with pytest.raises(ValueError, match="qkv: it is written and shares memory with q_weight"):
+        step(inside, q_weight=inside[0, -16:])  # the v part of token 0: a (16,) float32 like wq
+    assert torch.equal(inside, before)
+    with torch.inference_mode():
+        frozen = qkv.clone()
+    with pytest.raises(RuntimeError, match="qkv: an inference tensor"):
+        step(frozen)
+    assert torch.equal(frozen, qkv)

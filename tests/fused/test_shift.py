@@ -102,3 +102,25 @@ def test_shift_bumps_the_version_counter_and_refuses_an_inference_cache_outside_
     with torch.inference_mode():
         ropekit.shift_cache_(frozen, cos, sin, 3, cache_layout="flat", backend=backend)
     assert not torch.equal(frozen, before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("read", ["cos", "slots"])
+def test_a_table_or_slots_inside_the_cache_is_a_value_error_and_nothing_rotates(backend, read):
+    """Issue 24, the memory rule: the cache is rotated in place of itself; a table or the slots read from its
+    own memory would be overwritten while they are read (the row |delta| rotated by itself)."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    cache = torch.randn(6, 1, 16)
+    kw = dict(cache_layout="flat", backend=backend)
+    if read == "cos":
+        cos, sin = (
+            cache.view(-1)[: 4 * 8].view(4, 8),
+            sin[:4],
+        )  # rows 0..3 of the table: the cache's slot 0, 1
+    else:
+        cache.view(-1)[-2:].view(torch.int64)[0] = 1  # the last float pair holds slot id 1, as an int64
+        kw["slots"] = cache.view(-1)[-2:].view(torch.int64)  # (1,): a slot that lies in the cache
+    before = cache.clone()
+    with pytest.raises(ValueError, match=rf"k_cache: it is written and shares memory with {read}"):
+        ropekit.shift_cache_(cache, cos, sin, 3, **kw)
+    assert torch.equal(cache, before)
