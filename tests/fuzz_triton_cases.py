@@ -31,22 +31,10 @@ TRITON_FAMILIES = {
     "fused_alias": fused_calls(alias=True),
     "shift_duplicates": shift_calls(duplicates=True),
 }
-# Under the interpreter the Triton kernel has issue 24's defects 2 and 3 too (found by these families).
-_ON_MAIN = {
-    "fused_alias": "issue 24 defect 2 (Triton too): fixed on branch safety-core",
-    "shift_duplicates": "issue 24 defect 3 (Triton too): fixed on branch safety-core",
-}
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_ON_MAIN[name]))
-        if name in _ON_MAIN
-        else name
-        for name in sorted(TRITON_FAMILIES)
-    ],
-)
+# Under the interpreter these families found issue 24's defects 2 and 3 in the Triton path too (now refused).
+@pytest.mark.parametrize("family", sorted(TRITON_FAMILIES))
 @settings(**_SETTINGS)
 @given(data=st.data())
 def test_triton_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs(family, data):
