@@ -372,11 +372,8 @@ def test_proof_aliasing_and_duplicate_slots_are_refused_or_right(data):
 # ---- found by the serving families on main (beyond issue 24's list) ----------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the serving fuzzer: an empty FP8 call on the cpu backend raises the internal "
-    "'channels: expected at least one channel' where the torch backend returns empty outputs",
-)
+# Found by the serving fuzzer: an empty FP8 call on the cpu backend raised the internal "channels: expected at
+# least one channel" where the torch backend returned empty outputs.
 @pytest.mark.skipif(not CPU_KERNEL, reason="the C kernel did not build")
 def test_an_empty_fp8_call_returns_empty_outputs_on_the_cpu_backend_as_on_torch():
     cos, sin = reference_tables(8, 16)

@@ -147,9 +147,11 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
         src = src if src.shape[-1] <= 1 or src.stride(-1) == 1 else src.contiguous()
         return Channel(src, out.view(torch.uint8), rotate=rotate, by_slot=False, fp8=kind, scale=scale)
 
+    channels = (channel(q, q_scale, True), channel(k, k_scale, True), None)
     plan = FusedLaunch(q4.shape[0], q4.shape[1], cos, sin, positions, offset, None, interleaved, False,
-                       (channel(q, q_scale, True), channel(k, k_scale, True), None))  # fmt: skip
-    run(backend, plan, [], checked=checked)
+                       channels)  # fmt: skip
+    if channels != (None, None, None):  # no token (or no head): nothing to write, on every backend
+        run(backend, plan, [], checked=checked)
     if q_nope is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
         channels = (channel(q_nope, q_scale, False), channel(k_nope, k_scale, False), None)
         if channels != (None, None, None):
