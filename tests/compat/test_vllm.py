@@ -567,3 +567,20 @@ def test_an_inference_query_outside_inference_mode_after_a_plan_raises_and_write
     with pytest.raises(ValueError, match=r"^query: an inference tensor \(made under torch.inference_mode"):
         rope.forward(positions, query, key)
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_an_error_names_only_the_arguments_a_vllm_caller_passed(backend):
+    """Issue 24: an error names the argument as the caller named it, in its body too: a query inside
+    cos_sin_cache says query and cos_sin_cache, never the core's q, k, cos or sin."""
+    import re
+
+    cache = torch.randn(64, 32)  # (max_position, rotary_dim): [cos | sin]
+    query = cache[:4]  # four tokens of one 32-wide head, inside the cache
+    before = cache.clone()
+    with pytest.raises(ValueError) as info:
+        rotary_embedding(torch.arange(4), query, None, 32, cache, True, backend=backend)
+    message = str(info.value)
+    assert message.startswith("query:") and "cos_sin_cache" in message, message
+    assert not re.search(r"(?<![\w/-])(q|k|x|cos|sin)(?![\w/-])", message), message
+    assert torch.equal(cache, before)  # nothing written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -26,14 +27,21 @@ def peer_names(names: Mapping[str, str]) -> Iterator[None]:
         raise renamed(err, names) from None
 
 
-def renamed(err: ValueError, names: Mapping[str, str]) -> ValueError:
+def renamed(err: ValueError, names: Mapping[str, str], *, within: bool = False) -> ValueError:
     """err under the caller's argument name (see :func:`peer_names`), or err itself if it names none of them.
 
-    For hot paths, where a ``with peer_names(...)`` block costs more than the call it guards.
+    ``within=True`` renames the arguments the message goes on to name too ("shares memory with cos" ->
+    "... with cos_sin_cache", "pass q.clone()" -> "pass query.clone()"): each name standing alone, not a part
+    of another word or of "cos/sin". For hot paths, where a ``with peer_names(...)`` block costs more than the
+    call it guards.
     """
-    name, sep, rest = str(err).partition(":")
-    if sep and name in names:
-        return type(err)(f"{names[name]}:{rest}")  # the same class (InPlaceError is a RuntimeError too)
+    text = str(err)
+    name, sep, rest = text.partition(":")
+    if within:
+        pattern = r"(?<![\w/-])(" + "|".join(map(re.escape, names)) + r")(?![\w/-])"
+        rest = re.sub(pattern, lambda m: names[m.group(1)], rest)
+    if sep and (name in names or rest != text.partition(":")[2]):
+        return type(err)(f"{names.get(name, name)}:{rest}")  # the same class (InPlaceError is a RuntimeError)
     return err
 
 

@@ -47,7 +47,7 @@ __all__ = [
     "rotary_embedding",
 ]
 
-_NAMES = {"x": "query", "q": "query", "k": "key"}
+_NAMES = {"x": "query", "q": "query", "k": "key", "cos": "cos_sin_cache", "sin": "cos_sin_cache"}
 
 
 def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor:
@@ -140,7 +140,7 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
         pos = resolve(q, positions=rows, name="query")
         out = apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
     except ValueError as err:
-        raise renamed(err, _NAMES) from None
+        raise renamed(err, _NAMES, within=True) from None
     if inplace and flat is not None:  # checked and served: later steps of this kind take the plan
         impl = select_backend(backend, q, cos)
         remember(impl, q_tok, k_tok, cos, sin, flat, interleaved, True, backend, False)
