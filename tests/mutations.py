@@ -318,8 +318,7 @@ MUTATIONS += [
 
 _NO_CALL = "(lambda *args, **kwargs: None)("  # a call removed, its arguments still evaluated
 _PLANNED_SLOTS = (
-    "            if ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any():\n"
-    "                return None\n"
+    '        check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path\'s check and error\n'
 )
 _DISTINCT = "    check_distinct_slots(name, flat)\n    return flat\n"
 _WIDE = '    if name != "torch" and widest > MAX_WIDTH:\n'
@@ -393,7 +392,7 @@ MUTATIONS += [
         "fused, planned: no distinct-slots check",
         "ropekit/fused/planned.py",
         _PLANNED_SLOTS,
-        "            if False:\n                return None\n",
+        "",
         (
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing",
         ),

@@ -41,8 +41,10 @@ def run_interpreter_cases(cases: Path, *, cwd: Path, timeout: int, tier: str = "
 def per_axis_cover(items: list) -> list:
     """Of one case function's parametrized items, a few that hold every value of every parameter (greedy,
     in collection order); an item with no parameters is kept."""
-    values = {item: {(name, repr(v)) for name, v in getattr(item, "callspec", None).params.items()}
-              if hasattr(item, "callspec") else set() for item in items}  # fmt: skip
+    values = {item: set() for item in items}
+    for item in items:
+        if hasattr(item, "callspec"):
+            values[item] = {(name, repr(v)) for name, v in item.callspec.params.items()}
     wanted = set().union(*values.values())
     chosen = [item for item in items if not values[item]]
     while wanted:

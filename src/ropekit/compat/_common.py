@@ -35,13 +35,13 @@ def renamed(err: ValueError, names: Mapping[str, str], *, within: bool = False) 
     of another word or of "cos/sin". For hot paths, where a ``with peer_names(...)`` block costs more than the
     call it guards.
     """
-    text = str(err)
-    name, sep, rest = text.partition(":")
+    name, sep, rest = str(err).partition(":")
+    body = rest
     if within:
         pattern = r"(?<![\w/-])(" + "|".join(map(re.escape, names)) + r")(?![\w/-])"
-        rest = re.sub(pattern, lambda m: names[m.group(1)], rest)
-    if sep and (name in names or rest != text.partition(":")[2]):
-        return type(err)(f"{names.get(name, name)}:{rest}")  # the same class (InPlaceError is a RuntimeError)
+        body = re.sub(pattern, lambda m: names[m.group(1)], rest)
+    if sep and (name in names or body != rest):
+        return type(err)(f"{names.get(name, name)}:{body}")  # the same class (InPlaceError is a RuntimeError)
     return err
 
 

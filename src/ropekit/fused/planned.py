@@ -23,12 +23,12 @@ FP8 scales, or write the caches only, never use a plan.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, keep, known, lookup, span
+from ropekit.fused.plan import check_distinct_slots
 from ropekit.validation import shares_memory
 
 __all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
@@ -138,10 +138,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, offsets):
         if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
-        if slots.numel() > 1:  # distinct slots (-1 may repeat): docs/safety.md
-            ordered = np.sort(slots.numpy(), axis=None)
-            if ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any():
-                return None
+        check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path's check and error
         if per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
             positions, offset = rows.data_ptr(), 0
