@@ -243,8 +243,9 @@ def _compile(path: str, target: Path, timeout: float, source: str, flags: tuple[
 class CLibrary:
     """One C kernel library: loaded at first use, once per process, or the reason it could not be.
 
-    A kernel's hot path reads ``functions`` (one attribute) and calls :meth:`require` only while it is empty;
-    its availability check calls :meth:`load`. ``dataclasses.replace(library)`` is the same library, unloaded.
+    A kernel's per-call code reads ``functions`` (one attribute) and calls :meth:`require` (to launch) or
+    :meth:`load` (to ask whether it can) only while it is empty. ``dataclasses.replace(library)`` is the same
+    library, unloaded.
 
     Attributes:
         stem: the cached library's file-name stem; source: its C source.

@@ -217,7 +217,7 @@ _LIBRARY = CLibrary(
 
 def unavailable_reason() -> str | None:
     """None once the fused C loop is loaded (it is built now if need be), else why it could not be built."""
-    return _LIBRARY.load()
+    return None if _LIBRARY.functions else _LIBRARY.load()  # per call: one attribute read once loaded
 
 
 def _channel_ints(ch, num_slots_holder: list[int]) -> tuple[bytes, tuple[int, int, int]]:

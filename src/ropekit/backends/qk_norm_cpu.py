@@ -218,7 +218,7 @@ def unavailable_reason(spec: NormSpec) -> str | None:
         return f"head_dim {spec.head_dim} is wider than the C loop serves ({MAX_HEAD_DIM})"
     if max(spec.q_heads, spec.k_heads) * spec.head_dim > MAX_PART_FEATURES:
         return f"q or k rows of more than {MAX_PART_FEATURES} features are wider than the C loop serves"
-    return _LIBRARY.load()
+    return None if _LIBRARY.functions else _LIBRARY.load()  # per call: one attribute read once loaded
 
 
 def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec) -> None:
