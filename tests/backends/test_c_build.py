@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -204,6 +205,26 @@ def test_a_missing_compiler_is_the_reason_the_library_is_not_loaded(tmp_path, mo
         ValueError, match=r"^backend: 'cpu' cannot serve the probe: the C kernel could not be"
     ):
         library.require()
+
+
+@pytest.mark.parametrize("unsafe", ["group-writable", "world-writable", "another owner"])
+def test_an_unsafe_cache_is_the_reason_the_library_is_not_loaded(tmp_path, monkeypatch, unsafe):
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    if unsafe == "another owner":
+        real_uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+        expected = rf"owned by uid {real_uid}, not by this user"
+    else:
+        mode = 0o770 if unsafe == "group-writable" else 0o707
+        directory.chmod(mode)
+        expected = rf"mode {mode:o} lets group or others write to it"
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(directory))
+    library = _tiny_library()
+    reason = library.load()
+    assert reason.startswith(f"the C kernel could not be built: refusing the kernel cache {str(directory)!r}")
+    assert re.search(expected, reason)
+    assert library.functions == {} and not list(directory.glob("*.so"))
 
 
 def test_replace_gives_the_same_library_unloaded(tmp_path, monkeypatch):
