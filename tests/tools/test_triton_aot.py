@@ -58,12 +58,15 @@ def test_the_rotary_kernel_specializations_cover_each_axis_the_launcher_chooses(
     constexprs = [dict(s.constexprs) for s in specs]
     dtypes = {dict(s.signature)["q_ptr"] for s in specs}
     assert dtypes == {"*fp32:16", "*fp16:16", "*bf16:16"}
-    for flag in ("INTERLEAVED", "CONJUGATE", "HAS_POS", "COPY_TAIL"):
+    for flag in ("INTERLEAVED", "CONJUGATE", "COPY_TAIL"):
         assert {c[flag] for c in constexprs} == {False, True}, flag
+    assert {c["ROWS"] for c in constexprs} == {0, 1, 2}  # int offset, positions, per-sequence offsets
+    assert {c["BLOCK_T"] == 1 for c in constexprs} == {False, True}  # decode and prefill grids
+    assert all(c["TRAP_BAD_ROWS"] for c in constexprs)  # compiled code traps on a bad row
     assert {2 * c["HALF"] + c["TAIL"] for c in constexprs} == {64, 80, 128, 256}
     assert any(c["TAIL"] > 0 and not c["COPY_TAIL"] for c in constexprs)  # partial rotary in place
     assert not any(c["ROUND_BF16_IN_INTEGERS"] for c in constexprs)  # the interpreter's workaround only
-    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 288
+    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 864
 
 
 def _specs_for(dtype: str):

@@ -10,8 +10,9 @@ does; the quotient ``r / scale`` is ``div_rn`` (a plain ``/`` compiles to an app
 and every launch passes :data:`COMPILE_OPTIONS` (``enable_fp_fusion=False``), so the rotation's products and
 sums round separately (no FMA), which the FP8 rounding contract needs bit for bit.
 
-Values are checked without a host sync: a table row or slot outside its range clears a flag (asserted on the
-device by the launcher), the row is clamped into the table and the slot's writes are skipped.
+Values are checked without a host sync: a table row or slot outside its range is clamped into the table (the
+slot's writes skipped) and fails the launch (:func:`ropekit.backends.triton_kernel.flag_bad`: compiled, the
+kernel traps; under the interpreter the launcher raises when the kernel returns).
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run the interpreter.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row, flag_bad
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -238,6 +239,7 @@ def fused_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
+    TRAP_BAD_ROWS: tl.constexpr,
     Q_ON: tl.constexpr,
     Q_ROTATE: tl.constexpr,
     Q_BY_SLOT: tl.constexpr,
@@ -268,13 +270,12 @@ def fused_kernel(
 ):
     """Token ``program_id(0)``: its row is ``positions[token]`` (HAS_POS) or ``offset + t``; its slot
     ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token index."""
-    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
+    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
     slot = token
     write = token >= 0
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + token)
-        bad_slot = (slot < -1) | (slot >= num_slots)
-        tl.store(flag_ptr, 0, mask=bad_slot)
+        flag_bad((slot < -1) | (slot >= num_slots), flag_ptr, TRAP_BAD_ROWS)
         write = (slot >= 0) & (slot < num_slots)
         slot = tl.where(write, slot, 0)
     half_idx = tl.arange(0, BLOCK_HALF)
@@ -339,11 +340,14 @@ def channel_constexprs(prefix: str, spec: dict | None, half: int) -> dict[str, o
 
 
 def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool,
-                  round_bf16_in_integers: bool, channels: dict) -> tuple[dict[str, object], int]:  # fmt: skip
+                  round_bf16_in_integers: bool, channels: dict, interpret: bool = False,
+                  ) -> tuple[dict[str, object], int]:  # fmt: skip
     """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them.
 
     ``round_bf16_in_integers``: bf16 storage under Triton's interpreter, whose float -> bfloat16 cast
-    truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even)."""
+    truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even).
+    ``interpret``: Triton's interpreter runs the kernel: a bad row or slot clears the flag instead of
+    trapping."""
     constexprs: dict[str, object] = {
         "HALF": half,
         "BLOCK_HALF": _next_pow2(half),
@@ -352,6 +356,7 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
         "ROUND_BF16_IN_INTEGERS": round_bf16_in_integers,
+        "TRAP_BAD_ROWS": not interpret,
     }
     for prefix in CHANNELS:
         spec = channels.get(prefix)
@@ -443,14 +448,16 @@ def launch(plan, *, checked: bool = False) -> None:
     Raises:
         ValueError: anything :func:`~ropekit.backends.fused_launch.check_launch` rejects; with CPU tensors
             (the interpreter) a table row or slot out of range, checked on the host before the launch.
+        RuntimeError: under the interpreter, a row or slot out of range that the host did not check (a
+            compiled kernel traps instead: the CUDA error surfaces at the next synchronising call).
     """
     import contextlib
 
     import torch
 
+    from ropekit.backends import triton as triton_backend
     from ropekit.backends.fused_launch import check_bounds, check_launch, slot_error
     from ropekit.backends.kernel_op import check_offset_rows, row_error
-    from ropekit.backends.triton import interpreter_enabled
 
     if not checked:  # see fused_cpu.launch
         check_launch(plan)
@@ -464,7 +471,7 @@ def launch(plan, *, checked: bool = False) -> None:
     num_slots = next(
         (c.dst.shape[0] * c.dst.shape[1] for c in plan.channels if c is not None and c.by_slot), 0
     )
-    host = cos.device.type == "cpu"
+    host = triton_backend.HOST_CHECKS and cos.device.type == "cpu"
     slots = plan.slots if any(c is not None and c.by_slot for c in plan.channels) else None
     if plan.positions is None:
         check_offset_rows(plan.offset, plan.batch, plan.seq, table_len)
@@ -476,7 +483,7 @@ def launch(plan, *, checked: bool = False) -> None:
         lo, hi = torch.stack(torch.aminmax(slots)).tolist()
         if lo < -1 or hi >= num_slots:
             raise slot_error(lo if lo < -1 else hi, num_slots)
-    flag = torch.ones(1, dtype=torch.int32, device=cos.device)
+    flag = triton_backend.error_flag(cos.device)
     dummy = flag
     scale_dummy = cos
     args, specs = [], {}
@@ -484,9 +491,10 @@ def launch(plan, *, checked: bool = False) -> None:
         a, spec = _channel_args(ch, dummy, scale_dummy)
         args += a
         specs[prefix] = spec
+    interpret = triton_backend.interpreter_enabled()
     constexprs, num_warps = launch_config(
         half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
-        plan.dtype == torch.bfloat16 and interpreter_enabled(), specs,
+        plan.dtype == torch.bfloat16 and interpret, specs, interpret,
     )  # fmt: skip
     device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
     with device_guard:
@@ -495,7 +503,7 @@ def launch(plan, *, checked: bool = False) -> None:
             flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
             cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS,
         )  # fmt: skip
-    if not host:
-        torch._assert_async(
+    if interpret and not flag[0]:  # the interpreter's kernel cleared it (compiled kernels trap instead)
+        raise triton_backend.flagged(
             flag, "ropekit: a position is outside the cos/sin table or a slot outside the cache"
         )

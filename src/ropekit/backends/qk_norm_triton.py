@@ -2,8 +2,9 @@
 
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Table rows are checked without a host
 sync, as in :mod:`ropekit.backends.triton`: with integers for an int offset, on the host for CPU positions,
-and on the device otherwise (the kernel clamps a bad row and clears a flag that ``torch._assert_async``
-asserts), so a bad call fails instead of returning a result.
+and in the kernel always (it clamps a bad row and fails the launch: compiled, it traps, and the CUDA error
+surfaces at the next synchronising call; under the interpreter, the launcher raises when it returns), so a
+bad call fails instead of returning a result.
 """
 
 from __future__ import annotations
@@ -48,24 +49,23 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
 
     Raises:
         ValueError: a host-checked table row outside the table.
+        RuntimeError: under the interpreter, a row outside the table that the host did not check.
     """
+    from ropekit.backends import triton as triton_backend
     from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
-    from ropekit.backends.triton import interpreter_enabled
 
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
     if batch * seq == 0:
         return
-    device_check = False
     if positions is None:
         check_offset_rows(offset, batch, seq, table_len)
-    elif positions.device.type == "cpu":
+    elif triton_backend.HOST_CHECKS and positions.device.type == "cpu":
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= table_len:
             raise row_error(lo if lo < 0 else hi, table_len)
-    else:
-        device_check = True
-    flag = torch.ones(1, dtype=torch.int32, device=qkv.device)
+    interpret = triton_backend.interpreter_enabled()
+    flag = triton_backend.error_flag(qkv.device)
     guard = torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext()
     with guard:
         qk_norm_rotary_kernel[(batch * seq,)](
@@ -93,9 +93,12 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             INTERLEAVED=spec.interleaved,
             ALL_HEADS=spec.all_heads,
             CAST_BEFORE=spec.cast_before_weight,
-            ROUND_BF16_IN_INTEGERS=qkv.dtype == torch.bfloat16 and interpreter_enabled(),
+            ROUND_BF16_IN_INTEGERS=qkv.dtype == torch.bfloat16 and interpret,
+            TRAP_BAD_ROWS=not interpret,
             num_warps=NUM_WARPS,
             **COMPILE_OPTIONS,
         )
-    if device_check:
-        torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")
+    if interpret and not flag[0]:  # the interpreter's kernel cleared it (compiled kernels trap instead)
+        raise triton_backend.flagged(
+            flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)"
+        )

@@ -186,13 +186,14 @@ def qk_norm_rotary_kernel(
     ALL_HEADS: tl.constexpr,
     CAST_BEFORE: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
+    TRAP_BAD_ROWS: tl.constexpr,
 ):
     """Token ``program_id(0)`` of qkv (batch, seq, width): q then k normalised and rotated in place.
 
     The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
-    clears ``flag`` and reads row 0 instead (the launcher asserts the flag on the device).
+    reads row 0 instead and fails the launch (``triton_kernel.flag_bad``).
     """
-    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
+    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
 
     half_idx = tl.arange(0, BLOCK_HALF)
     half_mask = half_idx < HALF
@@ -242,6 +243,7 @@ def aot_specializations():
             ALL_HEADS=all_heads,
             CAST_BEFORE=cast,
             ROUND_BF16_IN_INTEGERS=False,  # compiled code rounds with cvt.rn
+            TRAP_BAD_ROWS=True,  # compiled code traps on a bad row
         )
         signature = {}
         for name in qk_norm_rotary_kernel.arg_names:
