@@ -18,7 +18,8 @@ import itertools
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row
+from ropekit.backends.fused_triton import _token_row
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
 
 __all__ = [
     "COMPILE_OPTIONS",

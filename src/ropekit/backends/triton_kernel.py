@@ -188,6 +188,8 @@ def aot_specializations():
             copy_tail=rotary == "copy",
             prefill=prefill,
         )
+        if prefill and constexprs["BLOCK_T"] == 1:  # a wide head's decode tile already has MAX_WARPS warps
+            continue
         yield rotary_kernel, signature(dtype, head_dim, half, constexprs), constexprs, warps
 
 
@@ -232,23 +234,6 @@ def flag_bad(bad, flag_ptr, TRAP: tl.constexpr):
         )
     else:
         tl.store(flag_ptr + tl.zeros_like(bad.to(tl.int32)), 0, mask=bad)
-
-
-@triton.jit
-def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr, TRAP: tl.constexpr):
-    """This program's token (``program_id(0)``), its batch row b and index t in the sequence, and its table
-    row: ``positions[token]`` (HAS_POS) or ``offset + t``. A row outside [0, table_len) reads row 0 instead
-    and fails the launch (:func:`flag_bad`): no kernel reads outside the table, and none returns a result."""
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + token)
-    else:
-        pos = offset + t
-    bad = (pos < 0) | (pos >= table_len)
-    flag_bad(bad, flag_ptr, TRAP)
-    return token, b, t, tl.where(bad, 0, pos)
 
 
 @triton.jit
