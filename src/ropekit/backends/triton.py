@@ -81,6 +81,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     """
     from ropekit.backends.triton_kernel import (
         COMPILE_OPTIONS,
+        INTERPRETED,
         PREFILL_TOKENS,
         ROWS_OFFSET,
         ROWS_POSITIONS,
@@ -125,7 +126,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     has_k = k is not None
     k_heads = k.shape[2] if has_k else 0
     k_args = (k, k_out) if has_k else (q, q_out)  # with k_heads 0 the kernel never touches them
-    interpret = interpreter_enabled()
+    interpret = INTERPRETED
     constexprs, num_warps = kernel_config(
         _TRITON_DTYPE[q.dtype],
         half,

@@ -25,9 +25,11 @@ import itertools
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = [
     "COMPILE_OPTIONS",
+    "INTERPRETED",
     "OCCUPANCY_TARGET",
     "VECTORISED_ARGS",
     "aot_specializations",
@@ -413,3 +415,8 @@ def rotary_kernel(
             COPY_TAIL,
             ROUND_BF16_IN_INTEGERS,
         )
+
+
+# Whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 at import): fixed for the
+# process, so the launcher reads it instead of the environment at every call.
+INTERPRETED = isinstance(rotary_kernel, InterpretedFunction)
