@@ -138,11 +138,14 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         prefill=tokens >= PREFILL_TOKENS,
         interpret=interpret,
     )
+    blocks = grid(tokens, q_heads, k_heads, constexprs)
+    if blocks[1] == 0:  # no head to rotate (a launch of an empty grid is refused)
+        return
     flag = error_flag(q.device)
     # Triton launches on the current CUDA device; make it q's (multi-GPU).
     device_guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with device_guard:
-        rotary_kernel[grid(tokens, q_heads, k_heads, constexprs)](
+        rotary_kernel[blocks](
             q,
             k_args[0],
             q_out,
