@@ -75,6 +75,7 @@ def _specs_for(dtype: str):
 
 
 FUSED = "ropekit.backends.fused_triton"
+QK_NORM = "ropekit.backends.qk_norm_triton_kernel"
 
 
 def _assert_fused_vectorised(r) -> None:
@@ -103,6 +104,8 @@ def _assert_clean(results) -> None:
         assert r.local_bytes == 0 and 0 < r.registers <= r.budget
         if r.spec.module == FUSED:
             _assert_fused_vectorised(r)
+        if r.spec.module == QK_NORM:  # issue 25: qkv read and written 128 bits at a time
+            assert r.budget == 80 and r.vector_bits == {"qkv_ptr": [128]}, (r.spec.label, r.vector_bits)
         if r.spec.module != KERNEL:
             continue
         dtype = dict(r.spec.signature)["q_ptr"].split(":")[0].lstrip("*")

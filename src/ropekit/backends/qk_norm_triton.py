@@ -18,28 +18,34 @@ from ropekit.backends.kernel_op import check_offset_rows, row_error
 __all__ = ["NUM_WARPS", "block_sizes", "launch"]
 
 NUM_WARPS = 4
-# Elements of one block of heads: enough to keep the loads wide, small enough for registers (see
-# qk_norm_triton_kernel.OCCUPANCY_TARGET).
-MAX_BLOCK_ELEMENTS = 512
+# Bytes of one vectorised global load or store: a tile gives each thread one such vector of a run.
+VECTOR_BYTES = 16
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def block_sizes(head_dim: int, half: int, q_heads: int, k_heads: int) -> dict[str, int]:
-    """The kernel's shape constants for one packing: the halves, the tail and the heads per block."""
+def block_sizes(
+    head_dim: int, half: int, q_heads: int, k_heads: int, element_bytes: int = 4, interleaved: bool = False
+) -> dict[str, int]:
+    """The kernel's shape constants for one packing: the halves, the tail and the heads per block.
+
+    A block is BLOCK_H heads by one run (a pair half, or the interleaved pairs' whole run), one 16-byte vector
+    of it a thread (``element_bytes``: qkv's storage size): BLOCK_H x run = NUM_WARPS * 32 threads x vector.
+    Heads past the count are masked (idle lanes, never a narrower access); q and k take the same blocks."""
     tail = head_dim - 2 * half
     block_half, block_tail = _next_pow2(half), _next_pow2(max(tail, 1))
-    # Heads per block: a power of two (tl.arange needs one) within MAX_BLOCK_ELEMENTS.
-    fit = 1 << max((MAX_BLOCK_ELEMENTS // (2 * block_half + block_tail)).bit_length() - 1, 0)
+    run = 2 * block_half if interleaved else block_half
+    heads = max(1, NUM_WARPS * 32 * (VECTOR_BYTES // element_bytes) // run)
     return {
         "HALF": half,
         "TAIL": tail,
         "BLOCK_HALF": block_half,
         "BLOCK_TAIL": block_tail,
-        "BLOCK_HQ": min(_next_pow2(q_heads), fit),
-        "BLOCK_HK": min(_next_pow2(k_heads), fit),
+        "TAIL_CHUNK": min(block_tail, run),  # the tail in runs of the tile's width
+        "BLOCK_HQ": heads,
+        "BLOCK_HK": heads,
     }
 
 
@@ -88,7 +94,9 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             sin.stride(0),
             spec.eps,
             spec.weight_offset,
-            **block_sizes(spec.head_dim, half, spec.q_heads, spec.k_heads),
+            **block_sizes(
+                spec.head_dim, half, spec.q_heads, spec.k_heads, qkv.dtype.itemsize, spec.interleaved
+            ),
             HAS_POS=positions is not None,
             INTERLEAVED=spec.interleaved,
             ALL_HEADS=spec.all_heads,
