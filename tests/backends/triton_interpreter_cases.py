@@ -313,3 +313,26 @@ def test_triton_launch_queues_no_assert_kernel(monkeypatch):
     pos = torch.tensor([[0, 5, 9], [1, 2, 63]])
     out_q, _ = apply_rotary_qk(q, k, cos, sin, positions=pos, backend="triton")
     assert_matches_reference(out_q, q, cos, sin, pos.numpy(), interleaved=False)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_triton_serves_compat_vllm_in_place_through_the_per_sequence_plan(is_neox):
+    """compat.vllm rotates each token as a sequence of its own, its position the sequence's offset: with the
+    Triton backend the steady step now takes the per-sequence plan (no positions resolved) and matches the
+    torch backend."""
+    from call_count import ropekit_calls
+    from ropekit.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, k_heads, head_size = 5, 4, 2, 16
+    cache = torch.randn(64, head_size, generator=g)  # (max_position, rotary_dim): [cos | sin]
+    for _ in range(3):
+        pos = torch.randint(0, 64, (tokens,), generator=g)
+        q = torch.randn(tokens, heads * head_size, generator=g)
+        k = torch.randn(tokens, k_heads * head_size, generator=g)
+        want_q, want_k = q.clone(), k.clone()
+        rotary_embedding(pos, want_q, want_k, head_size, cache, is_neox, backend="torch")
+        rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton")
+        torch.testing.assert_close((q, k), (want_q, want_k))
+    calls = ropekit_calls(lambda: rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton"))
+    assert "resolve" not in calls and "run" in calls, calls
