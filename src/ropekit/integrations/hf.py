@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 import types
 import warnings
 from typing import Any
@@ -61,6 +62,7 @@ PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for exte
 ORIGINAL_ATTR = (
     "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
 )
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")  # "model.layers.3.self_attn" -> 3
 PROBE_TOKENS = 12  # positions 0..11: enough distinct angles that a wrong pairing cannot agree by chance
 # RoPE-parameter keys that describe a context extension; everything else (rope_theta, partial_rotary_factor,
 # mrope_section, ...) is the model's own and survives extend_context.
@@ -325,16 +327,22 @@ def _serve_model_rope(
     except ValueError as err:
         log.info("%s keeps its own cos/sin tables: %s", _model_type(model), err)
         return {}
-    layer_of = {layer: _layer_index(layer) for layer in served}
+    names = {module: name for name, module in model.named_modules()}
+    layer_of = {layer: _layer_index(layer, names.get(layer, "")) for layer in served}
     ropes, reasons = hf_tables.prove_tables(rotaries, rotary_calls, served, layer_of, plan)
     for reason in reasons:
         log.info("%s keeps its own cos/sin tables for %s", _model_type(model), reason)
     return ropes
 
 
-def _layer_index(layer: nn.Module) -> int | None:
+def _layer_index(layer: nn.Module, name: str) -> int | None:
+    """The decoder index of a layer: its layer_idx, else the N of the last "layers.N" in its name (a module
+    inside an attention layer, such as DeepSeek-V4's compressors)."""
     index = getattr(layer, "layer_idx", None)
-    return index if isinstance(index, int) and not isinstance(index, bool) else None
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    found = LAYER_NAME.findall(name)
+    return int(found[-1]) if found else None
 
 
 def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str], dict]:

@@ -93,9 +93,13 @@ def rotary_modules(model: nn.Module, config: Any) -> list[nn.Module]:
     return found
 
 
-def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+def _bind(
+    module: nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
+) -> dict[str, Any] | None:
+    """{parameter: value} of a call of the module's forward (signature: its own, read once by the caller)."""
+    signature = signature or inspect.signature(type(module).forward)
     try:
-        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        bound = signature.bind(module, *args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
@@ -165,16 +169,16 @@ def _stand_in(module: nn.Module, keys: dict[Any, _Key], recorded: dict[str, Any]
 
     recorded: the probe's values of the arguments other than x, position_ids and layer_type.
     """
-    original = type(module).forward
+    signature = inspect.signature(type(module).forward)
 
     def forward(*args, **kwargs):
-        bound = _bind(module, args, kwargs)
+        bound = _bind(module, args, kwargs, signature)
         key = None if bound is None else keys.get(bound.get("layer_type"))
         if key is None or any(bound.get(n) != v for n, v in recorded.items()):
-            return original(module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
         out = _rows(key, bound["position_ids"], bound.get("x"))
         if out is None:
-            return original(module, *args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
         return out[0] if len(out) == 1 else out
 
     forward.__qualname__ = f"ropekit:{type(module).__qualname__}.forward"
