@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import ropekit
 from ropekit.tools import hf_coverage
 from ropekit.tools.hf_coverage import Row
 
@@ -53,6 +54,15 @@ def test_tiny_per_layer_type_config_keeps_both_kinds_of_layer():
     config = hf_coverage.tiny_config("gemma3_text")
     assert config.num_hidden_layers == 2
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_tiny_gemma4_keeps_its_wider_full_attention_heads():
+    # Gemma 4's full-attention layers have 512-wide heads against 256 (global_head_dim); the tiny model keeps
+    # the ratio, so patch is measured on layers whose tables differ in width.
+    for model_type in ("gemma4_text", "gemma4"):
+        plan = ropekit.model_rope(hf_coverage.tiny_config(model_type))
+        widths = {entry.layer_type: entry.rope.head_dim for entry in plan}
+        assert widths == {"sliding_attention": 16, "full_attention": 32}, model_type
 
 
 def test_tiny_per_layer_config_is_shrunk_consistently_with_the_main_config():

@@ -166,6 +166,7 @@ class Row:
     status: str  # "patched", "refused", "not a token model", "not instantiable", "unequal"
     detail: str
     layers: int = 0
+    model_rope_tables: bool = False  # every patched layer reads ropekit's tables from model_rope
 
 
 def rope_model_types() -> dict[str, list[str]]:
@@ -257,9 +258,14 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]
     per_layer = out.get("per_layer_config")
     if isinstance(per_layer, dict) and per_layer and new_layers:
-        # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer.
+        # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer. A
+        # wider head keeps its ratio to the shrunk head_dim (Gemma 4's 512 of 256: 32 of 16), else the tiny
+        # model would lose the layers' different widths.
         first = sorted(per_layer)[0]
         kept = _shrink(per_layer[first]) if isinstance(per_layer[first], dict) else per_layer[first]
+        wide, narrow = (per_layer[first] or {}).get("head_dim"), d.get("head_dim")
+        if isinstance(kept, dict) and isinstance(wide, int) and isinstance(narrow, int) and wide != narrow:
+            kept["head_dim"] = out["head_dim"] * wide // narrow
         out["per_layer_config"] = {str(new_layers - 1).zfill(len(str(first))): kept}
     if isinstance(out.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
         out["num_key_value_heads"] = out.get("num_attention_heads")  # MLA: one latent k/v per head
@@ -550,7 +556,10 @@ def _check(model_type: str) -> Row:
         if not equal_tokens:
             detail += " (generation differs)"
         return Row(model_type, "unequal", detail, layers)
-    return Row(model_type, "patched", detail, layers)
+    ropes = hf.layer_ropes(model)
+    return Row(
+        model_type, "patched", detail, layers, bool(ropes) and set(ropes) == set(hf.patched_layers(model))
+    )
 
 
 def render(rows: list[Row], seconds: float) -> str:
