@@ -17,9 +17,13 @@
    a stand-in that rotates with ropekit, reading the model's cos/sin in place as ropekit tables. Nothing
    global changes: other models and unpatched layers keep HF's code, and :func:`unpatch` drops the copy.
 
-The patched layers still take their tables from the model's rotary module, so every schedule and variant HF
-implements (YaRN's mscale, LongRoPE, M-RoPE's merged sections, per-layer-type bases) is served unchanged, and
-:func:`extend_context` only has to change the config and rebuild those modules.
+5. **Tables.** The model's text rotary modules, recorded by the same probe, then serve ropekit's tables from
+   :func:`ropekit.model_rope` for each layer type whose layers agree on one entry and whose rows are proved
+   equal to the module's own (:mod:`ropekit.integrations.hf_tables`); :func:`layer_ropes` says which layer
+   reads which entry. Where ``model_rope`` refuses the config (a layer layout it does not read) or a table is
+   not proved, the layers read the model's own tables: the rotation is still ropekit's, and proved.
+
+:func:`extend_context` changes the config, rebuilds the rotary modules and patches a patched model again.
 """
 
 from __future__ import annotations
