@@ -68,7 +68,7 @@ class _Key:
     rope: RopeConfig
     table: str  # a WIDEN form
     follows_input: bool  # the output takes x's dtype (HF's .to(x.dtype)); else the recorded dtype
-    dtype: torch.dtype
+    dtype: torch.dtype  # the recorded output's dtype
     cache: CosSinCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -112,7 +112,8 @@ def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 def record_rotary(modules: list[nn.Module], calls: dict[int, list[RotaryCall]]) -> None:
-    """Make each module record its calls into calls[id(module)] (undo with :func:`restore`)."""
+    """Make each module record its calls into calls[id(module)]; the caller drops the recorder afterwards
+    (``module.__dict__.pop("forward")``)."""
     for module in modules:
         original = type(module).forward
 
@@ -269,7 +270,7 @@ def prove_tables(
                 f"(table forms {sorted(forms)}), not one RoPE"
             )
             continue
-        calls = [c for c in rotary_calls[module_id] if c.key == key]
+        calls = [c for c in rotary_calls[module_id] if c.key == key and c.outputs]
         first = calls[0].outputs[0]
         x = (_bind(module, calls[0].args, calls[0].kwargs) or {}).get("x")
         follows = isinstance(x, torch.Tensor) and first.dtype == x.dtype

@@ -140,6 +140,9 @@ FIXES: dict[str, dict[str, Any]] = {
         "spatial_target_layers": [0, 1, 0, 1],
         "downsample_rate": "1/2",
     },
+    # DeepSeek-V4's heads are [nope | rope]: 64 of 512 rotate (partial_rotary_factor 0.125); the shrunk MLA
+    # head (qk_rope_head_dim, 8) would leave one rotated feature. 8 of 64 keep the published ratio.
+    "deepseek_v4": {"head_dim": 64},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # layers of the 2-layer vision tower
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
