@@ -247,7 +247,9 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     """Make every attention layer of an HF model rotate q and k with ropekit, after proving it agrees.
 
     Idempotent: patching a patched model re-patches it (for instance with another backend). See the module
-    docstring for how layers are found and proved.
+    docstring for how layers are found and proved, and how their tables then come from
+    :func:`ropekit.model_rope` (:func:`layer_ropes`; the model's own tables where model_rope refuses the
+    config or a table is not proved equal).
 
     Args:
         model: any transformers model (any head, ``...ForCausalLM``, the bare ``...Model``, multimodal
