@@ -560,9 +560,8 @@ def _check(model_type: str) -> Row:
             detail += " (generation differs)"
         return Row(model_type, "unequal", detail, layers)
     ropes = hf.layer_ropes(model)
-    return Row(
-        model_type, "patched", detail, layers, bool(ropes) and set(ropes) == set(hf.patched_layers(model))
-    )
+    on_model_rope = bool(ropes) and set(ropes) == set(hf.patched_layers(model))
+    return Row(model_type, "patched", detail, layers, on_model_rope)
 
 
 def render(rows: list[Row], seconds: float) -> str:
@@ -581,7 +580,10 @@ def render(rows: list[Row], seconds: float) -> str:
         f"Measured on transformers {transformers.__version__}, torch {torch.__version__}, fp32, in "
         f"{seconds / 60:.0f} min: **{counts['patched']} patched / {len(tokens)} enumerated** model types "
         "whose "
-        f"token stack uses RoPE ({100 * counts['patched'] / max(1, len(tokens)):.0f}%); "
+        f"token stack uses RoPE ({100 * counts['patched'] / max(1, len(tokens)):.0f}%), "
+        f"{sum(r.model_rope_tables for r in rows if r.status == 'patched')} of them with every patched layer "
+        "on ropekit's tables from `model_rope` (the others keep the model's own tables, where `model_rope` "
+        "refuses the config or a table is not proved equal; the rotation is ropekit's in every case); "
         f"{counts['unequal']} patched with a difference above tolerance; {counts['refused']} refused by the "
         f"proof; {counts['not instantiable']} not instantiable as a tiny model. A further "
         f"{len(rows) - len(tokens)} model types keep RoPE only in a vision or audio stack (their forward "
