@@ -66,7 +66,7 @@ PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for exte
 ORIGINAL_ATTR = (
     "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
 )
-LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")  # "model.layers.3.self_attn" -> 3
+LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?=\.|$)")  # "model.layers.3.attn" -> 3
 PROBE_TOKENS = 12  # positions 0..11: enough distinct angles that a wrong pairing cannot agree by chance
 # RoPE-parameter keys that describe a context extension; everything else (rope_theta, partial_rotary_factor,
 # mrope_section, ...) is the model's own and survives extend_context.
@@ -342,8 +342,8 @@ def _serve_model_rope(
 
 
 def _layer_index(layer: nn.Module, name: str) -> int | None:
-    """The decoder index of a layer: its layer_idx, else the N of the last "layers.N" in its name (a module
-    inside an attention layer, such as DeepSeek-V4's compressors)."""
+    """The decoder index of a layer: its layer_idx, else the N of the last "layers.N" (or layer.N, h.N,
+    blocks.N) in its name (ESM's layers; a module inside an attention layer, as DeepSeek-V4's compressors)."""
     index = getattr(layer, "layer_idx", None)
     if isinstance(index, int) and not isinstance(index, bool):
         return index
