@@ -6,6 +6,7 @@ switch frequencies inside the tests.
 """
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import sys
@@ -587,3 +588,31 @@ def test_unpatch_gives_rotary_modules_their_own_code_back():
     assert "forward" in model.model.rotary_emb.__dict__
     hf.unpatch(model)
     assert "forward" not in model.model.rotary_emb.__dict__ and hf.layer_ropes(model) == {}
+
+
+def _wrong_base(plan):
+    return [dataclasses.replace(e, rope=RopeConfig(e.rope.head_dim, 2 * e.rope.base)) for e in plan]
+
+
+def _first_layer_nope(plan):
+    return [dataclasses.replace(plan[0], rope=None), *plan[1:]]
+
+
+@pytest.mark.parametrize(
+    ("wrong", "reason"),
+    [(_wrong_base, "rows differ from the module's by"), (_first_layer_nope, "not one RoPE")],
+    ids=["wrong-base", "nope-but-rotates"],
+)
+def test_a_model_rope_table_unequal_to_the_models_is_not_served(wrong, reason, monkeypatch, caplog):
+    """A plan whose table differs from what the model computes (another base), or that calls a rotating layer
+    NoPE, is never served: the layers keep the model's tables, the reason is logged, the output is HF's."""
+    model = make_model("llama", {"rope_type": "default"})
+    want = logits(model)
+    real = hf.model_rope
+    monkeypatch.setattr(hf, "model_rope", lambda config: wrong(real(config)))
+    with caplog.at_level(logging.INFO, logger=hf.__name__):
+        assert hf.patch(model) == 2
+    assert reason in caplog.text
+    assert hf.layer_ropes(model) == {}
+    assert "forward" not in model.model.rotary_emb.__dict__
+    torch.testing.assert_close(logits(model), want, atol=1e-4, rtol=0)
