@@ -326,7 +326,12 @@ def _serve_model_rope(
     A config model_rope refuses (a layout it does not read) keeps the model's own tables in every layer: the
     rotation is still ropekit's and proved; only the table values are the model's.
     """
-    if not served or not rotaries:
+    if not served:
+        return {}
+    if not rotaries:
+        log.info(
+            "%s keeps its own cos/sin tables: no rotary module built from its text config", _model_type(model)
+        )
         return {}
     try:
         plan = model_rope(model.config)

@@ -247,14 +247,19 @@ def prove_tables(
             for out in call.outputs:
                 source[out.untyped_storage().data_ptr()] = (module, call.key)
     readers: dict[tuple[int, Any], list[nn.Module]] = {}
+    untraced = 0
     for layer, (tables, _) in served.items():
         found = {source.get(t.untyped_storage().data_ptr()) for t in tables if isinstance(t, torch.Tensor)}
         if len(found) == 1 and None not in found:
             module, key = found.pop()
             readers.setdefault((id(module), key), []).append(layer)
+        else:
+            untraced += 1
     by_id = {id(m): m for m in modules}
     ropes: dict[nn.Module, LayerRope] = {}
     reasons: list[str] = []
+    if untraced:  # GPT-J builds its table inside the layer; a copy of a module's output is not traced
+        reasons.append(f"{untraced} layers whose tables are not one recorded rotary module's output")
     proved: dict[nn.Module, dict[Any, _Key]] = {}
     for (module_id, key), layers in readers.items():
         module = by_id[module_id]
