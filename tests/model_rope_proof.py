@@ -187,7 +187,7 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
     observed: dict[int, Observed] = {}
     candidates = hf._candidate_layers(model)
     with _recording_attention(model, observed):
-        calls = hf._record_calls(model, candidates)
+        calls, _ = hf._record_calls(model, candidates, [])
     for name, layer, functions in candidates:
         index = _layer_of(name)
         if index is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +72,15 @@ def test_without_the_output_rotation_the_result_depends_on_absolute_position():
         _, rkv = rotate_shared_kv(q, kv, cos, sin, positions=positions, backend="torch")
         outs.append(rkv[:, :1, 0])  # the first token's value, as the first query reads it
     assert not torch.allclose(outs[0], outs[1])
+
+
+def test_the_public_api_exposes_rotate_shared_kv_and_unrotate_output():
+    """`import ropekit` alone gives both: ropekit.rotate_shared_kv, ropekit.shared_kv.* (docs/scaling.md)."""
+    script = (
+        "import ropekit\n"
+        "assert ropekit.rotate_shared_kv is ropekit.shared_kv.rotate_shared_kv\n"
+        "assert ropekit.unrotate_output is ropekit.shared_kv.unrotate_output\n"
+        "assert {'rotate_shared_kv', 'unrotate_output'} <= set(ropekit.__all__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ from ropekit.module import RotaryEmbedding
 from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
 from ropekit.rope_index import get_rope_index
 from ropekit.schedules import register_schedule
+from ropekit.shared_kv import rotate_shared_kv, unrotate_output
 from ropekit.sinusoidal import SinusoidalPositionalEmbedding, sinusoidal_embedding
 
 __version__ = "0.1.0"
@@ -34,7 +35,9 @@ __all__ = [
     "mrope_positions",
     "qk_norm_rotary_",
     "register_schedule",
+    "rotate_shared_kv",
     "shift_cache_",
     "sinusoidal_embedding",
+    "unrotate_output",
     "xpos_cos_sin",
 ]

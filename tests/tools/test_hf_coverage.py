@@ -10,9 +10,12 @@ import os
 import pytest
 import torch
 
+import ropekit
 from ropekit.tools import hf_coverage
 from ropekit.tools.hf_coverage import Row
 
+# Representatives whose layers differ in RoPE (layer types, main / compress, NoPE), and other table forms.
+PER_LAYER_TABLES = ("gemma3_text", "gemma4_text", "olmo3", "deepseek_v4", "llama4_text", "qwen2_vl", "cohere")
 ALL = os.environ.get("ROPEKIT_HF_COVERAGE") == "all"
 TYPES = list(hf_coverage.rope_model_types()) if ALL else list(hf_coverage.REPRESENTATIVE)
 
@@ -24,6 +27,8 @@ def test_patched_model_equals_unpatched(model_type):
     if model_type in hf_coverage.REPRESENTATIVE:
         assert row.status == "patched", row.detail
         assert row.layers >= 1
+    if model_type in PER_LAYER_TABLES:  # layers that differ in RoPE: each on its model_rope table
+        assert row.model_rope_tables, row.detail
 
 
 def test_representative_types_are_enumerated_and_cover_every_variant():
@@ -55,6 +60,15 @@ def test_tiny_per_layer_type_config_keeps_both_kinds_of_layer():
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}
 
 
+def test_tiny_gemma4_keeps_its_wider_full_attention_heads():
+    # Gemma 4's full-attention layers have 512-wide heads against 256 (global_head_dim); the tiny model keeps
+    # the ratio, so patch is measured on layers whose tables differ in width.
+    for model_type in ("gemma4_text", "gemma4"):
+        plan = ropekit.model_rope(hf_coverage.tiny_config(model_type))
+        widths = {entry.layer_type: entry.rope.head_dim for entry in plan}
+        assert widths == {"sliding_attention": 16, "full_attention": 32}, model_type
+
+
 def test_tiny_per_layer_config_is_shrunk_consistently_with_the_main_config():
     # Dots 3 Note's sliding layers are configured apart, with their own MLA widths; the shrunk per-layer entry
     # must still satisfy head_dim == qk_nope_head_dim + qk_rope_head_dim at the tiny sizes.
@@ -76,13 +90,14 @@ def test_fixes_update_a_sub_config_key_by_key():
 
 def test_render_states_patched_over_enumerated_and_write_replaces_only_the_section(tmp_path):
     rows = [
-        Row("a", "patched", "2 layers", 2),
+        Row("a", "patched", "2 layers", 2, model_rope_tables=True),
         Row("b", "refused", "x | y"),
         Row("c", "not a token model", "vision"),
         Row("d", "not instantiable", "error"),
     ]
     table = hf_coverage.render(rows, 60.0)
     assert "**1 patched / 3 enumerated**" in table
+    assert "1 of them with every patched layer on ropekit's tables from `model_rope`" in table
     assert "x \\| y" in table  # a pipe in a reason does not split the row
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{hf_coverage.BEGIN}\nold\n{hf_coverage.END}\nafter\n")

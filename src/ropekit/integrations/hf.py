@@ -17,9 +17,13 @@
    a stand-in that rotates with ropekit, reading the model's cos/sin in place as ropekit tables. Nothing
    global changes: other models and unpatched layers keep HF's code, and :func:`unpatch` drops the copy.
 
-The patched layers still take their tables from the model's rotary module, so every schedule and variant HF
-implements (YaRN's mscale, LongRoPE, M-RoPE's merged sections, per-layer-type bases) is served unchanged, and
-:func:`extend_context` only has to change the config and rebuild those modules.
+5. **Tables.** The model's text rotary modules, recorded by the same probe, then serve ropekit's tables from
+   :func:`ropekit.model_rope` for each layer type whose layers agree on one entry and whose rows are proved
+   equal to the module's own (:mod:`ropekit.integrations.hf_tables`); :func:`layer_ropes` says which layer
+   reads which entry. Where ``model_rope`` refuses the config (a layer layout it does not read) or a table is
+   not proved, the layers read the model's own tables: the rotation is still ropekit's, and proved.
+
+:func:`extend_context` changes the config, rebuilds the rotary modules and patches a patched model again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 import types
 import warnings
 from typing import Any
@@ -38,6 +43,7 @@ from ropekit.backends import BACKENDS
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary
 from ropekit.hf_config import rope_layer_types
+from ropekit.integrations import hf_tables
 from ropekit.integrations.hf_probe import (
     Call,
     NotUnderstood,
@@ -46,17 +52,21 @@ from ropekit.integrations.hf_probe import (
     rotation_function,
     stand_in,
 )
+from ropekit.model_plan import LayerRope, model_rope
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
 from ropekit.validation import check_bool
 
-__all__ = ["EXTEND_METHODS", "extend_context", "patch", "unpatch"]
+__all__ = ["EXTEND_METHODS", "extend_context", "layer_ropes", "patch", "patched_layers", "unpatch"]
 
 log = logging.getLogger(__name__)
 
 PLANS_ATTR = "_ropekit_plans"  # on a patched layer: {function name: (Plan, backend)}
+ROPE_ATTR = "_ropekit_layer_rope"  # on a patched layer served ropekit's tables: its model_rope entry
+PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for extend_context to patch again
 ORIGINAL_ATTR = (
     "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
 )
+LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?=\.|$)")  # "model.layers.3.attn" -> 3
 PROBE_TOKENS = 12  # positions 0..11: enough distinct angles that a wrong pairing cannot agree by chance
 # RoPE-parameter keys that describe a context extension; everything else (rope_theta, partial_rotary_factor,
 # mrope_section, ...) is the model's own and survives extend_context.
@@ -206,16 +216,21 @@ def _probe_forward(model: nn.Module) -> None:
     )
 
 
-def _record_calls(model: nn.Module, candidates: list) -> dict[tuple[int, str], Call]:
+def _record_calls(
+    model: nn.Module, candidates: list, rotaries: list[nn.Module]
+) -> tuple[dict[tuple[int, str], Call], dict[int, list[hf_tables.RotaryCall]]]:
+    """One probe forward recording every candidate layer's rotation calls and every rotary module's calls."""
     calls: dict[tuple[int, str], Call] = {}
+    rotary_calls: dict[int, list[hf_tables.RotaryCall]] = {}
     try:
         for _, layer, functions in candidates:
             _replace_functions(layer, {n: _recorder(calls, (id(layer), n), f) for n, f in functions.items()})
+        hf_tables.record_rotary(rotaries, rotary_calls)
         _probe_forward(model)
     finally:
-        for _, layer, _ in candidates:
-            del layer.__dict__["forward"]
-    return calls
+        for module in [layer for _, layer, _ in candidates] + rotaries:
+            module.__dict__.pop("forward", None)
+    return calls, rotary_calls
 
 
 def _check_backend(backend: str, call: Call, signature: Signature) -> None:
@@ -232,7 +247,9 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     """Make every attention layer of an HF model rotate q and k with ropekit, after proving it agrees.
 
     Idempotent: patching a patched model re-patches it (for instance with another backend). See the module
-    docstring for how layers are found and proved.
+    docstring for how layers are found and proved, and how their tables then come from
+    :func:`ropekit.model_rope` (:func:`layer_ropes`; the model's own tables where model_rope refuses the
+    config or a table is not proved equal).
 
     Args:
         model: any transformers model (any head, ``...ForCausalLM``, the bare ``...Model``, multimodal
@@ -276,7 +293,8 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
             f"model: nothing to patch in {type(model).__name__} (model_type {model_type!r}): no module's "
             "forward calls a RoPE function (apply_rotary*/apply_rope*)"
         )
-    calls = _record_calls(model, candidates)
+    rotaries = hf_tables.rotary_modules(model, _text_config(model))
+    calls, rotary_calls = _record_calls(model, candidates, rotaries)
     if not calls:
         functions = sorted({n for _, _, fs in candidates for n in fs})
         raise ValueError(
@@ -284,7 +302,7 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
             f"reference {functions} but none was called on a text forward pass (a vision or audio tower's "
             "RoPE is not patched)"
         )
-    replacements, refused = _prove(model_type, candidates, calls, backend)
+    replacements, refused, served = _prove(model_type, candidates, calls, backend)
     if refused and strict:
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
     for message in refused:
@@ -292,17 +310,61 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     for layer, (plans, functions) in replacements.items():
         _replace_functions(layer, functions)
         setattr(layer, PLANS_ATTR, plans)
-    log.debug("patched %d layers of %s", len(replacements), model_type)
+    model.__dict__[PATCH_ATTR] = (backend, strict)
+    ropes = _serve_model_rope(model, rotaries, rotary_calls, served)
+    for layer, entry in ropes.items():
+        layer.__dict__[ROPE_ATTR] = entry
+    log.debug("patched %d layers of %s, %d on model_rope's tables", len(replacements), model_type, len(ropes))
     return len(replacements)
 
 
-def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str]]:
-    """Per layer: the stand-ins proved against its recorded calls, or the reason it is refused."""
+def _serve_model_rope(
+    model: nn.Module, rotaries: list[nn.Module], rotary_calls: dict, served: dict
+) -> dict[nn.Module, LayerRope]:
+    """Rotary modules serve ropekit's tables from model_rope where proved (:mod:`hf_tables`).
+
+    A config model_rope refuses (a layout it does not read) keeps the model's own tables in every layer: the
+    rotation is still ropekit's and proved; only the table values are the model's.
+    """
+    if not served:
+        return {}
+    if not rotaries:
+        log.info(
+            "%s keeps its own cos/sin tables: no rotary module built from its text config", _model_type(model)
+        )
+        return {}
+    try:
+        plan = model_rope(model.config)
+    except ValueError as err:
+        log.info("%s keeps its own cos/sin tables: %s", _model_type(model), err)
+        return {}
+    names = {module: name for name, module in model.named_modules()}
+    layer_of = {layer: _layer_index(layer, names.get(layer, "")) for layer in served}
+    ropes, reasons = hf_tables.prove_tables(rotaries, rotary_calls, served, layer_of, plan)
+    for reason in reasons:
+        log.info("%s keeps its own cos/sin tables for %s", _model_type(model), reason)
+    return ropes
+
+
+def _layer_index(layer: nn.Module, name: str) -> int | None:
+    """The decoder index of a layer: its layer_idx, else the N of the last "layers.N" (or layer.N, h.N,
+    blocks.N) in its name (ESM's layers; a module inside an attention layer, as DeepSeek-V4's compressors)."""
+    index = getattr(layer, "layer_idx", None)
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    found = LAYER_NAME.findall(name)
+    return int(found[-1]) if found else None
+
+
+def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str], dict]:
+    """Per layer: the stand-ins proved against its recorded calls, or the reason it is refused; and per
+    patched layer, the tables its calls received with their form (``Plan.table``), when one form."""
     replacements: dict[nn.Module, tuple[dict, dict]] = {}
     refused: list[str] = []
+    served: dict[nn.Module, tuple[list, str]] = {}
     checked_backend = False
     for layer_name, layer, functions in candidates:
-        plans, stand_ins, reasons = {}, {}, []
+        plans, stand_ins, reasons, tables = {}, {}, [], []
         for name, fn in functions.items():
             call = calls.get((id(layer), name))
             if call is None:
@@ -330,6 +392,7 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
             recorded = {slot[1]: Signature.get(call.args, call.kwargs, slot) for slot in signature.others}
             recorded["__tuple__"] = isinstance(call.output, tuple)
             plans[name] = (plan, backend)
+            tables += [Signature.get(call.args, call.kwargs, slot) for slot in signature.tables]
             stand_ins[name] = stand_in(fn, signature, plan, recorded, backend)
         if reasons:
             refused.append(
@@ -338,29 +401,49 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
             )
         elif plans:
             replacements[layer] = (plans, stand_ins)
-    return replacements, refused
+            forms = {plan.table for plan, _ in plans.values()}
+            if len(forms) == 1:
+                served[layer] = (tables, forms.pop())
+    return replacements, refused, served
 
 
 def unpatch(model: nn.Module) -> int:
     """Restore HF's own rotary code in every layer :func:`patch` changed; returns how many were restored."""
     restored = 0
+    model.__dict__.pop(PATCH_ATTR, None)
+    hf_tables.restore(model)
     for module in model.modules():
         if PLANS_ATTR in module.__dict__:
             del module.__dict__[PLANS_ATTR]
+            module.__dict__.pop(ROPE_ATTR, None)
             module.__dict__.pop("forward", None)
             restored += 1
     return restored
 
 
 def patched_layers(model: nn.Module) -> dict[str, dict[str, str]]:
-    """{layer name: {RoPE function: how ropekit runs it}} for every layer :func:`patch` replaced."""
+    """{layer name: {RoPE function: how ropekit runs it}} for every layer :func:`patch` replaced.
+
+    Each description ends with where the layer's tables come from: ropekit's, from its ``model_rope`` entry,
+    or the model's own rotary module.
+    """
     return {
         name: {
-            fn: f"{plan.describe()}, backend {backend}"
+            fn: f"{plan.describe()}, backend {backend}, "
+            + ("tables from model_rope" if ROPE_ATTR in module.__dict__ else "the model's tables")
             for fn, (plan, backend) in module.__dict__[PLANS_ATTR].items()
         }
         for name, module in model.named_modules()
         if PLANS_ATTR in module.__dict__
+    }
+
+
+def layer_ropes(model: nn.Module) -> dict[str, LayerRope]:
+    """{layer name: its :func:`ropekit.model_rope` entry} for every patched layer served ropekit's tables."""
+    return {
+        name: module.__dict__[ROPE_ATTR]
+        for name, module in model.named_modules()
+        if ROPE_ATTR in module.__dict__
     }
 
 
@@ -397,8 +480,8 @@ def extend_context(model: nn.Module, method: str, factor: float, **params: Any) 
     the base :func:`ropekit.schedules.ntk_base` gives. Per-layer-type configs (Gemma 2/3, ModernBERT, ...)
     change only their ``full_attention`` entry, since sliding-window layers never see long distances.
 
-    HF's rotary modules are rebuilt from the new config; patched layers read their tables, so they follow
-    with the backend and every other choice made at :func:`patch` time.
+    HF's rotary modules are rebuilt from the new config; a patched model is patched again (with the backend
+    and strictness of its :func:`patch`), so its tables come from ``model_rope`` of the new config.
 
     Args:
         model: a transformers model with a RoPE config (patched or not).
@@ -437,8 +520,11 @@ def extend_context(model: nn.Module, method: str, factor: float, **params: Any) 
     RopeConfig.from_hf(trial, layer_type=target)
     _rebuild_rotary_modules(model, config, trial, dry_run=True)
 
+    patched = model.__dict__.get(PATCH_ATTR)
     _write_parameters(config, target, new, max_positions)
     _rebuild_rotary_modules(model, config, config, dry_run=False)
+    if patched is not None:  # the new tables from model_rope, proved again, with the same choices
+        patch(model, *patched[:1], strict=patched[1])
     return new
 
 

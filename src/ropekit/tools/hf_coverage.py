@@ -140,6 +140,9 @@ FIXES: dict[str, dict[str, Any]] = {
         "spatial_target_layers": [0, 1, 0, 1],
         "downsample_rate": "1/2",
     },
+    # DeepSeek-V4's heads are [nope | rope]: 64 of 512 rotate (partial_rotary_factor 0.125); the shrunk MLA
+    # head (qk_rope_head_dim, 8) would leave one rotated feature. 8 of 64 keep the published ratio.
+    "deepseek_v4": {"head_dim": 64},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # layers of the 2-layer vision tower
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Hybrids whose defaults have no attention layer (or no RoPE): one RoPE attention layer of the two.
@@ -166,6 +169,7 @@ class Row:
     status: str  # "patched", "refused", "not a token model", "not instantiable", "unequal"
     detail: str
     layers: int = 0
+    model_rope_tables: bool = False  # every patched layer reads ropekit's tables from model_rope
 
 
 def rope_model_types() -> dict[str, list[str]]:
@@ -257,9 +261,14 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]
     per_layer = out.get("per_layer_config")
     if isinstance(per_layer, dict) and per_layer and new_layers:
-        # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer.
+        # Layers configured apart (Gemma 4's full-attention layers): keep one of them, as the last layer. A
+        # wider head keeps its ratio to the shrunk head_dim (Gemma 4's 512 of 256: 32 of 16), else the tiny
+        # model would lose the layers' different widths.
         first = sorted(per_layer)[0]
         kept = _shrink(per_layer[first]) if isinstance(per_layer[first], dict) else per_layer[first]
+        wide, narrow = (per_layer[first] or {}).get("head_dim"), d.get("head_dim")
+        if isinstance(kept, dict) and isinstance(wide, int) and isinstance(narrow, int) and wide != narrow:
+            kept["head_dim"] = out["head_dim"] * wide // narrow
         out["per_layer_config"] = {str(new_layers - 1).zfill(len(str(first))): kept}
     if isinstance(out.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
         out["num_key_value_heads"] = out.get("num_attention_heads")  # MLA: one latent k/v per head
@@ -550,7 +559,9 @@ def _check(model_type: str) -> Row:
         if not equal_tokens:
             detail += " (generation differs)"
         return Row(model_type, "unequal", detail, layers)
-    return Row(model_type, "patched", detail, layers)
+    ropes = hf.layer_ropes(model)
+    on_model_rope = bool(ropes) and set(ropes) == set(hf.patched_layers(model))
+    return Row(model_type, "patched", detail, layers, on_model_rope)
 
 
 def render(rows: list[Row], seconds: float) -> str:
@@ -569,7 +580,10 @@ def render(rows: list[Row], seconds: float) -> str:
         f"Measured on transformers {transformers.__version__}, torch {torch.__version__}, fp32, in "
         f"{seconds / 60:.0f} min: **{counts['patched']} patched / {len(tokens)} enumerated** model types "
         "whose "
-        f"token stack uses RoPE ({100 * counts['patched'] / max(1, len(tokens)):.0f}%); "
+        f"token stack uses RoPE ({100 * counts['patched'] / max(1, len(tokens)):.0f}%), "
+        f"{sum(r.model_rope_tables for r in rows if r.status == 'patched')} of them with every patched layer "
+        "on ropekit's tables from `model_rope` (the others keep the model's own tables, where `model_rope` "
+        "refuses the config or a table is not proved equal; the rotation is ropekit's in every case); "
         f"{counts['unequal']} patched with a difference above tolerance; {counts['refused']} refused by the "
         f"proof; {counts['not instantiable']} not instantiable as a tiny model. A further "
         f"{len(rows) - len(tokens)} model types keep RoPE only in a vision or audio stack (their forward "
