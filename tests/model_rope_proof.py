@@ -82,7 +82,12 @@ def _tweak(d: dict) -> dict:
         d["head_dim"] = 48
     if d.get("model_type") == "deepseek_v4":  # 64-wide heads whose trailing 8 rotate (its 512 and 64)
         d["head_dim"], d["qk_rope_head_dim"] = 64, 8
-    if "per_layer_config" in d and isinstance(d.get("head_dim"), int) and d.get("layer_types"):
+    if (
+        str(d.get("model_type")).startswith("gemma4")
+        and "per_layer_config" in d
+        and isinstance(d.get("head_dim"), int)
+        and d.get("layer_types")
+    ):
         # Gemma 4: full-attention heads twice as wide as the sliding ones (its published 512 vs 256)
         d["per_layer_config"] = {
             str(i): {"head_dim": 2 * d["head_dim"]}
@@ -92,18 +97,33 @@ def _tweak(d: dict) -> dict:
     return d
 
 
-def build(model_type: str) -> torch.nn.Module:
-    """The tiny model for model_type (first class of hf_coverage's list that runs on token ids)."""
+def tiny_config(model_type: str) -> Any:
+    """The model type's tiny config (hf_coverage's) with the per-layer differences made visible."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
     try:
-        config = config_class.from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
+        return CONFIG_MAPPING[model_type].from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
     except Exception as err:  # the tiny sizes do not fit this config class
-        raise NotBuilt(f"{model_type}: no tiny config ({type(err).__name__}: {err})") from None
-    error: Exception | None = None
-    for cls, cfg, _ in hf_coverage._model_classes(model_type, config):
-        if hf_coverage._token_model(cls):
+        raise NotBuilt(f"{model_type}: no tiny config ({type(err).__name__}: {_short(err)})") from None
+
+
+def build(model_type: str, config: Any = None) -> torch.nn.Module:
+    """The tiny model: the first candidate class that builds and runs on token ids.
+
+    Candidates, in order: hf_coverage's list (a causal-LM or image-text-to-text head, a causal LM over the
+    text config, the bare model), then the decoder classes of the model type's own modeling file that take
+    input_ids and are built from the config or its ``text_config`` (Gemma 3n's text model, whose multimodal
+    classes need timm; Voxtral Realtime's text model; CSM's backbone). The plan is always read from the model
+    type's config, so a decoder built from its ``text_config`` proves what model_rope reads through it.
+    """
+    config = tiny_config(model_type) if config is None else config
+    candidates = [(cls, cfg) for cls, cfg, _ in hf_coverage._model_classes(model_type, config)]
+    candidates += [c for c in _decoder_classes(config) if c not in candidates]
+    reasons = []
+    for cls, cfg in candidates:
+        why = hf_coverage._token_model(cls)
+        if why:
+            reasons.append(why)
             continue
         try:
             torch.manual_seed(0)
@@ -112,10 +132,75 @@ def build(model_type: str) -> torch.nn.Module:
                 for name, p in model.named_parameters():
                     if "norm" in name and p.dim() == 1:
                         p.uniform_(0.5, 1.5)
+        except Exception as err:  # the next candidate
+            reasons.append(f"{cls.__name__}: {type(err).__name__}: {_short(err)}")
+            continue
+        for inputs in _inputs(model):
+            try:
+                with torch.no_grad():
+                    model(**inputs)
+            except Exception as err:  # other inputs, then the next candidate
+                reasons.append(f"{cls.__name__}: {type(err).__name__}: {_short(err)}")
+                continue
+            model.__dict__[INPUTS_ATTR] = inputs
             return model
-        except Exception as err:  # the next class in the list
-            error = err
-    raise NotBuilt(f"{model_type}: no tiny token model builds ({error})")
+    if not candidates:
+        reasons.append("transformers maps no model class to it and its modeling file has no decoder class")
+    raise NotBuilt(f"{model_type}: no tiny model runs on token ids ({'; '.join(reasons)})")
+
+
+INPUTS_ATTR = "_ropekit_proof_inputs"  # the inputs the built model ran on
+
+
+def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Inputs to try for one forward: token ids (2, SEQ), then (2, SEQ, codebooks) for a model that sums one
+    embedding per audio codebook (CSM's backbone, Kyutai's speech-to-text: their ``audio_tokens_offsets``)."""
+    ids = hf._token_ids(model, torch.device("cpu"))  # (2, SEQ)
+    choices = [ids]
+    for module in model.modules():
+        offsets = getattr(module, "audio_tokens_offsets", None)
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+            sizes = [getattr(model.config, k, None) for k in ("codebook_size", "codebook_vocab_size")]
+            smallest = min([s for s in sizes if isinstance(s, int)] + [int(ids.max()) + 1])
+            choices.append((ids % smallest)[..., None].expand(-1, -1, offsets.numel()))  # (2, SEQ, codebooks)
+            break
+    extra = {}
+    if getattr(model.config, "is_encoder_decoder", False):
+        extra["decoder_input_ids"] = ids
+    if any(type(m).__name__.endswith("AdaRmsNorm") for m in model.modules()):
+        # Voxtral Realtime's text layers scale their MLP input by a time conditioning (t_cond), which its
+        # multimodal model computes from the audio delay; zeros leave the attention as it is.
+        extra["t_cond"] = torch.zeros(2, 1, model.config.get_text_config().hidden_size)  # (B, 1, hidden)
+    return [{"input_ids": x, **extra} for x in choices]
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _decoder_classes(config: Any) -> list[tuple[Any, Any]]:
+    """(class, config) for the model classes of config's modeling file that take input_ids and are built from
+    config or its text_config, causal-LM heads first."""
+    import importlib
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    configs = [config] + [c for c in (getattr(config, "text_config", None),) if c is not None]
+    found = []
+    for cfg in configs:
+        for cls in vars(module).values():
+            if (
+                isinstance(cls, type)
+                and issubclass(cls, PreTrainedModel)
+                and cls.__module__ == module.__name__
+                and getattr(cls, "config_class", None) is type(cfg)
+                and "input_ids" in inspect.signature(cls.forward).parameters
+            ):
+                found.append((cls, cfg))
+    return sorted(found, key=lambda c: not c[0].__name__.endswith("ForCausalLM"))
 
 
 class NotBuilt(Exception):
@@ -152,7 +237,12 @@ def _recording_attention(model: torch.nn.Module, observed: dict[int, Observed]):
                     seen.query_scale = q.norm(dim=-1) / projected.norm(dim=-1)  # (B, S)
         # The model's own eager attention where it has one (softcapping, sinks), else transformers' SDPA.
         own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
-        return own(module, query, key, value, attention_mask, **kwargs)
+        try:
+            return own(module, query, key, value, attention_mask, **kwargs)
+        except RuntimeError:
+            # Unlimited-OCR's module-level eager function is its vision tower's (no grouped-query repeat):
+            # its text layers only run through SDPA.
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     hooks = []
     for module in model.modules():
@@ -186,8 +276,16 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
     """Per decoder layer index, what its RoPE function and attention received in one forward pass."""
     observed: dict[int, Observed] = {}
     candidates = hf._candidate_layers(model)
-    with _recording_attention(model, observed):
-        calls = hf._record_calls(model, candidates)
+    calls: dict = {}
+    with _recording_attention(model, observed), torch.no_grad():
+        for _, layer, functions in candidates:
+            recorders = {n: hf._recorder(calls, (id(layer), n), f) for n, f in functions.items()}
+            hf._replace_functions(layer, recorders)
+        try:
+            model(**model.__dict__[INPUTS_ATTR])
+        finally:
+            for _, layer, _ in candidates:
+                del layer.__dict__["forward"]
     for name, layer, functions in candidates:
         index = _layer_of(name)
         if index is None:
@@ -276,12 +374,10 @@ TOLERANCE = 1e-5  # fp32 model tables (angles formed in fp32) against ropekit's 
 
 def prove(model_type: str) -> tuple[list[str], list[str]]:
     """(disagreements, things not measured) between model_rope and the tiny model's layers."""
-    model = build(model_type)
-    plan = ropekit.model_rope(model.config)
-    try:
-        observed = observe(model)
-    except ValueError as err:  # the model does not run on token ids alone
-        raise NotBuilt(f"{model_type}: {err}") from None
+    config = tiny_config(model_type)
+    plan = ropekit.model_rope(config)  # before building: a refused config need not run
+    model = build(model_type, config)
+    observed = observe(model)
     problems, unmeasured = [], []
     lower = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool))
     for layer in plan:

@@ -203,7 +203,9 @@ def rope_layer_types(config: Any) -> list[str]:
 
 def _head_dim(d: Mapping[str, Any]) -> int:
     keys = ("head_dim",) if _model_type(d) == "deepseek_v4" else ("qk_rope_head_dim", "head_dim")
-    for key in (*keys, "kv_channels"):
+    # attention_head_dim: Zamba 2's attention heads (2 * hidden_size / heads wide; HF maps head_dim to it),
+    # where its kv_channels is hidden_size / heads
+    for key in (*keys, "attention_head_dim", "kv_channels"):
         if d.get(key) is not None:
             return d[key]
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
