@@ -19,6 +19,7 @@ measure.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 from dataclasses import dataclass, field
@@ -171,6 +172,12 @@ def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
         # Voxtral Realtime's text layers scale their MLP input by a time conditioning (t_cond), which its
         # multimodal model computes from the audio delay; zeros leave the attention as it is.
         extra["t_cond"] = torch.zeros(2, 1, model.config.get_text_config().hidden_size)  # (B, 1, hidden)
+    if "image_encoder_embeddings" in inspect.signature(model.forward).parameters:
+        # IDEFICS needs one image for its gated cross-attention layers: one image of 4 encoder states
+        width = model.config.vision_config.embed_dim
+        image = torch.randn(2, 1, 4, width, generator=torch.Generator().manual_seed(0))  # (B, images, 4, W)
+        extra["image_encoder_embeddings"] = image
+        extra["image_attention_mask"] = torch.ones(2, SEQ, 1, dtype=torch.long)  # (B, S, images)
     return [{"input_ids": x, **extra} for x in choices]
 
 
@@ -183,7 +190,6 @@ def _decoder_classes(config: Any) -> list[tuple[Any, Any]]:
     """(class, config) for the model classes of config's modeling file that take input_ids and are built from
     config or its text_config, causal-LM heads first."""
     import importlib
-    import inspect
 
     from transformers import PreTrainedModel
 
@@ -200,6 +206,16 @@ def _decoder_classes(config: Any) -> list[tuple[Any, Any]]:
                 and "input_ids" in inspect.signature(cls.forward).parameters
             ):
                 found.append((cls, cfg))
+    text = getattr(config, "text_config", None)
+    if text is not None:  # the text config's own classes (PE Audio's ModernBERT text encoder)
+        import transformers
+        from transformers.models.auto import modeling_auto as auto
+
+        for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES):
+            name = mapping.get(text.model_type)
+            cls = getattr(transformers, name, None) if isinstance(name, str) else None
+            if cls is not None and (cls, text) not in found:
+                found.append((cls, text))
     return sorted(found, key=lambda c: not c[0].__name__.endswith("ForCausalLM"))
 
 

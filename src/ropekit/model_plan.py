@@ -57,6 +57,8 @@ SLIDING_ONLY_WITH_WINDOW = frozenset({"exaone4", "exaone4_5", "exaone_moe", "kol
 # model_rope does not interpret, so it refuses them rather than guess (RopeConfig.from_hf reads their RoPE).
 UNREAD_LAYOUTS = {
     "zamba": "a shared attention block",
+    # CLVP's encoders rotate max(projection_dim / (2 heads), 32) features of q, k and the values too
+    "clvp_encoder": "its rotary width from projection_dim, values rotated as well",
     "hrm": "its recurrence over layer stacks",
     "zaya": "its hybrid blocks",
     "dory": "its recurrent section",
