@@ -36,6 +36,7 @@ CHUNK = 4  # Llama 4's attention_chunk_size in the tiny model
 FLOOR = 2  # Llama 4's floor_scale, and Ministral 3 / Mistral 4's temperature length
 # Module names of towers that are not the decoder (their RoPE is not model_rope's).
 NOT_DECODER = re.compile(r"vision|visual|audio|talker|code2wav|mtp|speech|image")
+ENCODER = re.compile(r"(?:^|\.)encoder\.")  # an encoder-decoder's encoder: model_rope plans the decoder
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 PROBE_IMPL = "ropekit_probe"
 # Children of an attention module that change the query's norm between its projection and the attention
@@ -81,6 +82,18 @@ def _tweak(d: dict) -> dict:
             params["mrope_section"] = [sum(sections) - 2 * quarter, quarter, quarter]
     if d.get("model_type") == "mimo_v2_flash":  # 0.334 of 48 is 16 features (of 16, an odd 5)
         d["head_dim"] = 48
+    if d.get("model_type") == "moonshine":  # 16-wide heads: 0.9 of them is an even 14 (of 8, an odd 7)
+        d["encoder_num_attention_heads"] = d["decoder_num_attention_heads"] = 4
+        d["encoder_num_key_value_heads"] = d["decoder_num_key_value_heads"] = 4
+    if d.get("model_type") == "moonshine_streaming" and d.get("num_key_value_heads") is None:
+        d["num_key_value_heads"] = d["num_attention_heads"]  # the class declares it, to_dict() writes None
+    if d.get("model_type") == "dia":  # its decoder's cross-attention reads the (shrunk) encoder's states
+        d["decoder_config"].update(
+            cross_hidden_size=d["encoder_config"]["hidden_size"],
+            cross_num_attention_heads=4,
+            cross_num_key_value_heads=4,
+            cross_head_dim=16,
+        )
     if d.get("model_type") == "deepseek_v4":  # 64-wide heads whose trailing 8 rotate (its 512 and 64)
         d["head_dim"], d["qk_rope_head_dim"] = 64, 8
     if (
@@ -123,6 +136,8 @@ def build(model_type: str, config: Any = None) -> torch.nn.Module:
     reasons = []
     for cls, cfg in candidates:
         why = hf_coverage._token_model(cls)
+        if why and _audio_encoder_decoder(cls):
+            why = None  # Moonshine: audio into the encoder, token ids into the decoder model_rope plans
         if why:
             reasons.append(why)
             continue
@@ -151,6 +166,14 @@ def build(model_type: str, config: Any = None) -> torch.nn.Module:
 
 
 INPUTS_ATTR = "_ropekit_proof_inputs"  # the inputs the built model ran on
+AUDIO_SAMPLES = 4000  # raw audio samples per sequence for an audio encoder-decoder's encoder
+
+
+def _audio_encoder_decoder(cls: Any) -> bool:
+    parameters = inspect.signature(cls.forward).parameters
+    return (
+        "decoder_input_ids" in parameters and "input_values" in parameters and "input_ids" not in parameters
+    )
 
 
 def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
@@ -168,6 +191,11 @@ def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
     extra = {}
     if getattr(model.config, "is_encoder_decoder", False):
         extra["decoder_input_ids"] = ids
+    decoder = getattr(model.config, "decoder_config", None)
+    if "decoder_input_ids" in extra and isinstance(getattr(decoder, "num_channels", None), int):
+        # Dia's decoder reads one audio code per channel: (B, S, channels) below its vocabulary
+        codes = (ids % decoder.vocab_size)[..., None].expand(-1, -1, decoder.num_channels)
+        extra["decoder_input_ids"] = codes.contiguous()
     if any(type(m).__name__.endswith("AdaRmsNorm") for m in model.modules()):
         # Voxtral Realtime's text layers scale their MLP input by a time conditioning (t_cond), which its
         # multimodal model computes from the audio delay; zeros leave the attention as it is.
@@ -178,6 +206,9 @@ def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
         image = torch.randn(2, 1, 4, width, generator=torch.Generator().manual_seed(0))  # (B, images, 4, W)
         extra["image_encoder_embeddings"] = image
         extra["image_attention_mask"] = torch.ones(2, SEQ, 1, dtype=torch.long)  # (B, S, images)
+    if _audio_encoder_decoder(type(model)):
+        audio = torch.randn(2, AUDIO_SAMPLES, generator=torch.Generator().manual_seed(0))  # (B, samples)
+        return [{"input_values": audio, "decoder_input_ids": x} for x in choices]
     return [{"input_ids": x, **extra} for x in choices]
 
 
@@ -224,8 +255,13 @@ class NotBuilt(Exception):
     tiny sizes do not fit; docs/integrations.md lists them)."""
 
 
-def _layer_of(name: str) -> int | None:
-    if NOT_DECODER.search(name):
+def _encoder_decoder(model: torch.nn.Module) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _layer_of(name: str, encoder_decoder: bool = False) -> int | None:
+    """The decoder layer index in a module name, None for other towers (and an encoder-decoder's encoder)."""
+    if NOT_DECODER.search(name) or (encoder_decoder and ENCODER.search(name)):
         return None
     found = LAYER_INDEX.search(name + ".")
     return None if found is None else int(found[1])
@@ -241,7 +277,7 @@ def _recording_attention(model: torch.nn.Module, observed: dict[int, Observed]):
     names = {id(m): n for n, m in model.named_modules()}
 
     def record(module, query, key, value, attention_mask, **kwargs):
-        index = _layer_of(names.get(id(module), ""))
+        index = _layer_of(names.get(id(module), ""), _encoder_decoder(model))
         if index is not None:
             seen = observed.setdefault(index, Observed())
             seen.masks.append(attention_mask)
@@ -303,7 +339,7 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
             for _, layer, _ in candidates:
                 del layer.__dict__["forward"]
     for name, layer, functions in candidates:
-        index = _layer_of(name)
+        index = _layer_of(name, _encoder_decoder(model))
         if index is None:
             continue
         for fn_name, fn in functions.items():
@@ -415,6 +451,10 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
         for name, fn, _ in seen.rotations:
             if all(name != n for n, _, _ in direct):
                 unmeasured.append(f"{where}: {name}.{fn.__name__} (a sub-module with its own positions)")
+        if _encoder_decoder(model):  # T5Gemma 2's merged attention: [self keys | encoder keys]
+            seen.masks = [
+                m[..., :SEQ] if isinstance(m, torch.Tensor) and m.dim() == 4 else m for m in seen.masks
+            ]
         masks = [_allowed(m) for m in seen.masks]
         if not seen.masks and layer.rope is not None:
             unmeasured.append(f"{where}: attention not reached through the attention interface")

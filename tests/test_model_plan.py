@@ -50,7 +50,7 @@ def test_plan_equals_every_layer_of_the_tiny_model(model_type):
 REFUSED = frozenset(
     {
         "dory", "hrm_text", "muse_glimmer", "muse_glimmer_text", "muse_spark", "muse_spark_text", "nanochat",
-        "zamba", "zaya", "blt", "dia", "moonshine", "moonshine_streaming", "t5gemma", "t5gemma2", "clvp",
+        "zamba", "zaya", "blt", "clvp",
     }
 )  # fmt: skip
 # Model types whose layers differ from the plan in a way the plan does not describe.
@@ -320,3 +320,28 @@ def test_nemotron_h_attention_layers_apply_no_rope_and_its_block_list_sets_the_d
 def test_vision_and_audio_towers_are_refused(model_type):
     with pytest.raises(ValueError, match="vision or audio tower"):
         model_rope(AutoConfig.for_model(model_type))
+
+
+# -- encoder-decoders: the plan is the decoder's self-attention layers --------------------------------------
+def test_t5gemma_plan_is_its_decoder_layers():
+    config = AutoConfig.for_model("t5gemma")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder.num_hidden_layers
+    assert [layer.layer_type for layer in plan] == list(config.decoder.layer_types)
+    assert plan[0].sliding_window == config.decoder.sliding_window
+
+
+def test_moonshine_decoder_rotates_interleaved_pairs_over_0_9_of_its_heads():
+    config = AutoConfig.for_model("moonshine")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder_num_hidden_layers
+    head = config.hidden_size // config.decoder_num_attention_heads  # 288 / 8
+    assert (plan[0].rope.head_dim, plan[0].rope.rotary_dim) == (head, int(head * 0.9) // 2 * 2)
+    assert plan[0].rope.interleaved  # its rotate_half pairs (2i, 2i + 1)
+
+
+def test_dia_plan_is_its_decoder_config():
+    config = AutoConfig.for_model("dia")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder_config.num_hidden_layers
+    assert plan[0].rope.head_dim == config.decoder_config.head_dim

@@ -58,7 +58,8 @@ INTERLEAVED_MODEL_TYPES = frozenset(
         "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
         "llama4", "llama4_text", "llama4_vision_model",
         # Found by proving ropekit.model_rope against each model's layers (tests/test_model_plan.py).
-        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter",
+        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter", "moonshine",
+        "moonshine_streaming",
     }
 )  # fmt: skip
 # model_type values whose rotation ropekit's RopeConfig cannot describe: NanoChat's rotate_half flips the

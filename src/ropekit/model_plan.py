@@ -151,7 +151,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
         ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
     """
-    d = load_hf_config(config)
+    d = _decoder(load_hf_config(config))
     if d.get("model_type") in NOT_TOKEN_STACKS:
         raise ValueError(
             f"config['model_type']: {d['model_type']!r} is a vision or audio tower (its RoPE rotates "
@@ -191,6 +191,25 @@ def model_rope(config: Any) -> list[LayerRope]:
             )
         )
     return layers
+
+
+def _decoder(d: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder config's decoder: its ``decoder`` / ``decoder_config`` sub-config (T5Gemma,
+    T5Gemma 2, Dia) merged over the outer keys, or Moonshine's ``decoder_*`` keys. The plan describes the
+    decoder's self-attention layers (their cross-attention applies no RoPE)."""
+    if not d.get("is_encoder_decoder"):
+        return d
+    for key in ("decoder", "decoder_config"):
+        inner = d.get(key)
+        if isinstance(inner, Mapping):
+            outer = {k: v for k, v in d.items() if k not in ("encoder", "encoder_config", key)}
+            return {**outer, **inner}
+    prefixed = {k.removeprefix("decoder_"): v for k, v in d.items() if k.startswith("decoder_")}
+    if (
+        "num_hidden_layers" in prefixed
+    ):  # Moonshine: decoder_num_hidden_layers, decoder_num_attention_heads, ...
+        return {**d, **prefixed}
+    return d
 
 
 def _model_type(d: Mapping[str, Any]) -> str:
