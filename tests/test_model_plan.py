@@ -49,7 +49,7 @@ def test_plan_equals_every_layer_of_the_tiny_model(model_type):
 # rotation by -angle.
 REFUSED = frozenset(
     {
-        "dory", "hrm_text", "muse_glimmer", "muse_glimmer_text", "muse_spark", "muse_spark_text", "nanochat",
+        "dory", "hrm_text", "nanochat",
         "zamba", "zaya", "blt", "clvp",
     }
 )  # fmt: skip
@@ -345,3 +345,14 @@ def test_dia_plan_is_its_decoder_config():
     plan = model_rope(config)
     assert len(plan) == config.decoder_config.num_hidden_layers
     assert plan[0].rope.head_dim == config.decoder_config.head_dim
+
+
+def test_muse_layers_with_layer_rope_theta_zero_are_nope_and_the_others_rotate_with_rope_theta():
+    config = AutoConfig.for_model("muse_spark_text", num_hidden_layers=8)
+    plan = model_rope(config)
+    assert [layer.rope is None for layer in plan] == [t == 0 for t in config.layer_rope_theta]
+    assert [layer.index for layer in plan if layer.rope is None] == [3, 7]
+    assert {layer.rope.base for layer in plan if layer.rope is not None} == {500000.0}
+    d = hf_dict("muse_spark_text", num_hidden_layers=2, layer_types=None, layer_rope_theta=[1e4, -1])
+    with pytest.raises(ValueError, match="layer_rope_theta"):
+        model_rope(d)

@@ -62,8 +62,6 @@ UNREAD_LAYOUTS = {
     "hrm": "its recurrence over layer stacks",
     "zaya": "its hybrid blocks",
     "dory": "its recurrent section",
-    "muse_glimmer": "layer_rope_theta",
-    "muse_spark": "layer_rope_theta",
 }
 # Hybrids: which layers attend comes from their own keys (transformers' ``layers_block_type`` properties);
 # the other layers (Mamba, recurrent, MLP / MoE) get layer type "mamba", "recurrent", "mlp" or "moe" and no
@@ -274,7 +272,18 @@ def _layer_types(d: Mapping[str, Any], count: int) -> list | None:
 
 
 def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
-    """Per layer, whether it rotates: no_rope_layers[i] == 1 means layer i uses RoPE (Llama 4, SmolLM3)."""
+    """Per layer, whether it rotates: no_rope_layers[i] == 1 means layer i uses RoPE (Llama 4, SmolLM3);
+    layer_rope_theta[i] == 0 means layer i is NoPE (Muse Glimmer / Spark: their decoder passes no position
+    embeddings there; the other layers all rotate with rope_parameters' theta, whatever value they list)."""
+    thetas = d.get("layer_rope_theta")
+    if thetas is not None:
+        thetas = _per_layer_list(d, "layer_rope_theta", count)
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 for t in thetas):
+            raise ValueError(
+                "config['layer_rope_theta']: expected a non-negative number per layer (0: NoPE), "
+                f"got {thetas!r}"
+            )
+        return [t != 0 for t in thetas]
     flags = d.get("no_rope_layers")
     interval = d.get("no_rope_layer_interval")
     if flags is None or (not flags and _model_type(d) == "llama4"):
