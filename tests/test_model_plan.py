@@ -49,8 +49,8 @@ def test_plan_equals_every_layer_of_the_tiny_model(model_type):
 # rotation by -angle.
 REFUSED = frozenset(
     {
-        "dory", "hrm_text", "nanochat",
-        "zamba", "zaya", "blt", "clvp",
+        "hrm_text", "nanochat",
+        "zamba", "blt", "clvp",
     }
 )  # fmt: skip
 # Model types whose layers differ from the plan in a way the plan does not describe.
@@ -356,3 +356,19 @@ def test_muse_layers_with_layer_rope_theta_zero_are_nope_and_the_others_rotate_w
     d = hf_dict("muse_spark_text", num_hidden_layers=2, layer_types=None, layer_rope_theta=[1e4, -1])
     with pytest.raises(ValueError, match="layer_rope_theta"):
         model_rope(d)
+
+
+def test_zaya_hybrid_layers_rotate_with_their_layer_types_parameters():
+    d = hf_dict("zaya", num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"], sliding_window=64)
+    plan = model_rope(d)
+    assert [layer.rope.base for layer in plan] == [5e6, 1e4]
+    assert [layer.sliding_window for layer in plan] == [None, 64]
+
+
+def test_dory_released_layout_counts_attention_and_mlp_blocks():
+    config = AutoConfig.for_model("dory", num_hidden_layers=8, n_input_layers=2, n_output_layers=2)
+    released = config.to_dict()  # (attention, "mlp") per layer, num_hidden_layers doubled
+    assert len(released["layer_types"]) == 16 and released["num_hidden_layers"] == 16
+    plan = model_rope(released)
+    assert [layer.layer_type for layer in plan] == list(config.layer_types)
+    assert {layer.rope.base for layer in plan if layer.layer_type == "full_attention"} == {1e7}

@@ -60,8 +60,6 @@ UNREAD_LAYOUTS = {
     # CLVP's encoders rotate max(projection_dim / (2 heads), 32) features of q, k and the values too
     "clvp_encoder": "its rotary width from projection_dim, values rotated as well",
     "hrm": "its recurrence over layer stacks",
-    "zaya": "its hybrid blocks",
-    "dory": "its recurrent section",
 }
 # Hybrids: which layers attend comes from their own keys (transformers' ``layers_block_type`` properties);
 # the other layers (Mamba, recurrent, MLP / MoE) get layer type "mamba", "recurrent", "mlp" or "moe" and no
@@ -93,6 +91,9 @@ NOT_TOKEN_STACKS = frozenset(
 # Models whose config names a sliding_window that transformers' modeling code never applies (Moshi's and
 # Kyutai speech-to-text's decoders build a plain causal mask and keep the window unused).
 NO_WINDOW = frozenset({"moshi", "kyutai_speech_to_text"})
+# ZAYA's layer types: attention beside its CCA mixer, full or sliding-window (their rope_parameters are keyed
+# by these names).
+ZAYA_TYPES = ("hybrid", "hybrid_sliding")
 # Models whose attention_chunk_size chunks their "chunked_attention" layers (Llama 4).
 CHUNKED = "chunked_attention"
 SLIDING = "sliding_attention"
@@ -149,7 +150,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
         ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
     """
-    d = _decoder(load_hf_config(config))
+    d = _dory_layers(_decoder(load_hf_config(config)))
     if d.get("model_type") in NOT_TOKEN_STACKS:
         raise ValueError(
             f"config['model_type']: {d['model_type']!r} is a vision or audio tower (its RoPE rotates "
@@ -208,6 +209,20 @@ def _decoder(d: dict[str, Any]) -> dict[str, Any]:
     ):  # Moonshine: decoder_num_hidden_layers, decoder_num_attention_heads, ...
         return {**d, **prefixed}
     return d
+
+
+def _dory_layers(d: dict[str, Any]) -> dict[str, Any]:
+    """Dory's released config.json lists an "mlp" block after each attention block and counts both in
+    num_hidden_layers; DoryConfig takes every other entry and half the count, and so does the plan."""
+    types = d.get("layer_types")
+    if _model_type(d) != "dory" or not isinstance(types, (list, tuple)) or "mlp" not in types:
+        return d
+    count = d.get("num_hidden_layers")
+    return {
+        **d,
+        "layer_types": list(types)[::2],
+        "num_hidden_layers": count // 2 if isinstance(count, int) else count,
+    }
 
 
 def _model_type(d: Mapping[str, Any]) -> str:
@@ -310,8 +325,10 @@ def _rotates(d: Mapping[str, Any], layer_type: str | None) -> bool:
 
 
 def _is_attention(layer_type: str | None) -> bool:
-    return layer_type is None or (
-        "attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION)
+    return (
+        layer_type is None
+        or layer_type in ZAYA_TYPES
+        or ("attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION))
     )
 
 
@@ -361,7 +378,7 @@ def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
         window = d["local_attention"] // 2 + 1
     if window is None or d.get("use_sliding_window") is False:
         return None
-    if layer_type is None or layer_type == SLIDING or _model_type(d) == "deepseek_v4":
+    if layer_type in (None, SLIDING, ZAYA_TYPES[1]) or _model_type(d) == "deepseek_v4":
         return int(window)
     return None
 
