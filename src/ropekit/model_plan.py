@@ -17,9 +17,16 @@ code reads:
 * temperatures: Llama 4's ``floor_scale`` / ``attn_scale`` on its NoPE layers (``attn_temperature_tuning``),
   Ministral 3 / Mistral 4's ``llama_4_scaling_beta`` on every layer (:mod:`ropekit.schedules.softmax`).
 
+* hybrids, from their own keys (Jamba's ``attn_layer_period`` / ``offset``, Bamba's ``attn_layer_indices``,
+  RecurrentGemma's ``block_types``, Zamba 2's and Nemotron-H's ``layers_block_type``, ZAYA's "hybrid" layers,
+  Muse's ``layer_rope_theta``): the layers that are not attention get type "mamba", "recurrent", "mlp" or
+  "moe" and no RoPE;
+* an encoder-decoder's decoder (``decoder`` / ``decoder_config``, Moonshine's ``decoder_*`` keys).
+
 Nested configs are unwrapped as :func:`ropekit.hf_config.load_hf_config` does (``text_config``,
-``thinker_config.text_config``). tests/test_model_rope.py proves each entry against the layer transformers
-builds from the same config.
+``thinker_config.text_config``). Vision and audio towers (:data:`NOT_TOKEN_STACKS`) are refused.
+tests/test_model_plan.py proves each entry against the layer transformers builds from the same config
+(tests/model_rope_proof.py).
 """
 
 from __future__ import annotations
