@@ -28,6 +28,9 @@ FAST = (
     "mistral4",  # MLA: qk_rope_head_dim interleaved, llama_4_scaling_beta
     "deepseek_v4",  # main / compress RoPE on the trailing 64 of 512 features, sliding window everywhere
     "qwen3_omni_moe_thinker",  # the thinker's nested text_config, M-RoPE tables
+    "recurrent_gemma",  # a hybrid: recurrent blocks without RoPE, windowed attention rotating half the head
+    "t5gemma2",  # an encoder-decoder's decoder, its merged self / cross attention
+    "moonshine",  # an audio encoder-decoder's decoder (random samples in), interleaved pairs
 )
 
 
