@@ -19,6 +19,7 @@ measure.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ CHUNK = 4  # Llama 4's attention_chunk_size in the tiny model
 FLOOR = 2  # Llama 4's floor_scale, and Ministral 3 / Mistral 4's temperature length
 # Module names of towers that are not the decoder (their RoPE is not model_rope's).
 NOT_DECODER = re.compile(r"vision|visual|audio|talker|code2wav|mtp|speech|image")
+ENCODER = re.compile(r"(?:^|\.)encoder\.")  # an encoder-decoder's encoder: model_rope plans the decoder
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 PROBE_IMPL = "ropekit_probe"
 # Children of an attention module that change the query's norm between its projection and the attention
@@ -80,9 +82,26 @@ def _tweak(d: dict) -> dict:
             params["mrope_section"] = [sum(sections) - 2 * quarter, quarter, quarter]
     if d.get("model_type") == "mimo_v2_flash":  # 0.334 of 48 is 16 features (of 16, an odd 5)
         d["head_dim"] = 48
+    if d.get("model_type") == "moonshine":  # 16-wide heads: 0.9 of them is an even 14 (of 8, an odd 7)
+        d["encoder_num_attention_heads"] = d["decoder_num_attention_heads"] = 4
+        d["encoder_num_key_value_heads"] = d["decoder_num_key_value_heads"] = 4
+    if d.get("model_type") == "moonshine_streaming" and d.get("num_key_value_heads") is None:
+        d["num_key_value_heads"] = d["num_attention_heads"]  # the class declares it, to_dict() writes None
+    if d.get("model_type") == "dia":  # its decoder's cross-attention reads the (shrunk) encoder's states
+        d["decoder_config"].update(
+            cross_hidden_size=d["encoder_config"]["hidden_size"],
+            cross_num_attention_heads=4,
+            cross_num_key_value_heads=4,
+            cross_head_dim=16,
+        )
     if d.get("model_type") == "deepseek_v4":  # 64-wide heads whose trailing 8 rotate (its 512 and 64)
         d["head_dim"], d["qk_rope_head_dim"] = 64, 8
-    if "per_layer_config" in d and isinstance(d.get("head_dim"), int) and d.get("layer_types"):
+    if (
+        str(d.get("model_type")).startswith("gemma4")
+        and "per_layer_config" in d
+        and isinstance(d.get("head_dim"), int)
+        and d.get("layer_types")
+    ):
         # Gemma 4: full-attention heads twice as wide as the sliding ones (its published 512 vs 256)
         d["per_layer_config"] = {
             str(i): {"head_dim": 2 * d["head_dim"]}
@@ -92,18 +111,35 @@ def _tweak(d: dict) -> dict:
     return d
 
 
-def build(model_type: str) -> torch.nn.Module:
-    """The tiny model for model_type (first class of hf_coverage's list that runs on token ids)."""
+def tiny_config(model_type: str) -> Any:
+    """The model type's tiny config (hf_coverage's) with the per-layer differences made visible."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
     try:
-        config = config_class.from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
+        return CONFIG_MAPPING[model_type].from_dict(_tweak(hf_coverage.tiny_config(model_type).to_dict()))
     except Exception as err:  # the tiny sizes do not fit this config class
-        raise NotBuilt(f"{model_type}: no tiny config ({type(err).__name__}: {err})") from None
-    error: Exception | None = None
-    for cls, cfg, _ in hf_coverage._model_classes(model_type, config):
-        if hf_coverage._token_model(cls):
+        raise NotBuilt(f"{model_type}: no tiny config ({type(err).__name__}: {_short(err)})") from None
+
+
+def build(model_type: str, config: Any = None) -> torch.nn.Module:
+    """The tiny model: the first candidate class that builds and runs on token ids.
+
+    Candidates, in order: hf_coverage's list (a causal-LM or image-text-to-text head, a causal LM over the
+    text config, the bare model), then the decoder classes of the model type's own modeling file that take
+    input_ids and are built from the config or its ``text_config`` (Gemma 3n's text model, whose multimodal
+    classes need timm; Voxtral Realtime's text model; CSM's backbone). The plan is always read from the model
+    type's config, so a decoder built from its ``text_config`` proves what model_rope reads through it.
+    """
+    config = tiny_config(model_type) if config is None else config
+    candidates = [(cls, cfg) for cls, cfg, _ in hf_coverage._model_classes(model_type, config)]
+    candidates += [c for c in _decoder_classes(config) if c not in candidates]
+    reasons = []
+    for cls, cfg in candidates:
+        why = hf_coverage._token_model(cls)
+        if why and _audio_encoder_decoder(cls):
+            why = None  # Moonshine: audio into the encoder, token ids into the decoder model_rope plans
+        if why:
+            reasons.append(why)
             continue
         try:
             torch.manual_seed(0)
@@ -112,10 +148,106 @@ def build(model_type: str) -> torch.nn.Module:
                 for name, p in model.named_parameters():
                     if "norm" in name and p.dim() == 1:
                         p.uniform_(0.5, 1.5)
+        except Exception as err:  # the next candidate
+            reasons.append(f"{cls.__name__}: {type(err).__name__}: {_short(err)}")
+            continue
+        for inputs in _inputs(model):
+            try:
+                with torch.no_grad():
+                    model(**inputs)
+            except Exception as err:  # other inputs, then the next candidate
+                reasons.append(f"{cls.__name__}: {type(err).__name__}: {_short(err)}")
+                continue
+            model.__dict__[INPUTS_ATTR] = inputs
             return model
-        except Exception as err:  # the next class in the list
-            error = err
-    raise NotBuilt(f"{model_type}: no tiny token model builds ({error})")
+    if not candidates:
+        reasons.append("transformers maps no model class to it and its modeling file has no decoder class")
+    raise NotBuilt(f"{model_type}: no tiny model runs on token ids ({'; '.join(reasons)})")
+
+
+INPUTS_ATTR = "_ropekit_proof_inputs"  # the inputs the built model ran on
+AUDIO_SAMPLES = 4000  # raw audio samples per sequence for an audio encoder-decoder's encoder
+
+
+def _audio_encoder_decoder(cls: Any) -> bool:
+    parameters = inspect.signature(cls.forward).parameters
+    return (
+        "decoder_input_ids" in parameters and "input_values" in parameters and "input_ids" not in parameters
+    )
+
+
+def _inputs(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Inputs to try for one forward: token ids (2, SEQ), then (2, SEQ, codebooks) for a model that sums one
+    embedding per audio codebook (CSM's backbone, Kyutai's speech-to-text: their ``audio_tokens_offsets``)."""
+    ids = hf._token_ids(model, torch.device("cpu"))  # (2, SEQ)
+    choices = [ids]
+    for module in model.modules():
+        offsets = getattr(module, "audio_tokens_offsets", None)
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+            sizes = [getattr(model.config, k, None) for k in ("codebook_size", "codebook_vocab_size")]
+            smallest = min([s for s in sizes if isinstance(s, int)] + [int(ids.max()) + 1])
+            choices.append((ids % smallest)[..., None].expand(-1, -1, offsets.numel()))  # (2, SEQ, codebooks)
+            break
+    extra = {}
+    if getattr(model.config, "is_encoder_decoder", False):
+        extra["decoder_input_ids"] = ids
+    decoder = getattr(model.config, "decoder_config", None)
+    if "decoder_input_ids" in extra and isinstance(getattr(decoder, "num_channels", None), int):
+        # Dia's decoder reads one audio code per channel: (B, S, channels) below its vocabulary
+        codes = (ids % decoder.vocab_size)[..., None].expand(-1, -1, decoder.num_channels)
+        extra["decoder_input_ids"] = codes.contiguous()
+    if any(type(m).__name__.endswith("AdaRmsNorm") for m in model.modules()):
+        # Voxtral Realtime's text layers scale their MLP input by a time conditioning (t_cond), which its
+        # multimodal model computes from the audio delay; zeros leave the attention as it is.
+        extra["t_cond"] = torch.zeros(2, 1, model.config.get_text_config().hidden_size)  # (B, 1, hidden)
+    if "image_encoder_embeddings" in inspect.signature(model.forward).parameters:
+        # IDEFICS needs one image for its gated cross-attention layers: one image of 4 encoder states
+        width = model.config.vision_config.embed_dim
+        image = torch.randn(2, 1, 4, width, generator=torch.Generator().manual_seed(0))  # (B, images, 4, W)
+        extra["image_encoder_embeddings"] = image
+        extra["image_attention_mask"] = torch.ones(2, SEQ, 1, dtype=torch.long)  # (B, S, images)
+    if _audio_encoder_decoder(type(model)):
+        audio = torch.randn(2, AUDIO_SAMPLES, generator=torch.Generator().manual_seed(0))  # (B, samples)
+        return [{"input_values": audio, "decoder_input_ids": x} for x in choices]
+    return [{"input_ids": x, **extra} for x in choices]
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _decoder_classes(config: Any) -> list[tuple[Any, Any]]:
+    """(class, config) for the model classes of config's modeling file that take input_ids and are built from
+    config or its text_config, causal-LM heads first."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    configs = [config] + [c for c in (getattr(config, "text_config", None),) if c is not None]
+    found = []
+    for cfg in configs:
+        for cls in vars(module).values():
+            if (
+                isinstance(cls, type)
+                and issubclass(cls, PreTrainedModel)
+                and cls.__module__ == module.__name__
+                and getattr(cls, "config_class", None) is type(cfg)
+                and "input_ids" in inspect.signature(cls.forward).parameters
+            ):
+                found.append((cls, cfg))
+    text = getattr(config, "text_config", None)
+    if text is not None:  # the text config's own classes (PE Audio's ModernBERT text encoder)
+        import transformers
+        from transformers.models.auto import modeling_auto as auto
+
+        for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES):
+            name = mapping.get(text.model_type)
+            cls = getattr(transformers, name, None) if isinstance(name, str) else None
+            if cls is not None and (cls, text) not in found:
+                found.append((cls, text))
+    return sorted(found, key=lambda c: not c[0].__name__.endswith("ForCausalLM"))
 
 
 class NotBuilt(Exception):
@@ -123,8 +255,13 @@ class NotBuilt(Exception):
     tiny sizes do not fit; docs/integrations.md lists them)."""
 
 
-def _layer_of(name: str) -> int | None:
-    if NOT_DECODER.search(name):
+def _encoder_decoder(model: torch.nn.Module) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _layer_of(name: str, encoder_decoder: bool = False) -> int | None:
+    """The decoder layer index in a module name, None for other towers (and an encoder-decoder's encoder)."""
+    if NOT_DECODER.search(name) or (encoder_decoder and ENCODER.search(name)):
         return None
     found = LAYER_INDEX.search(name + ".")
     return None if found is None else int(found[1])
@@ -140,7 +277,7 @@ def _recording_attention(model: torch.nn.Module, observed: dict[int, Observed]):
     names = {id(m): n for n, m in model.named_modules()}
 
     def record(module, query, key, value, attention_mask, **kwargs):
-        index = _layer_of(names.get(id(module), ""))
+        index = _layer_of(names.get(id(module), ""), _encoder_decoder(model))
         if index is not None:
             seen = observed.setdefault(index, Observed())
             seen.masks.append(attention_mask)
@@ -152,7 +289,12 @@ def _recording_attention(model: torch.nn.Module, observed: dict[int, Observed]):
                     seen.query_scale = q.norm(dim=-1) / projected.norm(dim=-1)  # (B, S)
         # The model's own eager attention where it has one (softcapping, sinks), else transformers' SDPA.
         own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", sdpa_attention_forward)
-        return own(module, query, key, value, attention_mask, **kwargs)
+        try:
+            return own(module, query, key, value, attention_mask, **kwargs)
+        except RuntimeError:
+            # Unlimited-OCR's module-level eager function is its vision tower's (no grouped-query repeat):
+            # its text layers only run through SDPA.
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     hooks = []
     for module in model.modules():
@@ -186,10 +328,18 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
     """Per decoder layer index, what its RoPE function and attention received in one forward pass."""
     observed: dict[int, Observed] = {}
     candidates = hf._candidate_layers(model)
-    with _recording_attention(model, observed):
-        calls, _ = hf._record_calls(model, candidates, [])
+    calls: dict = {}
+    with _recording_attention(model, observed), torch.no_grad():
+        for _, layer, functions in candidates:
+            recorders = {n: hf._recorder(calls, (id(layer), n), f) for n, f in functions.items()}
+            hf._replace_functions(layer, recorders)
+        try:
+            model(**model.__dict__[INPUTS_ATTR])
+        finally:
+            for _, layer, _ in candidates:
+                del layer.__dict__["forward"]
     for name, layer, functions in candidates:
-        index = _layer_of(name)
+        index = _layer_of(name, _encoder_decoder(model))
         if index is None:
             continue
         for fn_name, fn in functions.items():
@@ -276,12 +426,10 @@ TOLERANCE = 1e-5  # fp32 model tables (angles formed in fp32) against ropekit's 
 
 def prove(model_type: str) -> tuple[list[str], list[str]]:
     """(disagreements, things not measured) between model_rope and the tiny model's layers."""
-    model = build(model_type)
-    plan = ropekit.model_rope(model.config)
-    try:
-        observed = observe(model)
-    except ValueError as err:  # the model does not run on token ids alone
-        raise NotBuilt(f"{model_type}: {err}") from None
+    config = tiny_config(model_type)
+    plan = ropekit.model_rope(config)  # before building: a refused config need not run
+    model = build(model_type, config)
+    observed = observe(model)
     problems, unmeasured = [], []
     lower = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool))
     for layer in plan:
@@ -303,6 +451,10 @@ def prove(model_type: str) -> tuple[list[str], list[str]]:
         for name, fn, _ in seen.rotations:
             if all(name != n for n, _, _ in direct):
                 unmeasured.append(f"{where}: {name}.{fn.__name__} (a sub-module with its own positions)")
+        if _encoder_decoder(model):  # T5Gemma 2's merged attention: [self keys | encoder keys]
+            seen.masks = [
+                m[..., :SEQ] if isinstance(m, torch.Tensor) and m.dim() == 4 else m for m in seen.masks
+            ]
         masks = [_allowed(m) for m in seen.masks]
         if not seen.masks and layer.rope is not None:
             unmeasured.append(f"{where}: attention not reached through the attention interface")

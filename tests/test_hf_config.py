@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ropekit import RopeConfig
-from ropekit.hf_config import load_hf_config, rope_kwargs, rope_layer_types
+from ropekit.hf_config import fope_basis_kwargs, load_hf_config, rope_kwargs, rope_layer_types
 from ropekit.presets import get_preset
 
 # Llama 3.1 8B's published config (legacy form), as embedded in the presets.
@@ -466,3 +466,13 @@ def test_deepseek_v32_indexer_is_reachable_as_a_layer_type():
     assert indexer == RopeConfig.preset("deepseek-v3.2-indexer")
     assert (indexer.head_dim, indexer.rotary_dim, indexer.interleaved) == (128, 64, False)
     assert RopeConfig.from_hf(config) == RopeConfig.preset("deepseek-v3.2")  # MLA's stays the default
+
+
+@pytest.mark.parametrize("key", ["use_fope", "fope_init_factor", "fope_sep_head", "num_inv_freq"])
+def test_fope_keys_are_refused_not_dropped(key):
+    config = {"head_dim": 64, "rope_theta": 1e4, "rope_scaling": {"rope_type": "default", key: 1}}
+    with pytest.raises(ValueError, match=f"{key}.*FoPE"):
+        RopeConfig.from_hf(config)
+    basis = fope_basis_kwargs(config)
+    assert (basis["head_dim"], basis["base"]) == (64, 1e4)
+    assert config["rope_scaling"][key] == 1  # the caller's config is left as it was

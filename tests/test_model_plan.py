@@ -28,6 +28,9 @@ FAST = (
     "mistral4",  # MLA: qk_rope_head_dim interleaved, llama_4_scaling_beta
     "deepseek_v4",  # main / compress RoPE on the trailing 64 of 512 features, sliding window everywhere
     "qwen3_omni_moe_thinker",  # the thinker's nested text_config, M-RoPE tables
+    "recurrent_gemma",  # a hybrid: recurrent blocks without RoPE, windowed attention rotating half the head
+    "t5gemma2",  # an encoder-decoder's decoder, its merged self / cross attention
+    "moonshine",  # an audio encoder-decoder's decoder (random samples in), interleaved pairs
 )
 
 
@@ -49,9 +52,8 @@ def test_plan_equals_every_layer_of_the_tiny_model(model_type):
 # rotation by -angle.
 REFUSED = frozenset(
     {
-        "bamba", "dory", "hrm_text", "jamba", "muse_glimmer", "muse_glimmer_text", "muse_spark",
-        "muse_spark_text", "nanochat", "recurrent_gemma", "zamba", "zamba2", "zaya", "blt", "dia",
-        "moonshine_streaming", "nemo_speechlm", "nemotron_h", "t5gemma", "t5gemma2",
+        "hrm_text", "nanochat",
+        "zamba", "blt", "clvp",
     }
 )  # fmt: skip
 # Model types whose layers differ from the plan in a way the plan does not describe.
@@ -67,6 +69,15 @@ UNDESCRIBED = {
 def test_plan_equals_every_layer_for_every_rope_model_type(model_type):
     if model_type in UNDESCRIBED:
         pytest.xfail(UNDESCRIBED[model_type])
+    if model_type in ropekit.model_plan.NOT_TOKEN_STACKS:
+        with pytest.raises(ValueError, match="vision or audio tower"):
+            model_rope(AutoConfig.for_model(model_type))
+        assert proof.hf_coverage._model_classes(model_type, AutoConfig.for_model(model_type))
+        assert all(
+            proof.hf_coverage._token_model(cls)
+            for cls, _, _ in proof.hf_coverage._model_classes(model_type, AutoConfig.for_model(model_type))
+        ), "a token model: take it off NOT_TOKEN_STACKS"
+        return
     try:
         problems, _ = proof.prove(model_type)
     except proof.NotBuilt as err:
@@ -268,3 +279,99 @@ def test_rotary_embedding_for_model_serves_each_layer_its_own_table():
     torch.testing.assert_close(got, ropekit.apply_rotary(q, cos, sin))
     smol = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("smollm3"))
     assert [r is None for r in smol[:4]] == [False, False, False, True]
+
+
+# -- hybrids: which layers attend comes from their own keys ------------------------------------------------
+def test_jamba_attends_every_eighth_layer_from_the_fifth_without_rope():
+    plan = model_rope(AutoConfig.for_model("jamba", num_hidden_layers=16))
+    assert [layer.index for layer in plan if layer.layer_type == "full_attention"] == [4, 12]
+    assert {layer.layer_type for layer in plan} == {"full_attention", "mamba"}
+    assert all(layer.rope is None for layer in plan)
+
+
+def test_bamba_rotates_only_its_attention_layers():
+    plan = model_rope(hf_dict("bamba", num_hidden_layers=4, attn_layer_indices=[1, 3]))
+    assert [layer.rope is not None for layer in plan] == [False, True, False, True]
+    assert plan[1].rope == RopeConfig.from_hf(AutoConfig.for_model("bamba"))
+
+
+def test_recurrent_gemma_attention_blocks_are_windowed_and_rotate_half_the_head():
+    plan = model_rope(AutoConfig.for_model("recurrent_gemma", num_hidden_layers=6))
+    assert [layer.layer_type for layer in plan] == ["recurrent", "recurrent", "sliding_attention"] * 2
+    attention = plan[2]
+    assert attention.sliding_window == 2048 and plan[0].sliding_window is None
+    assert (attention.rope.head_dim, attention.rope.rotary_dim) == (256, 128)
+
+
+def test_zamba2_shared_attention_rotates_only_with_use_mem_rope():
+    hybrid = [i for i, t in enumerate(AutoConfig.for_model("zamba2").layers_block_type) if t == "hybrid"]
+    plan = model_rope(AutoConfig.for_model("zamba2", use_mem_rope=True))
+    assert [layer.index for layer in plan if layer.rope is not None] == hybrid
+    assert plan[hybrid[0]].rope.head_dim == AutoConfig.for_model("zamba2").attention_head_dim  # 2 * 2560 / 32
+    assert all(layer.rope is None for layer in model_rope(AutoConfig.for_model("zamba2")))
+
+
+def test_nemotron_h_attention_layers_apply_no_rope_and_its_block_list_sets_the_depth():
+    config = AutoConfig.for_model("nemotron_h")
+    plan = model_rope(config)
+    assert len(plan) == len(config.layers_block_type)
+    assert {layer.layer_type for layer in plan} >= {"mamba", "full_attention"}
+    assert all(layer.rope is None for layer in plan)
+
+
+@pytest.mark.parametrize("model_type", ["pixtral", "qwen2_5_vl_vision", "mimi", "gemma4_audio"])
+def test_vision_and_audio_towers_are_refused(model_type):
+    with pytest.raises(ValueError, match="vision or audio tower"):
+        model_rope(AutoConfig.for_model(model_type))
+
+
+# -- encoder-decoders: the plan is the decoder's self-attention layers --------------------------------------
+def test_t5gemma_plan_is_its_decoder_layers():
+    config = AutoConfig.for_model("t5gemma")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder.num_hidden_layers
+    assert [layer.layer_type for layer in plan] == list(config.decoder.layer_types)
+    assert plan[0].sliding_window == config.decoder.sliding_window
+
+
+def test_moonshine_decoder_rotates_interleaved_pairs_over_0_9_of_its_heads():
+    config = AutoConfig.for_model("moonshine")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder_num_hidden_layers
+    head = config.hidden_size // config.decoder_num_attention_heads  # 288 / 8
+    assert (plan[0].rope.head_dim, plan[0].rope.rotary_dim) == (head, int(head * 0.9) // 2 * 2)
+    assert plan[0].rope.interleaved  # its rotate_half pairs (2i, 2i + 1)
+
+
+def test_dia_plan_is_its_decoder_config():
+    config = AutoConfig.for_model("dia")
+    plan = model_rope(config)
+    assert len(plan) == config.decoder_config.num_hidden_layers
+    assert plan[0].rope.head_dim == config.decoder_config.head_dim
+
+
+def test_muse_layers_with_layer_rope_theta_zero_are_nope_and_the_others_rotate_with_rope_theta():
+    config = AutoConfig.for_model("muse_spark_text", num_hidden_layers=8)
+    plan = model_rope(config)
+    assert [layer.rope is None for layer in plan] == [t == 0 for t in config.layer_rope_theta]
+    assert [layer.index for layer in plan if layer.rope is None] == [3, 7]
+    assert {layer.rope.base for layer in plan if layer.rope is not None} == {500000.0}
+    d = hf_dict("muse_spark_text", num_hidden_layers=2, layer_types=None, layer_rope_theta=[1e4, -1])
+    with pytest.raises(ValueError, match="layer_rope_theta"):
+        model_rope(d)
+
+
+def test_zaya_hybrid_layers_rotate_with_their_layer_types_parameters():
+    d = hf_dict("zaya", num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"], sliding_window=64)
+    plan = model_rope(d)
+    assert [layer.rope.base for layer in plan] == [5e6, 1e4]
+    assert [layer.sliding_window for layer in plan] == [None, 64]
+
+
+def test_dory_released_layout_counts_attention_and_mlp_blocks():
+    config = AutoConfig.for_model("dory", num_hidden_layers=8, n_input_layers=2, n_output_layers=2)
+    released = config.to_dict()  # (attention, "mlp") per layer, num_hidden_layers doubled
+    assert len(released["layer_types"]) == 16 and released["num_hidden_layers"] == 16
+    plan = model_rope(released)
+    assert [layer.layer_type for layer in plan] == list(config.layer_types)
+    assert {layer.rope.base for layer in plan if layer.layer_type == "full_attention"} == {1e7}

@@ -156,3 +156,17 @@ def test_the_2026_presets_carry_their_facts():
     assert RopeConfig.preset("ministral-3-8b").attention_temperature(
         torch.tensor([16384])
     ).item() == pytest.approx(1 + 0.1 * math.log(2))
+
+
+def test_intern_s1_pro_preset_is_its_fope_basis_and_from_hf_refuses_fope():
+    from ropekit.presets import preset_kwargs
+
+    preset = get_preset("intern-s1-pro-fope-basis")
+    config = RopeConfig.preset("intern-s1-pro-fope-basis")
+    assert (config.head_dim, config.rotary_dim, config.base) == (128, 128, 5e6)
+    assert config.max_position_embeddings == 262144 and not config.interleaved
+    assert preset.part == "fope_basis" and preset_kwargs("intern-s1-pro-fope-basis")["head_dim"] == 128
+    # Its published rope_scaling makes vLLM build FourierRotaryEmbedding: a RopeConfig would be a silent
+    # plain rotation.
+    with pytest.raises(ValueError, match="FoPE"):
+        RopeConfig.from_hf(preset.config)

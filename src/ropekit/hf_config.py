@@ -36,6 +36,7 @@ from ropekit.schedules.yarn import telechat3_attention_factor
 from ropekit.validation import check_fraction, describe
 
 __all__ = [
+    "fope_basis_kwargs",
     "indexer_rope_kwargs",
     "layer_overrides",
     "layer_rope_kwargs",
@@ -57,7 +58,8 @@ INTERLEAVED_MODEL_TYPES = frozenset(
         "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
         "llama4", "llama4_text", "llama4_vision_model",
         # Found by proving ropekit.model_rope against each model's layers (tests/test_model_plan.py).
-        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter",
+        "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter", "moonshine",
+        "moonshine_streaming",
     }
 )  # fmt: skip
 # model_type values whose rotation ropekit's RopeConfig cannot describe: NanoChat's rotate_half flips the
@@ -203,7 +205,9 @@ def rope_layer_types(config: Any) -> list[str]:
 
 def _head_dim(d: Mapping[str, Any]) -> int:
     keys = ("head_dim",) if _model_type(d) == "deepseek_v4" else ("qk_rope_head_dim", "head_dim")
-    for key in (*keys, "kv_channels"):
+    # attention_head_dim: Zamba 2's attention heads (2 * hidden_size / heads wide; HF maps head_dim to it),
+    # where its kv_channels is hidden_size / heads
+    for key in (*keys, "attention_head_dim", "kv_channels"):
         if d.get(key) is not None:
             return d[key]
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
@@ -420,11 +424,24 @@ def rope_kwargs(config: Any, *, layer_type: str | None = None) -> dict[str, Any]
     return layer_rope_kwargs(d, layer_type, _type_overrides(d, layer_type))
 
 
+# Keys that make a RoPE FoPE (vLLM's InternS1-Pro model sets use_fope when any of the last three is not None).
+FOPE_KEYS = ("use_fope", "fope_init_factor", "fope_sep_head", "num_inv_freq")
+
+
 def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: Mapping[str, Any]) -> dict:
     """:func:`rope_kwargs` for one layer: the loaded config `d` with that layer's `overrides` (see
     :func:`layer_overrides`) and its entry of per-layer-type RoPE parameters."""
     d = {**d, **overrides}
     head_dim = _head_dim(d)
+    raw = [d[k] for k in ("rope_parameters", "rope_scaling") if isinstance(d.get(k), Mapping)]
+    fope = [k for r in raw for k in FOPE_KEYS if r.get(k) is not None and r.get(k) is not False]
+    if fope:
+        raise ValueError(
+            f"config['rope_parameters']: {fope} make this RoPE FoPE (Intern-S1-Pro; vLLM's "
+            "FourierRotaryEmbedding): learned per-head mixtures of the Fourier basis, not a rotation a "
+            "RopeConfig describes; use ropekit.compat.vllm_variants.FourierRotaryEmbedding (its frequency "
+            "basis is fope_basis_kwargs(config))"
+        )
     params = _rope_parameters(d, layer_type)
     base = params.pop("rope_theta")
     model_type = _model_type(d)
@@ -498,6 +515,17 @@ def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
             f"does not fit the {rope} features it rotates; ropekit will not guess which one is meant"
         )
     return rope
+
+
+def fope_basis_kwargs(config: Any) -> dict[str, Any]:
+    """RopeConfig keyword arguments for the frequency basis of a FoPE config: its RoPE with the FoPE keys
+    dropped (theta_i = base^(-2i / D) over the head, of which FoPE keeps the first num_inv_freq, or those
+    above 2 pi / max_position_embeddings, and mixes them with learned coefficients)."""
+    d = load_hf_config(config)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(d.get(key), Mapping):
+            d[key] = {k: v for k, v in d[key].items() if k not in FOPE_KEYS}
+    return rope_kwargs(d)
 
 
 def indexer_rope_kwargs(config: Any) -> dict[str, Any]:

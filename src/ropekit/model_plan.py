@@ -17,9 +17,16 @@ code reads:
 * temperatures: Llama 4's ``floor_scale`` / ``attn_scale`` on its NoPE layers (``attn_temperature_tuning``),
   Ministral 3 / Mistral 4's ``llama_4_scaling_beta`` on every layer (:mod:`ropekit.schedules.softmax`).
 
+* hybrids, from their own keys (Jamba's ``attn_layer_period`` / ``offset``, Bamba's ``attn_layer_indices``,
+  RecurrentGemma's ``block_types``, Zamba 2's and Nemotron-H's ``layers_block_type``, ZAYA's "hybrid" layers,
+  Muse's ``layer_rope_theta``): the layers that are not attention get type "mamba", "recurrent", "mlp" or
+  "moe" and no RoPE;
+* an encoder-decoder's decoder (``decoder`` / ``decoder_config``, Moonshine's ``decoder_*`` keys).
+
 Nested configs are unwrapped as :func:`ropekit.hf_config.load_hf_config` does (``text_config``,
-``thinker_config.text_config``). tests/test_model_rope.py proves each entry against the layer transformers
-builds from the same config.
+``thinker_config.text_config``). Vision and audio towers (:data:`NOT_TOKEN_STACKS`) are refused.
+tests/test_model_plan.py proves each entry against the layer transformers builds from the same config
+(tests/model_rope_proof.py).
 """
 
 from __future__ import annotations
@@ -56,20 +63,44 @@ SLIDING_ONLY_WITH_WINDOW = frozenset({"exaone4", "exaone4_5", "exaone_moe", "kol
 # Models whose layer layout is not read from the keys above: which layers attend, or rotate, comes from keys
 # model_rope does not interpret, so it refuses them rather than guess (RopeConfig.from_hf reads their RoPE).
 UNREAD_LAYOUTS = {
-    "jamba": "attn_layer_period / attn_layer_offset",
-    "bamba": "attn_layer_indices",
-    "zamba2": "hybrid_layer_ids and a shared attention block",
     "zamba": "a shared attention block",
-    "recurrent_gemma": "block_types",
+    # CLVP's encoders rotate max(projection_dim / (2 heads), 32) features of q, k and the values too
+    "clvp_encoder": "its rotary width from projection_dim, values rotated as well",
     "hrm": "its recurrence over layer stacks",
-    "zaya": "its hybrid blocks",
-    "dory": "its recurrent section",
-    "muse_glimmer": "layer_rope_theta",
-    "muse_spark": "layer_rope_theta",
 }
-# Models whose config names a sliding_window that transformers' modeling code never applies (Moshi's
-# decoder builds a plain causal mask).
-NO_WINDOW = frozenset({"moshi"})
+# Hybrids: which layers attend comes from their own keys (transformers' ``layers_block_type`` properties);
+# the other layers (Mamba, recurrent, MLP / MoE) get layer type "mamba", "recurrent", "mlp" or "moe" and no
+# RoPE. Jamba's and Nemotron-H's attention layers apply no RoPE (their modeling code defines
+# apply_rotary_pos_emb and never calls it); Zamba 2's shared attention rotates only with use_mem_rope.
+HYBRID_NOPE = frozenset({"jamba", "nemotron_h"})
+# transformers 5.24's model types whose RoPE rotates image patches, video or audio frames, keypoints or time
+# series patches (vision and audio towers, codecs, speech recognisers): their forward takes no token ids and
+# their positions are not a decoder's, so model_rope refuses them rather than give a plan no one proved (a
+# multimodal model's own config is read through its language model's text_config instead).
+NOT_TOKEN_STACKS = frozenset(
+    {
+        "cohere_compass_vision", "cosmos3_edge_vision", "exaone4_5_vision", "gemma3n_audio", "gemma3n_vision",
+        "gemma4_audio", "gemma4_vision", "glm4v_moe_vision", "glm4v_vision", "glm_image_vision",
+        "glm_image_vqmodel", "glm_ocr_vision", "glmasr_encoder", "granite_docling_vision",
+        "hunyuan_vl_vision", "hy_v4_vl_vision", "lasr_ctc", "lasr_encoder", "lightglue", "mimi",
+        "mimi_decoder", "mimi_encoder",
+        "muse_glimmer_assistant", "muse_glimmer_vision", "muse_spark_audio", "muse_spark_vision",
+        "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_audio",
+        "nemotron3_5_transcribe_word_timestamp", "nemotron3_diarization", "nemotron3_diarization_audio",
+        "nemotron_asr_streaming", "nemotron_asr_streaming_encoder", "neucodec", "parakeet_ctc",
+        "parakeet_encoder", "parakeet_rnnt", "parakeet_tdt", "pe_audio_encoder",
+        "pe_audio_video_encoder", "pe_video_encoder", "pixtral", "pocket_tts_audio_tokenizer",
+        "pocket_tts_audio_tokenizer_decoder", "pocket_tts_audio_tokenizer_encoder", "qwen2_5_vl_vision",
+        "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_vl_moe_vision", "qwen3_vl_vision", "qwen4_exp_vision",
+        "timesfm2_5", "voxtral_realtime_encoder", "xcodec2", "dinov3_vit", "sapiens2", "efficientloftr",
+    }
+)  # fmt: skip
+# Models whose config names a sliding_window that transformers' modeling code never applies (Moshi's and
+# Kyutai speech-to-text's decoders build a plain causal mask and keep the window unused).
+NO_WINDOW = frozenset({"moshi", "kyutai_speech_to_text"})
+# ZAYA's layer types: attention beside its CCA mixer, full or sliding-window (their rope_parameters are keyed
+# by these names).
+ZAYA_TYPES = ("hybrid", "hybrid_sliding")
 # Models whose attention_chunk_size chunks their "chunked_attention" layers (Llama 4).
 CHUNKED = "chunked_attention"
 SLIDING = "sliding_attention"
@@ -126,14 +157,20 @@ def model_rope(config: Any) -> list[LayerRope]:
         >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
         ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
     """
-    d = load_hf_config(config)
+    d = _dory_layers(_decoder(load_hf_config(config)))
+    if d.get("model_type") in NOT_TOKEN_STACKS:
+        raise ValueError(
+            f"config['model_type']: {d['model_type']!r} is a vision or audio tower (its RoPE rotates "
+            "patches, frames or keypoints, not a decoder's token positions); model_rope reads language "
+            "models (pass the multimodal model's config: its text_config is read)"
+        )
     if _model_type(d) in UNREAD_LAYOUTS:
         raise ValueError(
             f"config['model_type']: model_rope does not read which layers of a {d['model_type']!r} model "
             f"attend or rotate ({UNREAD_LAYOUTS[_model_type(d)]}); RopeConfig.from_hf reads its RoPE"
         )
     count = _layer_count(d)
-    types = _per_layer_list(d, "layer_types", count)
+    types = _layer_types(d, count)
     uses_rope = _uses_rope(d, count)
     llama4 = _model_type(d) == "llama4" and d.get("attn_temperature_tuning", True)
     layers, built = [], {}
@@ -162,11 +199,47 @@ def model_rope(config: Any) -> list[LayerRope]:
     return layers
 
 
+def _decoder(d: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder config's decoder: its ``decoder`` / ``decoder_config`` sub-config (T5Gemma,
+    T5Gemma 2, Dia) merged over the outer keys, or Moonshine's ``decoder_*`` keys. The plan describes the
+    decoder's self-attention layers (their cross-attention applies no RoPE)."""
+    if not d.get("is_encoder_decoder"):
+        return d
+    for key in ("decoder", "decoder_config"):
+        inner = d.get(key)
+        if isinstance(inner, Mapping):
+            outer = {k: v for k, v in d.items() if k not in ("encoder", "encoder_config", key)}
+            return {**outer, **inner}
+    prefixed = {k.removeprefix("decoder_"): v for k, v in d.items() if k.startswith("decoder_")}
+    if (
+        "num_hidden_layers" in prefixed
+    ):  # Moonshine: decoder_num_hidden_layers, decoder_num_attention_heads, ...
+        return {**d, **prefixed}
+    return d
+
+
+def _dory_layers(d: dict[str, Any]) -> dict[str, Any]:
+    """Dory's released config.json lists an "mlp" block after each attention block and counts both in
+    num_hidden_layers; DoryConfig takes every other entry and half the count, and so does the plan."""
+    types = d.get("layer_types")
+    if _model_type(d) != "dory" or not isinstance(types, (list, tuple)) or "mlp" not in types:
+        return d
+    count = d.get("num_hidden_layers")
+    return {
+        **d,
+        "layer_types": list(types)[::2],
+        "num_hidden_layers": count // 2 if isinstance(count, int) else count,
+    }
+
+
 def _model_type(d: Mapping[str, Any]) -> str:
     return str(d.get("model_type") or "").removesuffix("_text")
 
 
 def _layer_count(d: Mapping[str, Any]) -> int:
+    blocks = d.get("layers_block_type")
+    if _model_type(d) == "nemotron_h" and isinstance(blocks, (list, tuple)) and blocks:
+        return len(blocks)  # NemotronHConfig: its length overrides num_hidden_layers
     count = next((d[k] for k in LAYER_COUNT_KEYS if d.get(k) is not None), None)
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         raise ValueError(
@@ -187,8 +260,52 @@ def _per_layer_list(d: Mapping[str, Any], key: str, count: int) -> list | None:
     return list(value)
 
 
+def _layer_types(d: Mapping[str, Any], count: int) -> list | None:
+    """Per layer, its type: ``layer_types``, or for hybrids what their own keys say (as transformers 5.24's
+    config properties derive it)."""
+    model_type = _model_type(d)
+    if model_type == "jamba":  # JambaConfig.layers_block_type
+        period, offset = d.get("attn_layer_period", 8), d.get("attn_layer_offset", 4)
+        for key, value in (("attn_layer_period", period), ("attn_layer_offset", offset)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"config[{key!r}]: expected a non-negative integer, got {describe(value)}")
+        return ["full_attention" if i % period == offset else "mamba" for i in range(count)]
+    if model_type == "bamba":  # BambaConfig.layers_block_type
+        indices = d.get("attn_layer_indices") or []
+        if not isinstance(indices, (list, tuple)) or not all(isinstance(i, int) for i in indices):
+            raise ValueError(
+                f"config['attn_layer_indices']: expected a list of layer indices, got {describe(indices)}"
+            )
+        return ["full_attention" if i in indices else "mamba" for i in range(count)]
+    if model_type == "recurrent_gemma":  # RecurrentGemmaConfig.layers_block_type: block_types repeated
+        blocks = d.get("block_types") or ["recurrent", "recurrent", "attention"]
+        if not isinstance(blocks, (list, tuple)) or not set(blocks) <= {"recurrent", "attention"}:
+            raise ValueError(
+                f"config['block_types']: expected a list of 'recurrent' / 'attention', got {describe(blocks)}"
+            )
+        return [SLIDING if blocks[i % len(blocks)] == "attention" else "recurrent" for i in range(count)]
+    if model_type in ("zamba2", "nemotron_h") and d.get("layer_types") is None:
+        types = _per_layer_list(d, "layers_block_type", count)
+        # transformers' names: "linear_attention" is a Mamba-2 mixer, "hybrid" Zamba 2's shared attention
+        # block before one
+        names = {"linear_attention": "mamba", "hybrid": "hybrid_attention"}
+        return None if types is None else [names.get(t, t) for t in types]
+    return _per_layer_list(d, "layer_types", count)
+
+
 def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
-    """Per layer, whether it rotates: no_rope_layers[i] == 1 means layer i uses RoPE (Llama 4, SmolLM3)."""
+    """Per layer, whether it rotates: no_rope_layers[i] == 1 means layer i uses RoPE (Llama 4, SmolLM3);
+    layer_rope_theta[i] == 0 means layer i is NoPE (Muse Glimmer / Spark: their decoder passes no position
+    embeddings there; the other layers all rotate with rope_parameters' theta, whatever value they list)."""
+    thetas = d.get("layer_rope_theta")
+    if thetas is not None:
+        thetas = _per_layer_list(d, "layer_rope_theta", count)
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 for t in thetas):
+            raise ValueError(
+                "config['layer_rope_theta']: expected a non-negative number per layer (0: NoPE), "
+                f"got {thetas!r}"
+            )
+        return [t != 0 for t in thetas]
     flags = d.get("no_rope_layers")
     interval = d.get("no_rope_layer_interval")
     if flags is None or (not flags and _model_type(d) == "llama4"):
@@ -207,14 +324,18 @@ def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
 def _rotates(d: Mapping[str, Any], layer_type: str | None) -> bool:
     """False for the layers of a type the model's attention leaves without RoPE."""
     model_type = _model_type(d)
+    if model_type in HYBRID_NOPE or (model_type == "zamba2" and not d.get("use_mem_rope")):
+        return False
     if model_type in SLIDING_ONLY or (model_type in SLIDING_ONLY_WITH_WINDOW and d.get("sliding_window")):
         return layer_type == SLIDING
     return True
 
 
 def _is_attention(layer_type: str | None) -> bool:
-    return layer_type is None or (
-        "attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION)
+    return (
+        layer_type is None
+        or layer_type in ZAYA_TYPES
+        or ("attention" in layer_type and not any(layer_type.startswith(n) for n in NON_ATTENTION))
     )
 
 
@@ -254,15 +375,17 @@ def _has_typed_bases(d: Mapping[str, Any]) -> bool:
 
 
 def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
-    if _model_type(d) in NO_WINDOW:
+    if d.get("model_type") in NO_WINDOW:
         return None
     window = d.get("sliding_window")
+    if _model_type(d) == "recurrent_gemma":  # its attribute_map: sliding_window -> attention_window_size
+        window = d.get("attention_window_size", window)
     if _model_type(d) == "modernbert" and d.get("local_attention") is not None:
         # Bidirectional: a query sees local_attention // 2 keys each side; HF passes half the window + 1.
         window = d["local_attention"] // 2 + 1
     if window is None or d.get("use_sliding_window") is False:
         return None
-    if layer_type is None or layer_type == SLIDING or _model_type(d) == "deepseek_v4":
+    if layer_type in (None, SLIDING, ZAYA_TYPES[1]) or _model_type(d) == "deepseek_v4":
         return int(window)
     return None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ropekit.hf_config import indexer_rope_kwargs, rope_kwargs
+from ropekit.hf_config import fope_basis_kwargs, indexer_rope_kwargs, rope_kwargs
 
 __all__ = ["PRESETS", "Preset", "get_preset", "preset_kwargs"]
 
@@ -27,7 +27,9 @@ class Preset:
         config: the config.json keys that decide RoPE, as published.
         note: anything a user should know (documented settings that are not in config.json, quirks).
         part: which RoPE of the model the preset describes: "" for its attention, "indexer" for
-            DeepSeek-V3.2's lightning indexer (read with :func:`ropekit.hf_config.indexer_rope_kwargs`).
+            DeepSeek-V3.2's lightning indexer (read with :func:`ropekit.hf_config.indexer_rope_kwargs`),
+            "fope_basis" for the frequency basis of a FoPE model (Intern-S1-Pro; read with
+            :func:`ropekit.hf_config.fope_basis_kwargs`: the learned mixtures are the checkpoint's).
         layer_type: for models whose layers differ (Gemma 4, DeepSeek-V4), which layers' RoPE the preset
             describes; ``ropekit.model_rope(preset.config)`` gives every layer's.
     """
@@ -551,6 +553,44 @@ _ENTRIES += [
     ),
 ]
 
+# Intern-S1-Pro (transformers 5.24 has no model type for it; vLLM serves it as interns1_pro): the text
+# config of internlm/Intern-S1-Pro's published config.json, as copied in the public repository
+# muyaostudio/intern-s1-pro-vs-qwen3-235b-a22b (checkpoints/Intern-S1-Pro/config.json). vLLM's
+# vllm/model_executor/models/interns1_pro.py turns its rope_scaling into rope_parameters with use_fope True
+# (any FoPE key not None) and num_key_value_heads 4, served by FourierRotaryEmbedding.
+_INTERN_S1_PRO = {
+    "model_type": "interns1_pro",
+    "text_config": {
+        "model_type": "interns1_pro_text",
+        "head_dim": 128,
+        "hidden_size": 4096,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 94,
+        "max_position_embeddings": 262144,
+        "rope_scaling": {
+            "rope_type": "default",
+            "fope_init_factor": 0.5,
+            "fope_sep_head": True,
+            "num_inv_freq": None,
+        },
+        "rope_theta": 5000000,
+    },
+}
+_ENTRIES.append(
+    Preset(
+        "intern-s1-pro-fope-basis",
+        "internlm/Intern-S1-Pro",
+        _hub("internlm/Intern-S1-Pro") + " (text_config; FoPE per vLLM's interns1_pro.py)",
+        _INTERN_S1_PRO,
+        note="FoPE, not a rotation: the RopeConfig is its Fourier basis (theta 5e6 over 128-wide heads; "
+        "num_inv_freq null keeps the frequencies above 2 pi / 262144). Each of the 4 key-value heads mixes "
+        "it with learned (F, F) cos / sin coefficients from the checkpoint: "
+        "ropekit.compat.vllm_variants.FourierRotaryEmbedding. RopeConfig.from_hf refuses the config.",
+        part="fope_basis",
+    )
+)
+
 PRESETS: dict[str, Preset] = {p.name: p for p in _ENTRIES}
 
 
@@ -570,4 +610,6 @@ def preset_kwargs(name: str) -> dict[str, Any]:
     preset = get_preset(name)
     if preset.part == "indexer":
         return indexer_rope_kwargs(preset.config)
+    if preset.part == "fope_basis":
+        return fope_basis_kwargs(preset.config)
     return rope_kwargs(preset.config, layer_type=preset.layer_type or None)

@@ -119,3 +119,9 @@ def test_patched_rotation_functions_raise_while_checked():
             original(
                 torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.ones(1, 2, 4), torch.zeros(1, 2, 4)
             )
+
+
+def test_tiny_per_layer_lists_of_lists_are_cut_like_the_others():
+    # Moonshine Streaming's per-layer entries are lists themselves (they were unhashable here)
+    assert hf_coverage._fit_layer_list([[1, 2], [3], [1, 2], [3]], 4, 2) == [[1, 2], [3]]
+    assert hf_coverage._fit_layer_list([[1], [1], [1]], 3, 2) == [[1], [1]]

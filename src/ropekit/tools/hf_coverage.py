@@ -206,7 +206,7 @@ def _fit_sections(sections: list[int], half: int) -> list[int]:
 
 def _fit_layer_list(values: list, old_layers: int, new_layers: int) -> list:
     """A per-layer list cut to new_layers while keeping every kind it had (sliding and full, ...)."""
-    kinds = list(dict.fromkeys(values))
+    kinds = list({repr(v): v for v in values}.values())  # entries may be lists (Moonshine Streaming's)
     if len(kinds) >= new_layers:
         return kinds[:new_layers]
     return [kinds[i % len(kinds)] for i in range(new_layers)] if len(kinds) > 1 else values[:new_layers]
