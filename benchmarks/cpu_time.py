@@ -42,6 +42,7 @@ TARGETS = [
     ("prefill-4k", "out of place", "clone", 1.1),
     ("prefill-4k", "in place", "copy_", 0.7),
     ("decode-1", "RotaryEmbedding", "out of place", 1.15),
+    ("decode", "RotaryEmbedding", "out of place", 1.15),  # issue 25: per-sequence offsets too
     ("decode-1", "compat.vllm", "in place", 1.1),
     # issue 25: each serving fusion against the unfused sequence it replaces (ropekit.tools.bench_fused)
     ("decode-1", "fused rope+cache", "unfused rope+cache", 0.6),
