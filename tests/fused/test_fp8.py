@@ -121,3 +121,30 @@ def test_a_meta_table_is_a_value_error_naming_it():
     meta_scale = torch.ones((), device="meta")  # a meta scale: no value to divide by either
     with pytest.raises(ValueError, match=r"^k_scale: expected a tensor with values.* got a meta tensor"):
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=meta_scale)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_the_c_conversion_equals_torchs_cast_at_every_exponent_and_rounding_boundary(fp8_dtype):
+    """The C loop's float32 -> FP8 rounding (issue 25 rewrote it: one float addition rounds onto the FP8 grid)
+    against torch's ``clamp(-max, max).to(fp8)``, for every float32 whose low 16 bits are 0, 1, 0x7fff,
+    0x8000, 0x8001 or 0xffff: every sign and exponent (subnormals, the saturating range, inf, NaN), and every
+    FP8 tie (a float32 with the bits below the FP8 mantissa's half-step clear) with its neighbours on each
+    side. Cast-only nope parts with a scale of 1 put the values through the C rounding unchanged."""
+    high = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = (high[:, None] | low[None, :]).reshape(-1)  # (393216,)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    values = bits.view(torch.float32).reshape(-1, 1, 512)  # (tokens, 1 head, 512): the nope width of MLA
+    tokens = values.shape[0]
+    cos, sin = tables(8)
+    q, k = torch.zeros(tokens, 1, 8), torch.zeros(tokens, 1, 8)
+    outs = ropekit.apply_rotary_qk_fp8(
+        q, k, cos, sin, q_scale=1.0, k_scale=1.0, fp8_dtype=fp8_dtype, q_nope=values, k_nope=values.flip(0),
+        positions=torch.zeros(tokens, dtype=torch.int64), backend="cpu",
+    )  # fmt: skip
+    fmax = torch.finfo(fp8_dtype).max
+    for got, x in ((outs[2], values), (outs[3], values.flip(0))):
+        want = x.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+        nan = x.isnan()  # torch's NaN bytes are its own; the contract's are 0x7f with the sign
+        assert torch.equal(got.view(torch.uint8)[~nan], want[~nan])
+        assert torch.equal(got.view(torch.uint8)[nan] & 0x7F, torch.full_like(want[nan], 0x7F))
