@@ -99,16 +99,14 @@ def spy_cpu_kernel(monkeypatch) -> dict[str, int]:
     import ropekit.backends.cpu as cpu
 
     seen: dict[str, int] = {}
-    original = cpu._function
 
-    def function(dtype):
-        entry = original(dtype)
-
+    def spy(entry):
         def call(*args):
             seen.update(q=args[0], q_out=args[1], k=args[2], cos=args[4], sin=args[5])
             return entry(*args)
 
         return call
 
-    monkeypatch.setattr(cpu, "_function", function)
+    functions = cpu._LIBRARY.require()
+    monkeypatch.setattr(cpu._LIBRARY, "functions", {dtype: spy(entry) for dtype, entry in functions.items()})
     return seen

@@ -6,11 +6,9 @@ a full pass over memory; inductor in-place was ~7x. This loop makes one pass: fo
 chunk) it reads the cos/sin row once, rotates each head into a stack scratch, and writes it back, which keeps
 the in-place case vectorised (no possible aliasing between the loads and the stores).
 
-The source is plain C (no torch headers), so building it takes about a second; the shared library is cached in
-``$ROPEKIT_CACHE_DIR`` (default ``~/.cache/ropekit``, mode 0700, refused if another user could write to it)
-under a hash of the source, the flags, the compiler's identity and the CPU; a file lock makes concurrent
-processes build once. No compiler, a failed or timed-out build, or an unsafe cache makes this backend
-unavailable with a logged reason, and ``backend="auto"`` falls back to the torch backend.
+The library is built at first use by :mod:`ropekit.backends.c_build` (a private, file-locked cache keyed on
+the source, flags, compiler and CPU). No compiler, a failed or timed-out build, or an unsafe cache makes this
+backend unavailable with a logged reason, and ``backend="auto"`` falls back to the torch backend.
 
 Supported: float32, float16 and bfloat16 storage (math in float32). float64 stays on the torch backend, whose
 math is float64.
@@ -18,77 +16,15 @@ math is float64.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
 import struct
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
+from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
 
-__all__ = ["CpuBackend", "build_library", "launch"]
-
-log = logging.getLogger("ropekit.backends")
-
-# -ffp-contract=off: no fused multiply-adds, so the float32 math rounds after each product and sum exactly
-# as the torch backend's separate ops do; with the round-to-nearest-even stores, fp16/bf16/fp32 outputs then
-# equal the torch backend's bit for bit (tests/backends/test_cpu.py). The loop is memory-bound: FMA buys
-# nothing.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-# Below this many elements (256 KB of float32, near PyTorch's elementwise grain) one thread does the work.
-# On an idle 2-core machine two threads speed up a Llama-3-8B decode step (64 tokens, 1.3 MB): out of place
-# 262 -> 127 us, in place 117 -> 95 us, mostly by sharing the page faults of the fresh outputs. On a machine
-# oversubscribed by other jobs a woken OpenMP thread can wait milliseconds for a core (seen: 9-12 ms for the
-# same step); there, as for PyTorch's own ops, use torch.set_num_threads(1) (docs/benchmarks.md).
-PARALLEL_THRESHOLD = 1 << 16
-
-# What every C kernel of ropekit shares: bf16 loads and round-to-nearest-even stores (the rounding contract of
-# docs/safety.md), fp16 through _Float16, float32 as is, the 8-float vector type, and ROPEKIT_MAX_HALF: every
-# scratch row on a C stack has a size fixed at compile time (never one sized by the input), and each loop
-# checks the input's width against it before it writes anything.
-C_PRELUDE = (
-    f"#define ROPEKIT_MAX_HALF {MAX_HALF}\n"
-    + r"""
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t bf16_store(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-typedef float v8f __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
-#define F32_LOAD(v) (v)
-#define F32_STORE(v) (v)
-#define F16_LOAD(v) ((float)(v))
-#define F16_STORE(v) ((_Float16)(v))
-/* -1 if every token's table row (pos[token], or offset + its index in the sequence when pos is NULL) lies
-   in [0, table_len), else the first token whose row does not: each loop checks before it writes anything. */
-static inline int64_t first_bad_row(const int64_t *pos, int64_t tokens, int64_t offset, int64_t seq,
-                                    int64_t table_len) {
-    if (pos) {
-        for (int64_t token = 0; token < tokens; ++token)
-            if (pos[token] < 0 || pos[token] >= table_len) return token;
-    } else if (tokens > 0 && (offset < 0 || offset > table_len - seq)) {
-        return offset < 0 ? 0 : table_len - offset > 0 ? table_len - offset : 0;
-    }
-    return -1;
-}
-"""
-)
+__all__ = ["CpuBackend", "launch"]
 
 _SOURCE = (
     C_PRELUDE
@@ -221,7 +157,7 @@ _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat
 # q, q_out, k, k_out, cos, sin, positions, the integer arguments that depend on shapes and flags alone packed
 # into one int64 array (a ctypes call converts each argument separately, so 24 integers as one pointer save
 # microseconds per decode step, and a launch plan keeps the bytes), then the offset and the thread count.
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2
+_ARGTYPES = (ctypes.c_void_p,) * 8 + (ctypes.c_int64,) * 2
 # strides {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}, batch, seq, q_heads, k_heads,
 # half, tail, cos_stride, sin_stride, table_len, interleaved, conjugate, copy_tail, per_seq.
 # copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
@@ -229,170 +165,14 @@ _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2
 _INT_ARGS = struct.Struct("25q")
 
 
-# The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
-# instead of blocking the first rotary call forever. A normal build takes about a second.
-BUILD_TIMEOUT_S = 120.0
-
-
-def _cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ropekit"
-    return Path(os.environ.get("ROPEKIT_CACHE_DIR", default))
-
-
-def _check_private(path: Path) -> None:
-    """Refuse a cache entry another user could have written: ``ctypes.CDLL`` runs the code it loads.
-
-    The owner must be this user and neither group nor others may write to it (as for ``~/.ssh``).
-
-    Raises:
-        RuntimeError: naming the path, its owner or mode, and the fix.
-    """
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise RuntimeError(
-            f"refusing the kernel cache {str(path)!r}: it is owned by uid {info.st_uid}, not by this user "
-            f"(uid {os.getuid()}); set ROPEKIT_CACHE_DIR to a directory of your own"
-        )
-    if info.st_mode & 0o022:
-        raise RuntimeError(
-            f"refusing the kernel cache {str(path)!r}: mode {info.st_mode & 0o777:o} lets group or others "
-            f"write to it (chmod go-w {str(path)!r}, or set ROPEKIT_CACHE_DIR to a private directory)"
-        )
-
-
-def _private_dir(directory: Path) -> Path:
-    """Create the cache directory with mode 0700 (parents as the umask says) and check that it is private."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(directory)
-    return directory
-
-
-def _cpu_signature() -> str:
-    """The CPU's flags: -march=native code built on one CPU may not run on another sharing the cache."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _compiler_identity(path: str, timeout: float) -> str:
-    """The compiler's resolved path and ``--version`` banner: upgrading gcc must not reuse old builds."""
-    try:
-        result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout)
-        banner = result.stdout.strip() or result.stderr.strip()
-    except (OSError, subprocess.TimeoutExpired) as err:
-        banner = f"unknown ({type(err).__name__})"
-    return f"{os.path.realpath(path)}\n{banner}"
-
-
-def _cache_key(path: str, timeout: float = BUILD_TIMEOUT_S, source: str = _SOURCE) -> str:
-    """Hash of everything the built library depends on: source, flags, compiler identity and CPU."""
-    parts = [source, *FLAGS, _compiler_identity(path, timeout), _cpu_signature()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on the cache directory, so concurrent first calls build once.
-
-    Without fcntl (Windows) or on a file system without locks there is no lock; the atomic rename still keeps
-    every reader safe, and the worst case is a build per process.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    fd = os.open(directory / "build.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks (some NFS mounts): build unlocked
-            log.debug("ropekit: no lock on %s (%s); concurrent processes may each build", directory, err)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def build_library(
-    compiler: str | None = None,
-    cache_dir: Path | None = None,
-    *,
-    timeout: float = BUILD_TIMEOUT_S,
-    source: str = _SOURCE,
-    stem: str = "rotary_cpu",
-) -> ctypes.CDLL:
-    """Compile (or load from the cache) a C source, by default the rotary loop; returns the loaded library.
-
-    Other kernels (the fused serving loops) pass their own ``source`` and ``stem`` and set their entry
-    points' argtypes themselves; they share the cache, its checks and the build lock.
-
-    The cache directory (``$ROPEKIT_CACHE_DIR``, default ``~/.cache/ropekit``) is created with mode 0700
-    and must belong to this user and be writable by no one else, as must a cached library, because loading
-    a library runs its code. Concurrent processes take a file lock, so the first one builds and the rest
-    load its result.
-
-    Args:
-        compiler: the C compiler; defaults to ``$CC``, else ``cc``.
-        cache_dir: where built libraries are kept; defaults to the directory above.
-        timeout: seconds the compiler may run before the build counts as failed.
-        source, stem: the C source and the file-name stem of its cached library.
-
-    Raises:
-        RuntimeError: if no compiler is found, the build fails or times out, or the cache directory or a
-            cached library is not private to this user; the message says which and why.
-    """
-    compiler = compiler or os.environ.get("CC") or "cc"
-    path = shutil.which(compiler)
-    if path is None:
-        raise RuntimeError(f"no C compiler found (looked for {compiler!r}; install gcc or set CC)")
-    directory = _private_dir(Path(cache_dir) if cache_dir is not None else _cache_dir())
-    target = directory / f"{stem}_{_cache_key(path, timeout, source)}.so"
-    with _build_lock(directory):
-        if not target.exists():
-            _compile(path, target, timeout, source)
-    _check_private(target)
-    lib = ctypes.CDLL(str(target))
-    if source is not _SOURCE:
-        return lib
-    for entry in _ENTRY.values():
-        getattr(lib, entry).argtypes = _ARGTYPES
-        getattr(lib, entry).restype = ctypes.c_int64
-    return lib
-
-
-def _compile(path: str, target: Path, timeout: float, source: str) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "kernel.c"
-        src.write_text(source)
-        built = Path(tmp) / target.name
-        cmd = [path, *FLAGS, str(src), "-o", str(built)]
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"building the CPU kernel with {path} timed out after {timeout:g} s") from None
-        if result.returncode != 0:
-            err = result.stderr.strip()[-500:]
-            raise RuntimeError(f"building the CPU kernel with {path} failed: {err}")
-        os.chmod(built, 0o700)
-        os.replace(built, target)  # atomic: a reader never sees half a file
-
-
-_library: ctypes.CDLL | None = None
-_build_error: str | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    """The process-wide library, built once; None (with the reason logged once) if it cannot be built."""
-    global _library, _build_error
-    if _library is None and _build_error is None:
-        try:
-            _library = build_library()
-        except (RuntimeError, OSError) as err:
-            _build_error = str(err)
-            log.warning("ropekit: CPU fast path unavailable, using the torch backend: %s", _build_error)
-    return _library
+_LIBRARY = CLibrary(
+    stem="rotary_cpu",
+    source=_SOURCE,
+    entries=_ENTRY,
+    argtypes=_ARGTYPES,
+    refusal="backend: 'cpu' cannot serve these inputs",
+    description="the CPU fast path",
+)
 
 
 def _assume_constant_result(fn):
@@ -410,22 +190,10 @@ def _build_failure() -> str | None:
     torch.compile runs this eagerly and keeps the answer as a constant: building reads files and runs a
     compiler, which it cannot trace, so a first call under compile would otherwise break the graph.
     """
-    return None if _load() is not None else str(_build_error)
+    return _LIBRARY.load()
 
 
 _NO_K = (0, 0, 0)
-_functions: dict[torch.dtype, Callable[..., int]] = {}  # storage dtype -> the loaded C entry point
-
-
-def _function(dtype: torch.dtype) -> Callable[..., int]:
-    if not _functions:
-        lib = _load()
-        if lib is None:
-            raise ValueError(
-                f"backend: 'cpu' cannot serve these inputs: the C kernel could not be built: {_build_error}"
-            )
-        _functions.update({d: getattr(lib, entry) for d, entry in _ENTRY.items()})
-    return _functions[dtype]
 
 
 def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
@@ -442,7 +210,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     if positions is None:
         check_offset_rows(offset, q.shape[0], q.shape[1], table_len)
     int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate)
-    bad = _function(q.dtype)(
+    bad = (_LIBRARY.functions or _LIBRARY.require())[q.dtype](
         q.data_ptr(),
         q_out.data_ptr(),
         k.data_ptr() if k is not None else None,
@@ -483,7 +251,7 @@ def pointer_launch(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: b
     be None; rows: one offset per batch row with per_sequence, else None for offset + arange(seq)) returns
     the loop's code: -1 done, else a row outside the table, nothing written. The caller keeps the kernel
     wall: every tensor it points at is laid out as these."""
-    function = _function(q.dtype)
+    function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
     int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
     parallel = _threads(q, k) > 1
 
@@ -510,10 +278,7 @@ class CpuBackend(KernelBackend):
             return f"dtype {q.dtype} is not supported (float32, float16, bfloat16; float64 uses torch)"
         if cos.shape[-1] > MAX_HALF:
             return f"rotary_dim {2 * cos.shape[-1]} is wider than the kernel serves ({2 * MAX_HALF})"
-        error = _build_failure()
-        if error is not None:
-            return f"the C kernel could not be built: {error}"
-        return None
+        return _build_failure()
 
     def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a

@@ -10,7 +10,7 @@ FP8 stores follow the rounding contract of :func:`ropekit.apply_rotary_qk_fp8` b
 rotation r (each product and sum rounded, no FMA: ``-ffp-contract=off``), then the float32 quotient
 ``r / scale`` (a division, never a multiplication by a reciprocal), clamped to the format's largest finite
 value (NaN stays NaN), then rounded to nearest even into the format's bits in integer arithmetic. Built with
-:func:`ropekit.backends.cpu.build_library` (shared cache, checks and lock).
+:mod:`ropekit.backends.c_build` (shared cache, checks and lock).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
+from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.fused_launch import MAX_WIDTH, FusedLaunch, check_bounds, check_launch, slot_error
 from ropekit.backends.kernel_op import row_error
 
@@ -237,36 +237,19 @@ _POINTERS = struct.Struct("13Q")
 _OFF = _CHANNEL.pack(*[0] * 15)
 _BAD_WIDTH = -(1 << 63)  # INT64_MIN: the C loop's answer for a width past its bounds
 
-_functions: dict[torch.dtype, ctypes._CFuncPtr] = {}
-_build_error: list[str] = []
-
-
-def _function(dtype: torch.dtype):
-    if not _functions:
-        if _build_error:
-            raise ValueError(f"backend: 'cpu' cannot serve the fused op: {_build_error[0]}")
-        try:
-            lib = build_library(source=_SOURCE, stem="fused_cpu")
-        except (RuntimeError, OSError) as err:
-            _build_error.append(f"the C kernel could not be built: {err}")
-            raise ValueError(f"backend: 'cpu' cannot serve the fused op: {_build_error[0]}") from None
-        for d, entry in _ENTRY.items():
-            fn = getattr(lib, entry)
-            fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-            fn.restype = ctypes.c_int64
-            _functions[d] = fn
-    return _functions[dtype]
+_LIBRARY = CLibrary(
+    stem="fused_cpu",
+    source=_SOURCE,
+    entries=_ENTRY,
+    argtypes=(ctypes.c_char_p, ctypes.c_char_p),
+    refusal="backend: 'cpu' cannot serve the fused op",
+    description="the fused C loop",
+)
 
 
 def unavailable_reason() -> str | None:
-    """None when the fused C loop is (or can be) built, else why not."""
-    if _functions:
-        return None
-    try:
-        _function(torch.float32)
-    except ValueError as err:
-        return str(err)
-    return None
+    """None once the fused C loop is loaded (it is built now if need be), else why it could not be built."""
+    return None if _LIBRARY.functions else _LIBRARY.load()  # per call: one attribute read once loaded
 
 
 def _channel_ints(ch, num_slots_holder: list[int]) -> tuple[bytes, tuple[int, int, int]]:
@@ -325,7 +308,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         0 if plan.slots is None or not num_slots else plan.slots.data_ptr(),  # unused: no by-slot channel
         *(ptr for c in chans for ptr in c[1]),
     )
-    bad = _function(plan.dtype)(pointers, ints)
+    bad = (_LIBRARY.functions or _LIBRARY.require())[plan.dtype](pointers, ints)
     if bad == _BAD_WIDTH:  # check_bounds ran first: reached only if the two bounds ever disagree
         raise ValueError(f"a head wider than the C loop's scratch row ({MAX_WIDTH} floats): nothing written")
     if bad >= 0:
@@ -345,7 +328,7 @@ def plan(like: FusedLaunch):
     positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0 where
     absent), laid out exactly as ``like``'s tensors (same shapes and strides).
     """
-    function = _function(like.dtype)
+    function = (_LIBRARY.functions or _LIBRARY.require())[like.dtype]
     table_len, half = like.cos.shape
     num_slots: list[int] = []
     channels = b"".join(_channel_ints(ch, num_slots)[0] for ch in like.channels)

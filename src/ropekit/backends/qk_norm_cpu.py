@@ -5,7 +5,7 @@ multiplied by their weight, rounded to the storage dtype where Hugging Face roun
 cos/sin row and written back; v is never touched. The unfused sequence (an RMSNorm, then a rotation) reads
 and writes q and k twice.
 
-Built with :func:`ropekit.backends.cpu.build_library` (the same flags: no FMA contraction, nearest-even
+Built by :mod:`ropekit.backends.c_build` (the same flags: no FMA contraction, nearest-even
 rounding stores), so the rotation of a given normalised value is bit for bit the torch backend's. The sum of
 squares runs in eight float32 lanes (a fixed order, so results do not depend on threads); its rounding differs
 from ``torch.mean`` by an ulp or so of float32.
@@ -14,18 +14,15 @@ from ``torch.mean`` by an ulp or so of float32.
 from __future__ import annotations
 
 import ctypes
-import logging
 import struct
 from typing import NamedTuple
 
 import torch
 
-from ropekit.backends.cpu import C_PRELUDE, PARALLEL_THRESHOLD, build_library
+from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.kernel_op import row_error
 
 __all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "plan", "unavailable_reason"]
-
-log = logging.getLogger("ropekit.backends")
 
 
 class NormSpec(NamedTuple):
@@ -201,29 +198,18 @@ _ENTRY = {torch.float32: "qk_norm_rotary_f32", torch.float16: "qk_norm_rotary_f1
           torch.bfloat16: "qk_norm_rotary_bf16"}  # fmt: skip
 SUPPORTED_DTYPES = tuple(_ENTRY)
 # qkv, wq, wk, cos, sin, positions, the integer arguments (one int64 array) and the two floats (doubles).
-_ARGTYPES = [ctypes.c_void_p] * 8
+_ARGTYPES = (ctypes.c_void_p,) * 8
 _INT_ARGS = struct.Struct("16q")
 _FLOAT_ARGS = struct.Struct("2d")
 
-_functions: dict[torch.dtype, object] = {}
-_build_error: str | None = None
-
-
-def build_failure() -> str | None:
-    """None once the library is loaded, else why it could not be built (built once per process)."""
-    global _build_error
-    if not _functions and _build_error is None:
-        try:
-            lib = build_library(source=_SOURCE, stem="qk_norm_cpu")
-        except (RuntimeError, OSError) as err:
-            _build_error = str(err)
-            log.warning("ropekit: the QK-norm C loop is unavailable, using torch: %s", _build_error)
-            return _build_error
-        for dtype, entry in _ENTRY.items():
-            fn = getattr(lib, entry)
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int64
-            _functions[dtype] = fn
-    return _build_error
+_LIBRARY = CLibrary(
+    stem="qk_norm_cpu",
+    source=_SOURCE,
+    entries=_ENTRY,
+    argtypes=_ARGTYPES,
+    refusal="backend: 'cpu' cannot serve these inputs",
+    description="the QK-norm C loop",
+)
 
 
 def unavailable_reason(spec: NormSpec) -> str | None:
@@ -232,8 +218,7 @@ def unavailable_reason(spec: NormSpec) -> str | None:
         return f"head_dim {spec.head_dim} is wider than the C loop serves ({MAX_HEAD_DIM})"
     if max(spec.q_heads, spec.k_heads) * spec.head_dim > MAX_PART_FEATURES:
         return f"q or k rows of more than {MAX_PART_FEATURES} features are wider than the C loop serves"
-    error = build_failure()
-    return None if error is None else f"the C kernel could not be built: {error}"
+    return None if _LIBRARY.functions else _LIBRARY.load()  # per call: one attribute read once loaded
 
 
 def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec) -> None:
@@ -252,11 +237,7 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec)
     Raises:
         ValueError: a table row outside the table (nothing is written), or the C loop cannot be built.
     """
-    error = build_failure()
-    if error is not None:
-        raise ValueError(
-            f"backend: 'cpu' cannot serve these inputs: the C kernel could not be built: {error}"
-        )
+    function = (_LIBRARY.functions or _LIBRARY.require())[qkv.dtype]
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
     work = batch * seq * (spec.q_heads + spec.k_heads) * spec.head_dim
@@ -266,7 +247,7 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec)
         spec.cast_before_weight, torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
     )  # fmt: skip
     floats = _FLOAT_ARGS.pack(spec.eps, spec.weight_offset)
-    bad = _functions[qkv.dtype](
+    bad = function(
         qkv.data_ptr(),
         q_weight.data_ptr(),
         k_weight.data_ptr(),
@@ -294,7 +275,7 @@ def plan(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: NormSpec
     ints (positions None: rows offset + arange(seq)): -1 done, else the token whose table row is outside the
     table, with nothing written.
     """
-    function = _functions[qkv.dtype]
+    function = (_LIBRARY.functions or _LIBRARY.require())[qkv.dtype]
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
     parallel = batch * seq * (spec.q_heads + spec.k_heads) * spec.head_dim >= PARALLEL_THRESHOLD

@@ -206,10 +206,9 @@ def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from ropekit.backends.cpu import _cache_dir as ropekit_cache
-    from ropekit.backends.cpu import _private_dir
+    from ropekit.backends.c_build import default_cache_dir, private_dir
 
-    return _private_dir(ropekit_cache() / "triton-aot")
+    return private_dir(default_cache_dir() / "triton-aot")
 
 
 def _cuobjdump() -> str:
