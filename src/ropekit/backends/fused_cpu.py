@@ -39,11 +39,6 @@ _SOURCE = (
    the code is the binade's first code plus that count (a carry into the next binade included). Equal to
    the integer rounding it replaced for all 2^32 inputs of both formats (checked exhaustively), at half the
    instructions. */
-#if defined(__GNUC__) && !defined(__clang__)
-/* 512-bit vectors where the CPU has them (GCC's default on Intel is 256): the FP8 stores are compute-bound
-   at prefill (measured: prefill-4k FP8 ~13% faster, one thread). */
-#pragma GCC target("prefer-vector-width=512")
-#endif
 #define INLINE static inline __attribute__((always_inline))
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
 INLINE uint32_t NAME(float v) { \
@@ -62,8 +57,8 @@ INLINE uint32_t NAME(float v) { \
 }
 DEFINE_FP8(fp8_e4m3, 0x43e00000u, 0x3c800000u, 20, 968u) /* 448; 2^-6; code of 2^E is ((E+7) << 3) */
 DEFINE_FP8(fp8_e5m2, 0x47600000u, 0x38800000u, 21, 452u) /* 57344; 2^-14; code of 2^E is ((E+15) << 2) */
-/* o[j] = FP8 bits of x[j] / scale for j < n, in one pass (with 512-bit vectors the narrowing is one
-   instruction; measured as fast as forming 32-bit lanes first and narrowing in a second loop). */
+/* o[j] = FP8 bits of x[j] / scale for j < n, in one pass (measured as fast as forming 32-bit lanes first and
+   narrowing in a second loop; the 512-bit variant of the loops, below, narrows in one instruction). */
 INLINE void fp8_row(const float *x, uint8_t *o, int64_t n, float scale, int kind) {
     if (kind == 1)
         for (int64_t j = 0; j < n; ++j) o[j] = (uint8_t)fp8_e4m3(x[j] / scale);
@@ -224,9 +219,41 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     return -1; \
 }
 
-DEFINE_FUSED(fused_f32, float, F32_LOAD, F32_STORE)
-DEFINE_FUSED(fused_f16, _Float16, F16_LOAD, F16_STORE)
-DEFINE_FUSED(fused_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_FUSED(fused_f32_narrow, float, F32_LOAD, F32_STORE)
+DEFINE_FUSED(fused_f16_narrow, _Float16, F16_LOAD, F16_STORE)
+DEFINE_FUSED(fused_bf16_narrow, uint16_t, bf16_load, bf16_store)
+#if defined(__GNUC__) && !defined(__clang__)
+/* The same loops with 512-bit vectors where the CPU has them (GCC's default on Intel is 256), run only for
+   FP8 stores of at least WIDE_ELEMENTS: prefill FP8 is compute-bound, ~13% faster so. Not for every call:
+   after 512-bit arithmetic the core runs slower for a while (the AVX-512 frequency licence), and with
+   every call wide, decode steps of the whole process measured ~15% slower (rope + cache decode-1 10.6 ->
+   12.7 us). */
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=512")
+DEFINE_FUSED(fused_f32_wide, float, F32_LOAD, F32_STORE)
+DEFINE_FUSED(fused_f16_wide, _Float16, F16_LOAD, F16_STORE)
+DEFINE_FUSED(fused_bf16_wide, uint16_t, bf16_load, bf16_store)
+#pragma GCC pop_options
+#define WIDE_ELEMENTS ((int64_t)1 << 22)
+static int wide(const int64_t *a) {
+    int64_t fp8 = 0;
+    for (int ch = 0; ch < 3; ++ch) {
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS;
+        if (ca[ON] && ca[KIND]) fp8 += ca[HEADS] * ca[WIDTH];
+    }
+    return fp8 * a[0] * a[1] >= WIDE_ELEMENTS;
+}
+#define DEFINE_ENTRY(NAME) \
+int64_t NAME(const uint64_t *p, const int64_t *a) { \
+    return wide(a) ? NAME##_wide(p, a) : NAME##_narrow(p, a); \
+}
+#else
+#define DEFINE_ENTRY(NAME) \
+int64_t NAME(const uint64_t *p, const int64_t *a) { return NAME##_narrow(p, a); }
+#endif
+DEFINE_ENTRY(fused_f32)
+DEFINE_ENTRY(fused_f16)
+DEFINE_ENTRY(fused_bf16)
 """
 )
 
