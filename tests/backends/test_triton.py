@@ -51,3 +51,32 @@ def test_triton_reports_unsupported_dtype_and_auto_refuses_the_interpreter(monke
     assert backend.unavailable_reason(x, cos) is None
     assert "float64" in backend.unavailable_reason(x.double(), cos)
     assert "interpreter" in backend.auto_skip_reason(x, cos)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiles need Triton's JIT"
+)
+@pytest.mark.parametrize(
+    "module", ["triton_kernel", "fused_triton", "qk_norm_triton_kernel"], ids=["rotary", "fused", "qk_norm"]
+)
+def test_compiled_kernels_fail_a_bad_row_with_a_predicated_trap_not_an_assert_kernel(module):
+    """Issue 25: a launch checks its rows without a torch._assert_async launch: the compiled kernel itself
+    traps (one predicated instruction) when a row (or slot) is out of range, and calls no assert routine."""
+    pytest.importorskip("triton")
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod = importlib.import_module(f"ropekit.backends.{module}")
+    kernel, signature, constexprs, num_warps = next(iter(mod.aot_specializations()))
+    assert constexprs["TRAP_BAD_ROWS"] is True
+    compiled = triton.compile(
+        ASTSource(kernel, {k: v.split(":")[0] for k, v in signature.items()}, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, **mod.COMPILE_OPTIONS},
+    )
+    ptx = compiled.asm["ptx"]
+    assert "@%p trap;" in ptx and "__assertfail" not in ptx
+    assert ptx.count("trap;") == (2 if constexprs.get("HAS_SLOTS") else 1)  # rows (and slots)

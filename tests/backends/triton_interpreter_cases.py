@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
+from rotary_cases import (
+    MODES,
+    assert_matches_reference,
+    check_gradients,
+    check_matches_reference,
+    check_single_tensor,
+    tables,
+)
 
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends.triton import interpreter_enabled
+from rotary_reference import reference_tables
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_triton.py)")
 
@@ -104,11 +112,12 @@ def test_triton_ops_reject_what_the_kernel_cannot_serve():
 
 
 def test_triton_device_side_row_check_never_reads_past_the_table_and_fails(monkeypatch):
-    """The CUDA path, run on the interpreter: rows are checked in the kernel (clamped, flag cleared) and the
-    flag is asserted with torch._assert_async, which on a CPU tensor fails at once."""
+    """The kernel's own row check, reached with the host check off: bad rows are clamped (read row 0), the
+    interpreter's kernel clears the flag, and the launcher raises when the kernel returns (compiled, the
+    kernel traps: triton_kernel.flag_bad)."""
     from ropekit.backends import triton as triton_backend
 
-    monkeypatch.setattr(triton_backend, "_rows_on_host", lambda positions: False)
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
     cos, sin = tables(8)
     q = torch.randn(1, 3, 2, 12)
     before = q.clone()
@@ -174,7 +183,156 @@ def test_triton_launch_passes_the_kernel_config_and_the_explicit_compile_options
     apply_rotary_qk(torch.randn(1, 3, 2, 20).bfloat16(), torch.randn(1, 3, 1, 20).bfloat16(), cos, sin,
                     offsets=1, backend="triton")  # fmt: skip
     constexprs, warps = triton_kernel.kernel_config(
-        "bf16", 4, 12, interleaved=False, conjugate=False, has_pos=False, copy_tail=True, interpret=True
+        "bf16", 4, 12, interleaved=False, conjugate=False, rows=0, copy_tail=True, interpret=True
     )
     assert seen == {**constexprs, "num_warps": warps, **triton_kernel.COMPILE_OPTIONS}
     assert seen["enable_fp_fusion"] is False and seen["ROUND_BF16_IN_INTEGERS"] is True
+    assert seen["TRAP_BAD_ROWS"] is False  # the interpreter cannot trap: its flag is read on the host
+
+
+def _decode_inputs(batch=3, seq=1, q_heads=4, k_heads=2, head_dim=16, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, q_heads, head_dim, generator=g)  # (batch, seq, heads, head_dim)
+    k = torch.randn(batch, seq, k_heads, head_dim, generator=g)
+    return q, k
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_per_sequence_offsets_are_planned_and_read_in_the_kernel(monkeypatch, inplace, interleaved):
+    """Decode steps with per-sequence offsets: the first is checked, the next ones run the plan, which hands
+    the offsets tensor to the kernel (no positions tensor: resolve never runs); every step matches the
+    reference, with each token's row offsets[b] + t."""
+    from ropekit import functional
+    from ropekit.backends import clear_backend_cache
+
+    clear_backend_cache()
+    cos, sin = tables(16)
+    q, k = _decode_inputs(seq=2)
+    for step, offsets in enumerate(([3, 40, 7], [4, 41, 8], [5, 42, 9])):
+        off = torch.tensor(offsets)
+        if step:
+            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
+        q_in, k_in = q.clone(), k.clone()
+        out_q, out_k = apply_rotary_qk(
+            q_in, k_in, cos, sin, offsets=off, interleaved=interleaved, inplace=inplace, backend="triton"
+        )
+        want = off[:, None] + torch.arange(2)  # (batch, seq)
+        assert_matches_reference(out_q, q, cos, sin, want.numpy(), interleaved=interleaved)
+        assert_matches_reference(out_k, k, cos, sin, want.numpy(), interleaved=interleaved)
+        assert (out_q.data_ptr() == q_in.data_ptr()) is inplace
+
+
+def test_triton_planned_per_sequence_offsets_keep_the_checked_paths_errors():
+    """An offset whose rows leave the table is refused on the host before the planned launch, which falls
+    through to the checked path and its messages; nothing is written."""
+    cos, sin = tables(16)  # 64 rows
+    q, k = _decode_inputs(batch=2, seq=3)
+    apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([1, 2]), inplace=True, backend="triton")  # plans
+    before = q.clone()
+    with pytest.raises(ValueError, match=r"offsets: expected values >= 0, got a minimum of -1"):
+        apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, -1]), inplace=True, backend="triton")
+    with pytest.raises(ValueError, match=r"position 64 is past the cos/sin table"):
+        apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([3, 62]), inplace=True, backend="triton")
+    assert torch.equal(q, before)
+
+
+def test_triton_kernel_checks_per_sequence_offset_rows_itself(monkeypatch):
+    """With the host check off, the kernel's own check: a batch row whose offset runs past the table is
+    clamped to row 0 (the identity: nothing read past the table) and the launch fails; the good row
+    rotates."""
+    from ropekit.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = tables(16)
+    q, _ = _decode_inputs(batch=2, seq=2)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        triton_backend.launch(q, None, out, None, cos, sin, None, torch.tensor([5, 63]), False, False)
+    want = apply_rotary(q[:1], cos, sin, offsets=5, backend="torch")
+    torch.testing.assert_close(out[:1], want, rtol=0, atol=0)
+    torch.testing.assert_close(out[1, 1], q[1, 1], rtol=0, atol=0)  # row 64: clamped to row 0, the identity
+    # and the flag is ready for the next launch
+    triton_backend.launch(q, None, out, None, cos, sin, None, torch.tensor([5, 6]), False, False)
+
+
+def test_triton_per_sequence_decode_step_takes_no_more_ropekit_calls_than_an_int_offset_one():
+    """Issue 25: under the interpreter, a steady decode step with per-sequence offsets (the plan, the kernel
+    reading the offsets) is no more Python calls inside ropekit than one with an int offset (59 against 20
+    before: the per-sequence step built a positions tensor through the checked path every call)."""
+    from call_count import ropekit_calls
+
+    cos, sin = tables(16)
+    q, k = _decode_inputs(batch=4, seq=1)
+    offsets = torch.tensor([3, 9, 17, 30])
+    counts = {}
+    for form, off in (("int", 9), ("per_sequence", offsets)):
+
+        def step(off=off):
+            return apply_rotary_qk(q, k, cos, sin, offsets=off, inplace=True, backend="triton")
+
+        step()  # the first call is checked in full and plans the next
+        calls = ropekit_calls(step)
+        assert "resolve" not in calls and "check_x" not in calls, calls
+        counts[form] = len(calls)
+    assert counts["per_sequence"] <= counts["int"], counts
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_prefill_tiles_tokens_and_heads_and_matches_reference(interleaved, dtype):
+    """A prefill (PREFILL_TOKENS tokens or more) runs BLOCK_T tokens a program on a (token blocks, head
+    blocks) grid; a token count that is not a multiple of BLOCK_T leaves a ragged last block."""
+    from ropekit.backends.triton_kernel import PREFILL_TOKENS, grid, kernel_config
+
+    seq = PREFILL_TOKENS + 3
+    cos, sin = reference_tables(8, seq + 5)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, seq, 3, 12, generator=g).to(dtype)
+    k = torch.randn(1, seq, 1, 12, generator=g).to(dtype)
+    constexprs, _ = kernel_config("bf16", 4, 4, interleaved=False, conjugate=False, rows=0, copy_tail=True,
+                                  prefill=True)  # fmt: skip
+    assert constexprs["BLOCK_T"] > 1
+    assert grid(seq, 3, 1, constexprs)[0] == -(-seq // constexprs["BLOCK_T"])
+    out_q, out_k = apply_rotary_qk(q, k, cos, sin, offsets=2, interleaved=interleaved, backend="triton")
+    want = (torch.arange(seq) + 2)[None, :].numpy()
+    assert_matches_reference(out_q, q, cos, sin, want, interleaved=interleaved)
+    assert_matches_reference(out_k, k, cos, sin, want, interleaved=interleaved)
+
+
+def test_triton_launch_queues_no_assert_kernel(monkeypatch):
+    """Issue 25: the row check is the kernel's own (a trap compiled, the flag under the interpreter); no
+    torch._assert_async launch follows the kernel (it did after every launch before)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch._assert_async was called")
+
+    monkeypatch.setattr(torch, "_assert_async", refuse)
+    cos, sin = tables(8)
+    q, k = _decode_inputs(batch=2, seq=3, head_dim=12)
+    pos = torch.tensor([[0, 5, 9], [1, 2, 63]])
+    out_q, _ = apply_rotary_qk(q, k, cos, sin, positions=pos, backend="triton")
+    assert_matches_reference(out_q, q, cos, sin, pos.numpy(), interleaved=False)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_triton_serves_compat_vllm_in_place_through_the_per_sequence_plan(is_neox):
+    """compat.vllm rotates each token as a sequence of its own, its position the sequence's offset: with the
+    Triton backend the steady step now takes the per-sequence plan (no positions resolved) and matches the
+    torch backend."""
+    from call_count import ropekit_calls
+    from ropekit.compat.vllm import rotary_embedding
+
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, k_heads, head_size = 5, 4, 2, 16
+    cache = torch.randn(64, head_size, generator=g)  # (max_position, rotary_dim): [cos | sin]
+    for _ in range(3):
+        pos = torch.randint(0, 64, (tokens,), generator=g)
+        q = torch.randn(tokens, heads * head_size, generator=g)
+        k = torch.randn(tokens, k_heads * head_size, generator=g)
+        want_q, want_k = q.clone(), k.clone()
+        rotary_embedding(pos, want_q, want_k, head_size, cache, is_neox, backend="torch")
+        rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton")
+        torch.testing.assert_close((q, k), (want_q, want_k))
+    calls = ropekit_calls(lambda: rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton"))
+    assert "resolve" not in calls and "run" in calls, calls

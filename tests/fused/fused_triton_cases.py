@@ -75,3 +75,30 @@ def test_triton_duplicate_slots_are_refused():
 
 def test_triton_wide_heads_are_refused_and_auto_serves_them():
     check_wide_heads("triton")
+
+
+@pytest.mark.parametrize("bad", ["row", "slot"])
+def test_triton_kernel_fails_a_launch_with_a_row_or_slot_out_of_range_itself(monkeypatch, bad):
+    """With the host check off, the fused kernel's own check: a table row past the table (clamped to row 0)
+    or a slot past the cache (its writes skipped) fails the launch with no separate assert kernel (under the
+    interpreter the launcher raises when the kernel returns; compiled, the kernel traps); the other token's
+    slot is written, and nothing is written past the cache."""
+    from ropekit.backends import fused_triton
+    from ropekit.backends import triton as triton_backend
+    from ropekit.backends.fused_launch import Channel, FusedLaunch
+    from rotary_reference import reference_tables
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = reference_tables(8, 16)
+    k = torch.randn(1, 2, 1, 8)  # (batch, seq, heads, head_dim)
+    cache = torch.zeros(1, 4, 1, 8)  # (pages, page_size, heads, head_dim): 4 slots
+    positions = torch.tensor([3, 16 if bad == "row" else 4])
+    slots = torch.tensor([1, 4 if bad == "slot" else 2])
+    channel = Channel(src=k, dst=cache, rotate=True, by_slot=True)
+    launch = FusedLaunch(1, 2, cos, sin, positions, 0, slots, False, False, (None, channel, None))
+    with pytest.raises(RuntimeError, match="outside the cos/sin table or a slot outside the cache"):
+        fused_triton.launch(launch, checked=True)
+    assert cache[0, 1].abs().sum() > 0  # the good token was written
+    if bad == "slot":
+        assert cache[0, 2:].abs().sum() == 0  # the bad slot wrote nothing (and nothing went past the cache)
+    fused_triton.launch(launch._replace(positions=torch.tensor([3, 4]), slots=torch.tensor([1, 2])))

@@ -46,3 +46,22 @@ def test_triton_gradients_equal_the_unfused_compositions(form):
 
 def test_triton_bad_row_writes_nothing():
     check_bad_row_writes_nothing("triton")
+
+
+def test_triton_kernel_fails_a_launch_with_a_row_outside_the_table_itself(monkeypatch):
+    """With the host check off, the QK-norm kernel's own check: a row past the table reads row 0 instead and
+    fails the launch (the interpreter's launcher raises when the kernel returns; compiled, the kernel
+    traps)."""
+    from ropekit.backends import qk_norm_triton
+    from ropekit.backends import triton as triton_backend
+    from ropekit.backends.qk_norm_cpu import NormSpec
+    from rotary_reference import reference_tables
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = reference_tables(8, 16)
+    spec = NormSpec(2, 1, 8, 1e-6, 0.0, False, True, False)
+    qkv = torch.randn(1, 2, 4 * 8)  # (batch, seq, (q_heads + 2 * k_heads) * head_dim)
+    weight = torch.ones(8)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        qk_norm_triton.launch(qkv, weight, weight, cos, sin, torch.tensor([2, 16]), 0, spec)
+    qk_norm_triton.launch(qkv, weight, weight, cos, sin, torch.tensor([2, 15]), 0, spec)  # the flag was reset

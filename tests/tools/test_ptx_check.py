@@ -27,7 +27,9 @@ PLANTS = {
     # The hardware conversion, rounding toward zero.
     "round-toward-zero store": [(ROUND, 'value.to(ptr.dtype.element_ty, fp_downcast_rounding="rtz")')],
     # Lanes swapped in pairs: the addresses are no longer contiguous, so the load is split into scalars.
-    "scalar load": [("a = tl.load(x_row + pair[None, :]", "a = tl.load(x_row + (pair ^ 1)[None, :]")],
+    "scalar load": [
+        ("a = tl.load(x_row + pair[None, None, :]", "a = tl.load(x_row + (pair ^ 1)[None, None, :]")
+    ],
 }
 EXPECTED = {
     "untouched": set(),
@@ -67,7 +69,8 @@ def test_a_planted_defect_in_a_copy_of_the_kernel_is_flagged(plant, tmp_path, mo
         if dict(s.signature)["q_ptr"] == "*bf16:16"
         and dict(s.constexprs)["HALF"] == 64
         and not dict(s.constexprs)["INTERLEAVED"]
-        and not dict(s.constexprs)["HAS_POS"]
+        and dict(s.constexprs)["ROWS"] == 0
+        and dict(s.constexprs)["BLOCK_T"] == 1
     )
     result = triton_aot.compile_and_check(spec, 90, fn=module.rotary_kernel)
     assert {f.split(":")[0] for f in result.findings} == EXPECTED[plant], result.findings
@@ -132,7 +135,7 @@ def test_a_head_that_is_not_16_byte_aligned_is_reported_as_narrower_not_passed(t
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     constexprs, warps = triton_kernel.kernel_config(
-        "bf16", 36, 0, interleaved=False, conjugate=False, has_pos=False, copy_tail=False
+        "bf16", 36, 0, interleaved=False, conjugate=False, rows=0, copy_tail=False
     )
     signature = triton_kernel.signature("bf16", 72, 36, constexprs)
     assert signature["q_stride_h"] == "i32"  # 72 is not a multiple of 16: the JIT gives no hint

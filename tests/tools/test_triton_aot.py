@@ -1,11 +1,12 @@
 """Every Triton kernel in ropekit, compiled ahead of time for sm_80, sm_90 and sm_100 on this CPU machine, and
 its machine code checked (ropekit.tools.ptx_check): no spills, registers within budget, 128-bit q/k accesses,
-round-to-nearest-even 16-bit stores, no FMA.
+round-to-nearest-even 16-bit stores, no FMA; the fused kernel's channels 128-bit too.
 
 Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
-constexpr value, every pair of axis values together: 83 compiles of the 2,916, about 25 s of CPU cold).
-``make proofs`` (``-m proof``) compiles every specialization for every target: 972 x 3 = 2,916 compiles at
-about 0.26 s of CPU each, 12-13 CPU-minutes cold.
+constexpr value, every pair of axis values together: 107 compiles of the 4,608 (rotary 30, fused 63, QK-norm
+14), about 2 minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
+specialization for every target: 1,536 x 3 = 4,608 compiles (the rotary kernel's row forms and prefill grid
+tripled its 288 specializations to 852, issue 25) at about 0.26-0.5 s of CPU each.
 
 Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
 the spec, the target and the checks' source); a warm run reads them back. One test per (module, arch) or
@@ -58,16 +59,40 @@ def test_the_rotary_kernel_specializations_cover_each_axis_the_launcher_chooses(
     constexprs = [dict(s.constexprs) for s in specs]
     dtypes = {dict(s.signature)["q_ptr"] for s in specs}
     assert dtypes == {"*fp32:16", "*fp16:16", "*bf16:16"}
-    for flag in ("INTERLEAVED", "CONJUGATE", "HAS_POS", "COPY_TAIL"):
+    for flag in ("INTERLEAVED", "CONJUGATE", "COPY_TAIL"):
         assert {c[flag] for c in constexprs} == {False, True}, flag
+    assert {c["ROWS"] for c in constexprs} == {0, 1, 2}  # int offset, positions, per-sequence offsets
+    assert {c["BLOCK_T"] == 1 for c in constexprs} == {False, True}  # decode and prefill grids
+    assert all(c["TRAP_BAD_ROWS"] for c in constexprs)  # compiled code traps on a bad row
     assert {2 * c["HALF"] + c["TAIL"] for c in constexprs} == {64, 80, 128, 256}
     assert any(c["TAIL"] > 0 and not c["COPY_TAIL"] for c in constexprs)  # partial rotary in place
     assert not any(c["ROUND_BF16_IN_INTEGERS"] for c in constexprs)  # the interpreter's workaround only
-    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 288
+    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 852
 
 
 def _specs_for(dtype: str):
     return [s for s in triton_aot.specs(KERNEL) if dict(s.signature)["q_ptr"].startswith(f"*{dtype}")]
+
+
+FUSED = "ropekit.backends.fused_triton"
+QK_NORM = "ropekit.backends.qk_norm_triton_kernel"
+
+
+def _assert_fused_vectorised(r) -> None:
+    """Issue 25: every channel the fused kernel runs reads its source (in place: its destination) and writes
+    its destination with 128-bit accesses; an FP8 destination with 64-bit ones (8 bytes a thread)."""
+    c = dict(r.spec.constexprs)
+    signature = dict(r.spec.signature)
+    assert r.budget == 80
+    for ch in "qkv":
+        if not c[f"{ch.upper()}_ON"]:
+            continue
+        reads = f"{ch}_dst" if c[f"{ch.upper()}_IN_PLACE"] else f"{ch}_src"
+        assert r.vector_bits[reads] == [128], (r.spec.label, r.vector_bits)
+        if signature[f"{ch}_dst"].startswith("*u8"):
+            assert f"{ch}_dst" not in r.vector_bits  # FP8 bytes: not held to 128 bits
+        else:
+            assert r.vector_bits[f"{ch}_dst"] == [128], (r.spec.label, r.vector_bits)
 
 
 def _assert_clean(results) -> None:
@@ -77,6 +102,10 @@ def _assert_clean(results) -> None:
     assert not failed, "\n".join(failed[:20])
     for r in results:
         assert r.local_bytes == 0 and 0 < r.registers <= r.budget
+        if r.spec.module == FUSED:
+            _assert_fused_vectorised(r)
+        if r.spec.module == QK_NORM:  # issue 25: qkv read and written 128 bits at a time
+            assert r.budget == 80 and r.vector_bits == {"qkv_ptr": [128]}, (r.spec.label, r.vector_bits)
         if r.spec.module != KERNEL:
             continue
         dtype = dict(r.spec.signature)["q_ptr"].split(":")[0].lstrip("*")

@@ -15,7 +15,8 @@ The q channel, the k channel (into the key cache) and the v channel (copied into
 ``apply_rotary_qk_and_cache`` are three channels; FP8 quantisation is two rotating channels with FP8
 destinations; the shift is one in-place rotating channel. :func:`check_launch` is the kernel wall: the
 kernels trust what it checked (shapes, strides, dtypes, devices), and check the values themselves (table
-rows and slots: the C loop on the host before any write, Triton on the device with a flag).
+rows and slots: the C loop on the host before any write, Triton on the device, clamped, with a trap that
+fails the launch).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ does; the quotient ``r / scale`` is ``div_rn`` (a plain ``/`` compiles to an app
 and every launch passes :data:`COMPILE_OPTIONS` (``enable_fp_fusion=False``), so the rotation's products and
 sums round separately (no FMA), which the FP8 rounding contract needs bit for bit.
 
-Values are checked without a host sync: a table row or slot outside its range clears a flag (asserted on the
-device by the launcher), the row is clamped into the table and the slot's writes are skipped.
+Values are checked without a host sync: a table row or slot outside its range is clamped into the table (the
+slot's writes skipped) and fails the launch (:func:`ropekit.backends.triton_kernel.flag_bad`: compiled, the
+kernel traps; under the interpreter the launcher raises when the kernel returns).
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run the interpreter.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, _token_row
+from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, flag_bad
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -36,30 +37,46 @@ __all__ = [
 # enable_fp_fusion: no a * c - b * s contracted into an FMA: the FP8 rounding contract and the C loop's
 #   results bit for bit need the products and the sum rounded separately.
 # maxnreg: see OCCUPANCY_TARGET.
-COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 72}
-# 7 blocks of 4 warps an SM (896 of 2,048 threads, 44% occupancy): 72 registers a thread. Full occupancy
-# allows 32, but a thread holds the token's cos/sin run (kept across the three channels), a tile's a and b
-# halves and their rotated values, 64-bit addresses from the three channels' int64 strides, and the FP8
-# paths' correctly rounded division (div.rn) and integer rounding: with MAX_BLOCK_ELEMENTS = 256 ptxas
-# allocates 23-71 under this cap, no spills (56-122 with the 4,096-element tiles it had; up to 96 and
-# spills at 512), and capped at 64 it spills 8 bytes in FP8 specializations on sm_100. The kernel is
-# memory-bound (each element is read once and written once, a few float operations apiece): it needs bytes
-# in flight rather than warps, and 28 resident warps an SM, each with its tile's loads outstanding, keep the
-# memory system busy. maxnreg makes the cap a compile option; the AOT check holds every specialization to
-# ropekit.tools.ptx_check.register_budget(4, OCCUPANCY_TARGET) = 72 and to no spills.
-OCCUPANCY_TARGET = 0.4375
-# No pointer is held to 128-bit loads and stores, and this is a known gap, not a property: the signatures
-# below do not claim 16-byte alignment, and a tile gives each thread 2 elements of a run. Compiled with
-# 16-byte-aligned signatures (as the JIT specializes torch's allocations), a sample of the fp16
-# specializations (512-element tiles, sm_90) moved 16-64 bits an access: interleaved pairs are stride-2
-# 16-bit loads, the other runs 32-64 bits. 128-bit accesses need triton_kernel's layout (one 16-byte vector
-# of each run a thread, the interleaved run loaded whole and split in registers) within the register cap.
-VECTORISED_ARGS: tuple[str, ...] = ()
+COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 80}
+# 6 blocks of 4 warps an SM (768 of 2,048 threads, 37.5% occupancy): 80 registers a thread. Full occupancy
+# allows 32, but a thread holds the token's cos/sin run (kept across the three channels), one 16-byte vector
+# of each run of a tile (8 fp16 / bf16 values: 16 float32 for a pair's two halves) and their rotated values,
+# 64-bit addresses from the three channels' int64 strides, and the FP8 paths' correctly rounded division
+# (div.rn) and integer rounding: ptxas allocates up to 78 under this cap with no spills (capped at 72, an
+# FP8 fp16 specialization spills 24 bytes on sm_100). The kernel is memory-bound (each element is read once
+# and written once, a few float operations apiece): it needs bytes in flight rather than warps, and 24
+# resident warps an SM with 32 bytes of loads outstanding a thread (24 KB an SM) keep the memory system busy.
+# maxnreg makes the cap a compile option; the AOT check holds every specialization to
+# ropekit.tools.ptx_check.register_budget(4, OCCUPANCY_TARGET) = 80 and to no spills.
+OCCUPANCY_TARGET = 0.375
+# The pointers whose global loads and stores must be 128-bit when they are 16-byte aligned: each thread holds
+# one 16-byte vector of a tile (channel_constexprs), the interleaved run loaded whole and split in registers.
+# An FP8 destination stores 8 bytes a thread (64-bit): vectorised_args leaves it out of a specialization.
+VECTORISED_ARGS = tuple(f"{c}_{part}" for c in ("q", "k", "v") for part in ("src", "dst"))
 
 CHANNELS = ("q", "k", "v")
-# Elements of one tile of heads (BLOCK_H x the widest run of a head): with 4 warps, 2 elements of each tile a
-# thread, which keeps the FP8 paths within the register cap (see OCCUPANCY_TARGET).
-MAX_BLOCK_ELEMENTS = 256
+NUM_WARPS = 4
+# Bytes of one vectorised global load or store: a tile gives each thread one such vector of the source.
+VECTOR_BYTES = 16
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@triton.jit
+def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr, TRAP: tl.constexpr):
+    """One token a program (this kernel's grid and the QK-norm kernel's): this program's token, its batch row
+    b and index t in the sequence, and its table row: ``positions[token]`` (HAS_POS) or ``offset + t``. A
+    row outside [0, table_len) reads row 0 instead and fails the launch (``triton_kernel.flag_bad``): no
+    kernel reads outside the table, and none returns a result."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    t = token % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + token)
+    else:
+        pos = offset + t
+    bad = (pos < 0) | (pos >= table_len)
+    flag_bad(bad, flag_ptr, TRAP)
+    return token, b, t, tl.where(bad, 0, pos)
 
 
 @triton.jit
@@ -124,6 +141,7 @@ def _channel(
     BLOCK_HALF: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    TAIL_CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROTATE: tl.constexpr,
     KIND: tl.constexpr,
@@ -132,7 +150,12 @@ def _channel(
     INTERLEAVED: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
 ):
-    """One channel's heads of one token: rotate (ROTATE) and store at dst's slot (see fused_launch)."""
+    """One channel's heads of one token: rotate (ROTATE) and store at dst's slot (see fused_launch).
+
+    A tile is BLOCK_H heads by one contiguous run: each thread holds one 16-byte vector of the source
+    (channel_constexprs sizes it). The half layout reads its two halves as two runs; the interleaved layout
+    reads the rotary part as one run and splits even and odd lanes in registers (a stride-2 load would not
+    vectorise); the tail is copied in runs of TAIL_CHUNK columns."""
     dst = dst_ptr + (slot // page_size) * dst_sp + (slot % page_size) * dst_si
     if IN_PLACE:  # the shift: the source is the destination
         src = dst
@@ -140,46 +163,50 @@ def _channel(
     else:
         src = src_ptr + b * src_sb + t * src_ss
         src_h = src_sh
-    half_idx = tl.arange(0, BLOCK_HALF)
-    half_mask = half_idx < HALF
-    if INTERLEAVED:
-        a_idx = 2 * half_idx  # pair i at (2i, 2i+1): GPT-J / Meta
-        b_idx = 2 * half_idx + 1
-    else:
-        a_idx = half_idx  # pair i at (i, i + R/2): GPT-NeoX / HF
-        b_idx = half_idx + HALF
+    pair = tl.arange(0, BLOCK_HALF)
     if ROTATE:
         rot = 2 * HALF
     else:
         rot = 0
-    tail_idx = rot + tl.arange(0, BLOCK_TAIL)
-    tail_mask = tl.arange(0, BLOCK_TAIL) < WIDTH - rot
     n_heads = tl.where(ok, heads, 0)  # a skipped slot (-1) writes no head
     for h0 in range(0, heads, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hs < n_heads
+        h_ok = (hs < n_heads)[:, None]  # (BLOCK_H, 1)
         scale = 1.0
         if KIND != 0:
-            scale = tl.load(scale_ptr + hs * scale_sh, mask=h_ok, other=1.0)[:, None]
-        x_row = src + hs[:, None] * src_h
+            scale = tl.load(scale_ptr + hs * scale_sh, mask=hs < n_heads, other=1.0)[:, None]
+        x_row = src + hs[:, None] * src_h  # (BLOCK_H, 1)
         o_row = dst + hs[:, None] * dst_sh
         if ROTATE:
-            mask = h_ok[:, None] & half_mask[None, :]  # (BLOCK_H, BLOCK_HALF)
-            xa = tl.load(x_row + a_idx[None, :], mask=mask, other=0.0).to(tl.float32)
-            xb = tl.load(x_row + b_idx[None, :], mask=mask, other=0.0).to(tl.float32)
-            ra = xa * c - xb * s
-            rb = xb * c + xa * s
-            _store(o_row + a_idx[None, :], ra, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
-            _store(o_row + b_idx[None, :], rb, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
-        if COPY_TAIL:
-            tmask = h_ok[:, None] & tail_mask[None, :]  # (BLOCK_H, BLOCK_TAIL)
-            tail = tl.load(x_row + tail_idx[None, :], mask=tmask, other=0.0)
-            if KIND == 0:
-                tl.store(o_row + tail_idx[None, :], tail, mask=tmask)
-            else:
+            if INTERLEAVED:  # pair i at (2i, 2i+1): GPT-J / Meta
+                lane = tl.arange(0, 2 * BLOCK_HALF)
+                mask = h_ok & (lane < 2 * HALF)[None, :]  # (BLOCK_H, 2 * BLOCK_HALF)
+                v = tl.load(x_row + lane[None, :], mask=mask, other=0.0).to(tl.float32)
+                xa, xb = tl.split(tl.reshape(v, (BLOCK_H, BLOCK_HALF, 2)))
+                swapped = tl.reshape(tl.join(xb, xa), (BLOCK_H, 2 * BLOCK_HALF))  # each pair's partner
+                # c, s interleaved (lane 2i: cos_i, -sin_i; lane 2i+1: cos_i, sin_i): a * c - b * s and
+                # b * c + a * s exactly, computed in the layout of the load, which the store keeps (a join
+                # of the two results would go through shared memory).
+                _store(o_row + lane[None, :], v * c + swapped * s, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
+            else:  # pair i at (i, i + R/2): GPT-NeoX / HF
+                mask = h_ok & (pair < HALF)[None, :]  # (BLOCK_H, BLOCK_HALF)
+                xa = tl.load(x_row + pair[None, :], mask=mask, other=0.0).to(tl.float32)
+                xb = tl.load(x_row + HALF + pair[None, :], mask=mask, other=0.0).to(tl.float32)
+                _store(o_row + pair[None, :], xa * c - xb * s, mask, scale, KIND, ROUND_BF16_IN_INTEGERS)
                 _store(
-                    o_row + tail_idx[None, :], tail.to(tl.float32), tmask, scale, KIND, ROUND_BF16_IN_INTEGERS
+                    o_row + HALF + pair[None, :], xb * c + xa * s, mask, scale, KIND, ROUND_BF16_IN_INTEGERS
                 )
+        if COPY_TAIL:
+            for j in tl.static_range(0, BLOCK_TAIL, TAIL_CHUNK):
+                cols = rot + j + tl.arange(0, TAIL_CHUNK)
+                tmask = h_ok & (cols < WIDTH)[None, :]  # (BLOCK_H, TAIL_CHUNK)
+                tail = tl.load(x_row + cols[None, :], mask=tmask, other=0.0)
+                if KIND == 0:
+                    tl.store(o_row + cols[None, :], tail, mask=tmask)
+                else:
+                    _store(
+                        o_row + cols[None, :], tail.to(tl.float32), tmask, scale, KIND, ROUND_BF16_IN_INTEGERS
+                    )
 
 
 @triton.jit(do_not_specialize=["offset"])
@@ -238,6 +265,7 @@ def fused_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
+    TRAP_BAD_ROWS: tl.constexpr,
     Q_ON: tl.constexpr,
     Q_ROTATE: tl.constexpr,
     Q_BY_SLOT: tl.constexpr,
@@ -246,6 +274,7 @@ def fused_kernel(
     Q_COPY_TAIL: tl.constexpr,
     Q_WIDTH: tl.constexpr,
     Q_BLOCK_TAIL: tl.constexpr,
+    Q_TAIL_CHUNK: tl.constexpr,
     Q_BLOCK_H: tl.constexpr,
     K_ON: tl.constexpr,
     K_ROTATE: tl.constexpr,
@@ -255,6 +284,7 @@ def fused_kernel(
     K_COPY_TAIL: tl.constexpr,
     K_WIDTH: tl.constexpr,
     K_BLOCK_TAIL: tl.constexpr,
+    K_TAIL_CHUNK: tl.constexpr,
     K_BLOCK_H: tl.constexpr,
     V_ON: tl.constexpr,
     V_ROTATE: tl.constexpr,
@@ -264,17 +294,17 @@ def fused_kernel(
     V_COPY_TAIL: tl.constexpr,
     V_WIDTH: tl.constexpr,
     V_BLOCK_TAIL: tl.constexpr,
+    V_TAIL_CHUNK: tl.constexpr,
     V_BLOCK_H: tl.constexpr,
 ):
     """Token ``program_id(0)``: its row is ``positions[token]`` (HAS_POS) or ``offset + t``; its slot
     ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token index."""
-    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
+    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
     slot = token
     write = token >= 0
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + token)
-        bad_slot = (slot < -1) | (slot >= num_slots)
-        tl.store(flag_ptr, 0, mask=bad_slot)
+        flag_bad((slot < -1) | (slot >= num_slots), flag_ptr, TRAP_BAD_ROWS)
         write = (slot >= 0) & (slot < num_slots)
         slot = tl.where(write, slot, 0)
     half_idx = tl.arange(0, BLOCK_HALF)
@@ -283,14 +313,17 @@ def fused_kernel(
     s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     if CONJUGATE:
         s = -s
+    if INTERLEAVED:  # one entry a lane: (1, 2 * BLOCK_HALF), see _channel
+        c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_HALF))
+        s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_HALF))
     if Q_ON:
         q_slot, q_ok = token, token >= 0
         if Q_BY_SLOT:
             q_slot, q_ok = slot, write
         _channel(
                 q_src, q_dst, q_scale, q_slot, q_ok, b, t, q_heads, q_sb, q_ss, q_sh, q_ps, q_dp, q_di, q_dh,
-                q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL, Q_BLOCK_H, Q_ROTATE, Q_KIND,
-                Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
+                q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL, Q_TAIL_CHUNK, Q_BLOCK_H,
+                Q_ROTATE, Q_KIND, Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
     if K_ON:
         k_slot, k_ok = token, token >= 0
@@ -298,8 +331,8 @@ def fused_kernel(
             k_slot, k_ok = slot, write
         _channel(
                 k_src, k_dst, k_scale, k_slot, k_ok, b, t, k_heads, k_sb, k_ss, k_sh, k_ps, k_dp, k_di, k_dh,
-                k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL, K_BLOCK_H, K_ROTATE, K_KIND,
-                K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
+                k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL, K_TAIL_CHUNK, K_BLOCK_H,
+                K_ROTATE, K_KIND, K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
     if V_ON:
         v_slot, v_ok = token, token >= 0
@@ -307,8 +340,8 @@ def fused_kernel(
             v_slot, v_ok = slot, write
         _channel(
                 v_src, v_dst, v_scale, v_slot, v_ok, b, t, v_heads, v_sb, v_ss, v_sh, v_ps, v_dp, v_di, v_dh,
-                v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL, V_BLOCK_H, V_ROTATE, V_KIND,
-                V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
+                v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL, V_TAIL_CHUNK, V_BLOCK_H,
+                V_ROTATE, V_KIND, V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
             )  # fmt: skip
 
 
@@ -316,15 +349,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def channel_constexprs(prefix: str, spec: dict | None, half: int) -> dict[str, object]:
-    """The constexprs of one channel: spec has rotate, by_slot, kind, in_place, copy_tail, width, heads."""
+def channel_constexprs(
+    prefix: str, spec: dict | None, half: int, element_bytes: int = 4, interleaved: bool = False
+) -> dict[str, object]:
+    """The constexprs of one channel: spec has rotate, by_slot, kind, in_place, copy_tail, width, heads.
+
+    A tile is BLOCK_H heads by one run of columns (a pair half; the interleaved pairs' whole run; a tail
+    chunk; a whole unrotated head), sized so that each of the NUM_WARPS * 32 threads holds one 16-byte
+    vector of the source (``element_bytes``: its storage size): BLOCK_H x run = threads x vector. One vector
+    a thread keeps each tile in the layout of its load, through the rotation to the store (two would send the
+    interleaved results through shared memory). Heads past a channel's count are masked, which costs idle
+    lanes, never a narrower access."""
     on = spec is not None
     if spec is None:
         spec = dict(rotate=False, by_slot=False, kind=0, in_place=False, copy_tail=False, width=1, heads=1)
     rot = 2 * half if spec["rotate"] else 0
     block_half = _next_pow2(half)
     block_tail = _next_pow2(max(spec["width"] - rot, 1))
-    widest = max(block_half if spec["rotate"] else 1, block_tail)
+    elements = NUM_WARPS * 32 * (VECTOR_BYTES // element_bytes)  # one 16-byte vector a thread
+    pairs = 2 * block_half if interleaved else block_half  # the run a rotating tile reads at once
+    tail_chunk = min(block_tail, pairs if spec["rotate"] else elements)
+    run = pairs if spec["rotate"] else tail_chunk
     return {
         f"{prefix}_ON": on,
         f"{prefix}_ROTATE": spec["rotate"],
@@ -334,16 +379,20 @@ def channel_constexprs(prefix: str, spec: dict | None, half: int) -> dict[str, o
         f"{prefix}_COPY_TAIL": spec["copy_tail"] and spec["width"] > rot,
         f"{prefix}_WIDTH": spec["width"],
         f"{prefix}_BLOCK_TAIL": block_tail,
-        f"{prefix}_BLOCK_H": max(1, min(_next_pow2(spec["heads"]), MAX_BLOCK_ELEMENTS // widest)),
+        f"{prefix}_TAIL_CHUNK": tail_chunk,
+        f"{prefix}_BLOCK_H": max(1, elements // run),
     }
 
 
 def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool,
-                  round_bf16_in_integers: bool, channels: dict) -> tuple[dict[str, object], int]:  # fmt: skip
+                  round_bf16_in_integers: bool, channels: dict, interpret: bool = False,
+                  element_bytes: int = 4) -> tuple[dict[str, object], int]:  # fmt: skip
     """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them.
 
     ``round_bf16_in_integers``: bf16 storage under Triton's interpreter, whose float -> bfloat16 cast
-    truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even)."""
+    truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even).
+    ``interpret``: Triton's interpreter runs the kernel: a bad row or slot clears the flag instead of
+    trapping. ``element_bytes``: the source's storage size (the tiles hold one 16-byte vector a thread)."""
     constexprs: dict[str, object] = {
         "HALF": half,
         "BLOCK_HALF": _next_pow2(half),
@@ -352,26 +401,40 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
         "ROUND_BF16_IN_INTEGERS": round_bf16_in_integers,
+        "TRAP_BAD_ROWS": not interpret,
     }
     for prefix in CHANNELS:
         spec = channels.get(prefix)
-        constexprs |= channel_constexprs(prefix.upper(), spec, half)
-    return constexprs, 4
+        constexprs |= channel_constexprs(prefix.upper(), spec, half, element_bytes, interleaved)
+    return constexprs, NUM_WARPS
 
 
 def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object]) -> dict[str, str]:
-    """The argument types of one specialization (Triton's ASTSource signature)."""
-    sig = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slots_ptr": "*i64", "flag_ptr": "*i32"}
-    sig |= {
-        name: "i64" for name in ("offset", "table_len", "num_slots", "seq_len", "cos_stride", "sin_stride")
-    }
+    """The argument types of one specialization (Triton's ASTSource signature), as the JIT specializes a
+    launch on torch's allocations and contiguous (or packed) heads whose width is a multiple of 16: ``:16``
+    marks the tensors (16-byte aligned) and the strides (multiples of the head width; the table's row stride
+    is half)."""
+    sig = {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "pos_ptr": "*i64", "slots_ptr": "*i64"}
+    sig |= {"flag_ptr": "*i32"}
+    sig |= dict.fromkeys(("offset", "table_len", "num_slots", "seq_len"), "i64")
+    sig |= dict.fromkeys(("cos_stride", "sin_stride"), "i64:16" if constexprs["HALF"] % 16 == 0 else "i64")
     for prefix in CHANNELS:
-        store = "*u8" if kinds.get(prefix) else f"*{dtype}"
-        sig |= {f"{prefix}_src": f"*{dtype}", f"{prefix}_dst": store, f"{prefix}_scale": "*fp32"}
+        store = "*u8:16" if kinds.get(prefix) else f"*{dtype}:16"
+        sig |= {f"{prefix}_src": f"*{dtype}:16", f"{prefix}_dst": store, f"{prefix}_scale": "*fp32"}
         for name in ("heads", "sb", "ss", "sh", "ps", "dp", "di", "dh", "scale_h"):
-            sig[f"{prefix}_{name}"] = "i64"
+            sig[f"{prefix}_{name}"] = "i64:16" if name in _STRIDES else "i64"
     sig |= {name: "constexpr" for name in constexprs}
     return sig
+
+
+_STRIDES = ("sb", "ss", "sh", "dp", "di", "dh")
+
+
+def vectorised_args(signature: dict[str, str]) -> tuple[str, ...]:
+    """The pointers of one specialization whose every access must be 128-bit (ropekit.tools.triton_aot): each
+    channel's source and destination, except an FP8 destination, whose thread stores the 8 bytes of its
+    16-byte source vector (64-bit)."""
+    return tuple(name for name in VECTORISED_ARGS if signature.get(name, "").split(":")[0] != "*u8")
 
 
 def aot_specializations():
@@ -386,8 +449,9 @@ def aot_specializations():
                 for has_pos in (False, True):
                     for _op, channels, kinds, has_slots, conjugate in _op_forms(head_dim):
                         constexprs, warps = launch_config(
-                            half, has_pos, has_slots, interleaved, conjugate, False, channels
-                        )
+                            half, has_pos, has_slots, interleaved, conjugate, False, channels,
+                            element_bytes=_ELEMENT_BYTES[dtype],
+                        )  # fmt: skip
                         specs.append((fused_kernel, _signature(dtype, kinds, constexprs), constexprs, warps))
     return specs
 
@@ -443,14 +507,16 @@ def launch(plan, *, checked: bool = False) -> None:
     Raises:
         ValueError: anything :func:`~ropekit.backends.fused_launch.check_launch` rejects; with CPU tensors
             (the interpreter) a table row or slot out of range, checked on the host before the launch.
+        RuntimeError: under the interpreter, a row or slot out of range that the host did not check (a
+            compiled kernel traps instead: the CUDA error surfaces at the next synchronising call).
     """
     import contextlib
 
     import torch
 
+    from ropekit.backends import triton as triton_backend
     from ropekit.backends.fused_launch import check_bounds, check_launch, slot_error
     from ropekit.backends.kernel_op import check_offset_rows, row_error
-    from ropekit.backends.triton import interpreter_enabled
 
     if not checked:  # see fused_cpu.launch
         check_launch(plan)
@@ -464,7 +530,7 @@ def launch(plan, *, checked: bool = False) -> None:
     num_slots = next(
         (c.dst.shape[0] * c.dst.shape[1] for c in plan.channels if c is not None and c.by_slot), 0
     )
-    host = cos.device.type == "cpu"
+    host = triton_backend.HOST_CHECKS and cos.device.type == "cpu"
     slots = plan.slots if any(c is not None and c.by_slot for c in plan.channels) else None
     if plan.positions is None:
         check_offset_rows(plan.offset, plan.batch, plan.seq, table_len)
@@ -476,7 +542,7 @@ def launch(plan, *, checked: bool = False) -> None:
         lo, hi = torch.stack(torch.aminmax(slots)).tolist()
         if lo < -1 or hi >= num_slots:
             raise slot_error(lo if lo < -1 else hi, num_slots)
-    flag = torch.ones(1, dtype=torch.int32, device=cos.device)
+    flag = triton_backend.error_flag(cos.device)
     dummy = flag
     scale_dummy = cos
     args, specs = [], {}
@@ -484,9 +550,10 @@ def launch(plan, *, checked: bool = False) -> None:
         a, spec = _channel_args(ch, dummy, scale_dummy)
         args += a
         specs[prefix] = spec
+    interpret = triton_backend.interpreter_enabled()
     constexprs, num_warps = launch_config(
         half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
-        plan.dtype == torch.bfloat16 and interpreter_enabled(), specs,
+        plan.dtype == torch.bfloat16 and interpret, specs, interpret, plan.dtype.itemsize,
     )  # fmt: skip
     device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
     with device_guard:
@@ -495,7 +562,7 @@ def launch(plan, *, checked: bool = False) -> None:
             flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
             cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS,
         )  # fmt: skip
-    if not host:
-        torch._assert_async(
+    if interpret and not flag[0]:  # the interpreter's kernel cleared it (compiled kernels trap instead)
+        raise triton_backend.flagged(
             flag, "ropekit: a position is outside the cos/sin table or a slot outside the cache"
         )

@@ -11,7 +11,7 @@ else (packed 3-D input, a strided last axis, allocation) is handled here once fo
 The kernel boundary is a wall (docs/safety.md): :func:`check_launch` checks, in every launcher, everything a
 kernel relies on to stay inside its tensors (dtypes, shapes, strides, devices, no self-overlapping output),
 and the kernels check every table row they read: the C loop on the host before it writes anything, the
-Triton kernel on the device (a clamped row and an error flag, asserted without a host sync).
+Triton kernel on the device (a clamped row, and a trap that fails the launch: no host sync, no assert kernel).
 """
 
 from __future__ import annotations

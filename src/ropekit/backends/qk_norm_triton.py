@@ -2,8 +2,9 @@
 
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Table rows are checked without a host
 sync, as in :mod:`ropekit.backends.triton`: with integers for an int offset, on the host for CPU positions,
-and on the device otherwise (the kernel clamps a bad row and clears a flag that ``torch._assert_async``
-asserts), so a bad call fails instead of returning a result.
+and in the kernel always (it clamps a bad row and fails the launch: compiled, it traps, and the CUDA error
+surfaces at the next synchronising call; under the interpreter, the launcher raises when it returns), so a
+bad call fails instead of returning a result.
 """
 
 from __future__ import annotations
@@ -17,28 +18,34 @@ from ropekit.backends.kernel_op import check_offset_rows, row_error
 __all__ = ["NUM_WARPS", "block_sizes", "launch"]
 
 NUM_WARPS = 4
-# Elements of one block of heads: enough to keep the loads wide, small enough for registers (see
-# qk_norm_triton_kernel.OCCUPANCY_TARGET).
-MAX_BLOCK_ELEMENTS = 512
+# Bytes of one vectorised global load or store: a tile gives each thread one such vector of a run.
+VECTOR_BYTES = 16
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def block_sizes(head_dim: int, half: int, q_heads: int, k_heads: int) -> dict[str, int]:
-    """The kernel's shape constants for one packing: the halves, the tail and the heads per block."""
+def block_sizes(
+    head_dim: int, half: int, q_heads: int, k_heads: int, element_bytes: int = 4, interleaved: bool = False
+) -> dict[str, int]:
+    """The kernel's shape constants for one packing: the halves, the tail and the heads per block.
+
+    A block is BLOCK_H heads by one run (a pair half, or the interleaved pairs' whole run), one 16-byte vector
+    of it a thread (``element_bytes``: qkv's storage size): BLOCK_H x run = NUM_WARPS * 32 threads x vector.
+    Heads past the count are masked (idle lanes, never a narrower access); q and k take the same blocks."""
     tail = head_dim - 2 * half
     block_half, block_tail = _next_pow2(half), _next_pow2(max(tail, 1))
-    # Heads per block: a power of two (tl.arange needs one) within MAX_BLOCK_ELEMENTS.
-    fit = 1 << max((MAX_BLOCK_ELEMENTS // (2 * block_half + block_tail)).bit_length() - 1, 0)
+    run = 2 * block_half if interleaved else block_half
+    heads = max(1, NUM_WARPS * 32 * (VECTOR_BYTES // element_bytes) // run)
     return {
         "HALF": half,
         "TAIL": tail,
         "BLOCK_HALF": block_half,
         "BLOCK_TAIL": block_tail,
-        "BLOCK_HQ": min(_next_pow2(q_heads), fit),
-        "BLOCK_HK": min(_next_pow2(k_heads), fit),
+        "TAIL_CHUNK": min(block_tail, run),  # the tail in runs of the tile's width
+        "BLOCK_HQ": heads,
+        "BLOCK_HK": heads,
     }
 
 
@@ -48,24 +55,23 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
 
     Raises:
         ValueError: a host-checked table row outside the table.
+        RuntimeError: under the interpreter, a row outside the table that the host did not check.
     """
+    from ropekit.backends import triton as triton_backend
     from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
-    from ropekit.backends.triton import interpreter_enabled
 
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
     if batch * seq == 0:
         return
-    device_check = False
     if positions is None:
         check_offset_rows(offset, batch, seq, table_len)
-    elif positions.device.type == "cpu":
+    elif triton_backend.HOST_CHECKS and positions.device.type == "cpu":
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= table_len:
             raise row_error(lo if lo < 0 else hi, table_len)
-    else:
-        device_check = True
-    flag = torch.ones(1, dtype=torch.int32, device=qkv.device)
+    interpret = triton_backend.interpreter_enabled()
+    flag = triton_backend.error_flag(qkv.device)
     guard = torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext()
     with guard:
         qk_norm_rotary_kernel[(batch * seq,)](
@@ -88,14 +94,19 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             sin.stride(0),
             spec.eps,
             spec.weight_offset,
-            **block_sizes(spec.head_dim, half, spec.q_heads, spec.k_heads),
+            **block_sizes(
+                spec.head_dim, half, spec.q_heads, spec.k_heads, qkv.dtype.itemsize, spec.interleaved
+            ),
             HAS_POS=positions is not None,
             INTERLEAVED=spec.interleaved,
             ALL_HEADS=spec.all_heads,
             CAST_BEFORE=spec.cast_before_weight,
-            ROUND_BF16_IN_INTEGERS=qkv.dtype == torch.bfloat16 and interpreter_enabled(),
+            ROUND_BF16_IN_INTEGERS=qkv.dtype == torch.bfloat16 and interpret,
+            TRAP_BAD_ROWS=not interpret,
             num_warps=NUM_WARPS,
             **COMPILE_OPTIONS,
         )
-    if device_check:
-        torch._assert_async(flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)")
+    if interpret and not flag[0]:  # the interpreter's kernel cleared it (compiled kernels trap instead)
+        raise triton_backend.flagged(
+            flag, "ropekit: a position is outside the cos/sin table (positions >= table_len)"
+        )

@@ -16,7 +16,7 @@ import torch
 
 from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
 
-__all__ = ["TritonBackend", "interpreter_enabled", "launch"]
+__all__ = ["TritonBackend", "error_flag", "flagged", "interpreter_enabled", "launch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -28,35 +28,47 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _rows_on_host(positions: torch.Tensor) -> bool:
-    """Whether to check the rows on the host: CPU tensors (the interpreter); never CUDA ones (a sync)."""
-    return positions.device.type == "cpu"
+# Rows of CPU tensors (the interpreter) are checked on the host, before the launch; never those of CUDA
+# tensors (a sync). Tests switch it off to reach the kernel's own check.
+HOST_CHECKS = True
 
 
-# device -> a 1 that the kernel clears on a bad row. A cleared flag fails the device-side assert, which ends
-# the CUDA context, so a flag that reached 0 is never read again; CPU (interpreter) flags are fresh per call.
+# device -> the kernel's error flag. Compiled kernels never write it (a bad row traps: see
+# triton_kernel.flag_bad); the interpreter's kernel clears it, and the launcher reads it back on the host.
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
-def _error_flag(device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.ones(1, dtype=torch.int32)
+def error_flag(device: torch.device) -> torch.Tensor:
+    """The device's error flag (a 1), kept across launches: see :func:`flagged`."""
     flag = _FLAGS.get(device)
     if flag is None:
         flag = torch.ones(1, dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():  # a graph's pool would free it with the graph
+        if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():  # a graph would free it
             _FLAGS[device] = flag
     return flag
 
 
-def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
-    """Run the kernel: one program per token; see :data:`ropekit.backends.kernel_op.Launch`.
+def flagged(flag: torch.Tensor, message: str) -> RuntimeError:
+    """The error for a launch whose kernel cleared ``flag`` (the interpreter), the flag set again for the
+    next launch."""
+    flag.fill_(1)
+    return RuntimeError(message)
 
-    Table rows are checked twice, without a host sync. First on the host: an int offset with integer
-    arithmetic; a positions tensor when it is a CPU tensor (the interpreter). Then in the kernel, for every
-    call: a row outside the table is clamped into it (the kernel never reads outside the table) and clears an
-    error flag, which ``torch._assert_async`` asserts on the device, so a bad call fails with a device-side
-    assert instead of returning a result, whatever the host check let through.
+
+def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
+    """Run the kernel on a (token blocks, head blocks) grid; see :data:`ropekit.backends.kernel_op.Launch`.
+
+    ``offset`` is an int, or (this launcher only, with positions None) an int64 tensor of per-sequence
+    offsets, one per batch row: the kernel reads it and computes each token's row ``offsets[b] + t``, so no
+    positions tensor is built.
+
+    Table rows are checked twice. First on the host, without a sync: an int offset with integer arithmetic;
+    a positions or offsets tensor when it is a CPU tensor (the interpreter). Then in the kernel, for every
+    call: a row outside the table is clamped into it (the kernel never reads outside the table) and fails the
+    launch (:func:`ropekit.backends.triton_kernel.flag_bad`), whatever the host check let through. Where it
+    fails: compiled, the kernel traps, and the CUDA error surfaces at the next synchronising call on the
+    device (as a device-side assert), with no separate assert kernel per launch; under the interpreter, this
+    function raises RuntimeError when the kernel returns.
 
     The specialization (constexprs, ``num_warps``) is :func:`ropekit.backends.triton_kernel.kernel_config`,
     the same function the ahead-of-time compile tests enumerate; the compile options
@@ -65,51 +77,89 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     Raises:
         ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, or (host-checked
             rows) a table row outside the table.
+        RuntimeError: under the interpreter, a row outside the table that the host did not check.
     """
-    from ropekit.backends.triton_kernel import COMPILE_OPTIONS, kernel_config, rotary_kernel
+    from ropekit.backends.triton_kernel import (
+        COMPILE_OPTIONS,
+        INTERPRETED,
+        PREFILL_TOKENS,
+        ROWS_OFFSET,
+        ROWS_POSITIONS,
+        ROWS_SEQ_OFFSETS,
+        grid,
+        kernel_config,
+        rotary_kernel,
+    )
 
-    check_launch(q, k, q_out, k_out, cos, sin, positions, offset, SUPPORTED_DTYPES)
+    per_sequence = positions is None and type(offset) is not int and isinstance(offset, torch.Tensor)
+    check_launch(q, k, q_out, k_out, cos, sin, positions, 0 if per_sequence else offset, SUPPORTED_DTYPES)
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
     table_len, half = cos.shape  # (table_len, rotary_dim // 2)
-    grid = (batch * seq,)
-    if grid[0] == 0:
+    tokens = batch * seq
+    if tokens == 0:
         return
-    if positions is None:
+    if per_sequence:  # read by the kernel as they are: checked inline (a decode step's budget of calls)
+        if (
+            offset.dtype != torch.int64
+            or offset.shape != (batch,)
+            or not offset.is_contiguous()
+            or offset.device != q.device
+        ):
+            raise ValueError(
+                f"offsets: expected a contiguous int64 tensor of shape ({batch},) (one per batch row) on "
+                f"{q.device}, got a {offset.dtype} tensor of shape {tuple(offset.shape)} on {offset.device}"
+            )
+        if HOST_CHECKS and offset.device.type == "cpu":  # no sync; the kernel checks every row again
+            lo, hi = torch.stack(torch.aminmax(offset)).tolist()
+            if lo < 0 or hi + seq > table_len:
+                raise row_error(lo if lo < 0 else hi + seq - 1, table_len)
+        rows, form, offset = offset, ROWS_SEQ_OFFSETS, 0
+    elif positions is None:
         check_offset_rows(offset, batch, seq, table_len)
-    elif _rows_on_host(positions):
-        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
-        if lo < 0 or hi >= table_len:
-            raise row_error(lo if lo < 0 else hi, table_len)
+        rows, form = q, ROWS_OFFSET  # an unused pointer
+    else:
+        if HOST_CHECKS and positions.device.type == "cpu":
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+            if lo < 0 or hi >= table_len:
+                raise row_error(lo if lo < 0 else hi, table_len)
+        rows, form = positions, ROWS_POSITIONS
     has_k = k is not None
+    k_heads = k.shape[2] if has_k else 0
     k_args = (k, k_out) if has_k else (q, q_out)  # with k_heads 0 the kernel never touches them
+    interpret = INTERPRETED
     constexprs, num_warps = kernel_config(
         _TRITON_DTYPE[q.dtype],
         half,
         head_dim - 2 * half,
         interleaved=interleaved,
         conjugate=conjugate,
-        has_pos=positions is not None,
+        rows=form,
         copy_tail=q_out.data_ptr() != q.data_ptr() or (has_k and k_out.data_ptr() != k.data_ptr()),
-        interpret=interpreter_enabled(),
+        prefill=tokens >= PREFILL_TOKENS,
+        interpret=interpret,
     )
-    flag = _error_flag(q.device)  # cleared by a program that meets a bad row
+    blocks = grid(tokens, q_heads, k_heads, constexprs)
+    if blocks[1] == 0:  # no head to rotate (a launch of an empty grid is refused)
+        return
+    flag = error_flag(q.device)
     # Triton launches on the current CUDA device; make it q's (multi-GPU).
     device_guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with device_guard:
-        rotary_kernel[grid](
+        rotary_kernel[blocks](
             q,
             k_args[0],
             q_out,
             k_args[1],
             cos,
             sin,
-            q if positions is None else positions,  # unused pointer when HAS_POS is False
+            rows,
             flag,
             offset,
             table_len,
+            tokens,
             seq,
             q_heads,
-            k.shape[2] if has_k else 0,
+            k_heads,
             *q.stride()[:3],
             *k_args[0].stride()[:3],
             *q_out.stride()[:3],
@@ -120,12 +170,39 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             num_warps=num_warps,
             **COMPILE_OPTIONS,
         )
-    torch._assert_async(flag, _ROW_MESSAGE)
+    if interpret and not flag[0]:  # the interpreter's kernel cleared it (a host tensor: no sync)
+        raise flagged(flag, _ROW_MESSAGE)
 
 
 class TritonBackend(KernelBackend):
     def __init__(self) -> None:
         super().__init__("triton", launch)
+
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+        """The launch for one key (:mod:`ropekit.backends.plan`), for an int offset and for per-sequence
+        offsets alike: the launcher takes either (the kernel reads the offsets tensor and computes each
+        token's row), so a decode step with per-sequence offsets is a lookup and one launch, as one with an
+        int offset; no positions tensor is built. None when the inputs need the conversions of
+        :meth:`rotate_qk`. The run returns None, having written nothing, when the launcher refuses a value
+        on the host (an offset whose rows leave the table): the checked path then raises its own error."""
+        units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
+        if not all(units) or cos.dtype != torch.float32:
+            return None
+
+        def run(q, k, cos, sin, offset):
+            if inplace:
+                q_out, k_out = q, k
+            else:
+                q_out, k_out = torch.empty_like(q), None if k is None else torch.empty_like(k)
+            try:
+                launch(q, k, q_out, k_out, cos, sin, None, offset, interleaved, conjugate)
+            except ValueError:  # refused before the launch: nothing written
+                return None
+            if inplace:  # what the dispatcher would do: tell autograd that q and k changed
+                torch._C._increment_version((q,) if k is None else (q, k))
+            return q_out, k_out
+
+        return run
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         if importlib.util.find_spec("triton") is None:

@@ -1,9 +1,13 @@
-"""The fused Triton RoPE kernel: q and k of one token in one program, cos/sin loaded once per token.
+"""The fused Triton RoPE kernel: q and k in one launch, tiled over tokens and heads.
 
-One program handles one token (one row of the resolved positions). It loads that token's cos/sin row once,
-then rotates every q head and every k head with it, in tiles of ``BLOCK_H`` heads. Layout switches
-(``INTERLEAVED``, ``CONJUGATE``, positions or an int offset, whether a tail must be copied) are compile-time
-constants, so each combination compiles to straight-line code. Math runs in float32 whatever the storage
+The grid is (token blocks, head blocks): a program rotates ``BLOCK_T`` tokens by ``BLOCK_H`` heads (of q, or
+of k: the head blocks of q come first, then k's), with the tokens' cos/sin rows loaded once for the tile.
+Decode (a few tokens) uses one token a program; prefill ``BLOCK_T`` tokens, with more warps, so that a thread
+holds the same elements (:func:`kernel_config`). Each token's table row is computed in the kernel
+(``ROWS``): ``offset + t`` for an int offset, ``offsets[b] + t`` for per-sequence offsets, or
+``positions[token]``; no positions tensor is built for either offset form. Layout switches (``INTERLEAVED``,
+``CONJUGATE``, the row form, whether a tail must be copied) are compile-time constants, so each combination
+compiles to straight-line code. Math runs in float32 whatever the storage
 dtype, with no fused multiply-add (``enable_fp_fusion=False`` at every launch, as the C loop's
 ``-ffp-contract=off``), and each output is rounded once, to nearest even.
 
@@ -21,12 +25,16 @@ import itertools
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = [
     "COMPILE_OPTIONS",
+    "INTERPRETED",
     "OCCUPANCY_TARGET",
     "VECTORISED_ARGS",
     "aot_specializations",
+    "flag_bad",
+    "grid",
     "kernel_config",
     "rotary_kernel",
     "signature",
@@ -55,6 +63,14 @@ VECTOR_BYTES = 16
 # Heads per tile when the head is narrow enough (most models' head counts are multiples of 8).
 TARGET_HEADS = 8
 MIN_WARPS, MAX_WARPS = 2, 8
+# From this many tokens a launch is a prefill: a program takes several tokens (BLOCK_T) with MAX_WARPS warps,
+# the same elements a thread as a decode program, and a quarter (or fewer) of the programs. Below it (decode,
+# short chunks) one token a program keeps the grid small and every program busy.
+PREFILL_TOKENS = 256
+
+# How a token's table row is found (the ROWS constexpr): offset + t (an int offset), positions[token] (a
+# positions tensor, one row a token), offsets[b] + t (a tensor of per-sequence offsets, one a batch row).
+ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS = 0, 1, 2
 
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -70,8 +86,9 @@ def kernel_config(
     *,
     interleaved: bool,
     conjugate: bool,
-    has_pos: bool,
+    rows: int,
     copy_tail: bool,
+    prefill: bool = False,
     interpret: bool = False,
 ) -> tuple[dict[str, object], int]:
     """The constexprs and ``num_warps`` the launcher passes for one call; a pure function of its arguments.
@@ -79,36 +96,49 @@ def kernel_config(
     Args:
         dtype: the storage dtype as Triton names it: "fp32", "fp16" or "bf16".
         half: rotary_dim // 2 (the width of the cos/sin table); tail: head_dim - rotary_dim.
-        interleaved, conjugate, has_pos: the pair layout, the backward rotation, a positions tensor.
+        interleaved, conjugate: the pair layout, the backward rotation.
+        rows: how a token's table row is found: ROWS_OFFSET, ROWS_POSITIONS or ROWS_SEQ_OFFSETS.
         copy_tail: whether the tail is copied (an out-of-place partial rotary).
+        prefill: at least PREFILL_TOKENS tokens: BLOCK_T tokens a program (see PREFILL_TOKENS).
         interpret: Triton's interpreter runs the kernel: its float -> bfloat16 cast truncates, so the bf16
             store rounds in integer arithmetic there instead (never in compiled code, where the hardware
-            conversion cvt.rn rounds to nearest even).
+            conversion cvt.rn rounds to nearest even); and a bad row clears a flag the launcher reads on the
+            host instead of trapping (TRAP_BAD_ROWS).
 
-    A tile is ``BLOCK_H`` heads by ``BLOCK_HALF`` pairs, sized so that each of ``num_warps * 32`` threads
-    holds one 16-byte vector of each pair half: ``BLOCK_H * BLOCK_HALF = num_warps * 32 * vector``.
+    A tile is ``BLOCK_T`` tokens by ``BLOCK_H`` heads by ``BLOCK_HALF`` pairs, sized so that each of
+    ``num_warps * 32`` threads holds one 16-byte vector of each pair half:
+    ``BLOCK_T * BLOCK_H * BLOCK_HALF = num_warps * 32 * vector``.
     """
     vector = VECTOR_BYTES // _ELEMENT_BYTES[dtype]  # elements per 16-byte load
     block_half = _next_pow2(half)
     warps = min(MAX_WARPS, max(MIN_WARPS, TARGET_HEADS * block_half // (32 * vector)))
     block_h = max(1, warps * 32 * vector // block_half)
+    block_t = MAX_WARPS // warps if prefill else 1
     constexprs = {
         "HALF": half,
         "TAIL": tail,
         "BLOCK_HALF": block_half,
         "BLOCK_TAIL": _next_pow2(max(tail, 1)),
         "TAIL_CHUNK": min(_next_pow2(max(tail, 1)), block_half),
+        "BLOCK_T": block_t,
         "BLOCK_H": block_h,
-        "HAS_POS": has_pos,
+        "ROWS": rows,
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
         "COPY_TAIL": copy_tail and tail > 0,
         "ROUND_BF16_IN_INTEGERS": interpret and dtype == "bf16",
+        "TRAP_BAD_ROWS": not interpret,
     }
-    return constexprs, warps
+    return constexprs, warps * block_t
 
 
-_INT_ARGS = ("table_len", "seq_len", "q_heads", "k_heads")
+def grid(tokens: int, q_heads: int, k_heads: int, constexprs: dict[str, object]) -> tuple[int, int]:
+    """(token blocks, head blocks: q's then k's) for one launch."""
+    block_t, block_h = constexprs["BLOCK_T"], constexprs["BLOCK_H"]
+    return -(-tokens // block_t), -(-q_heads // block_h) + -(-k_heads // block_h)
+
+
+_INT_ARGS = ("table_len", "tokens", "seq_len", "q_heads", "k_heads")
 _STRIDES = (*(f"{t}_stride_{a}" for t in ("q", "k", "qo", "ko") for a in "bsh"), "cos_stride", "sin_stride")
 
 
@@ -117,7 +147,7 @@ def signature(dtype: str, head_dim: int, half: int, constexprs: dict[str, object
     in Triton's ahead-of-time notation: ``:16`` marks an argument the JIT specializes as divisible by 16
     (torch allocations are; a stride is when its value is), which is what lets the compiler vectorise."""
     sig = {name: f"*{dtype}:16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
-    sig |= {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "pos_ptr": "*i64:16", "flag_ptr": "*i32:16"}
+    sig |= {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "rows_ptr": "*i64:16", "flag_ptr": "*i32:16"}
     sig["offset"] = "i64"
     sig |= dict.fromkeys(_INT_ARGS, "i32")
     # Strides of a contiguous tensor: head_dim (per head), heads * head_dim (per token), ... all multiples
@@ -133,14 +163,21 @@ PARTIAL_ROTARY = {64: 32, 80: 32, 128: 64, 256: 64}
 
 def aot_specializations():
     """Every (kernel, signature, constexprs, num_warps) the launcher picks for head_dim 64, 80, 128 and 256,
-    full and partial rotary (tail copied or in place), each dtype, pair layout, direction and position kind.
+    full and partial rotary (tail copied or in place), each dtype, pair layout, direction, row form and grid
+    (decode: one token a program; prefill: BLOCK_T tokens).
 
     Forward and backward are the same kernel; the backward pass is ``CONJUGATE=True``.
     """
     grid = itertools.product(
-        ("fp32", "fp16", "bf16"), PARTIAL_ROTARY, ("full", "copy", "inplace"), *[(False, True)] * 3
+        ("fp32", "fp16", "bf16"),
+        PARTIAL_ROTARY,
+        ("full", "copy", "inplace"),
+        (False, True),
+        (False, True),
+        (ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS),
+        (False, True),
     )
-    for dtype, head_dim, rotary, interleaved, conjugate, has_pos in grid:
+    for dtype, head_dim, rotary, interleaved, conjugate, rows, prefill in grid:
         rotary_dim = head_dim if rotary == "full" else PARTIAL_ROTARY[head_dim]
         half, tail = rotary_dim // 2, head_dim - rotary_dim
         constexprs, warps = kernel_config(
@@ -149,9 +186,12 @@ def aot_specializations():
             tail,
             interleaved=interleaved,
             conjugate=conjugate,
-            has_pos=has_pos,
+            rows=rows,
             copy_tail=rotary == "copy",
+            prefill=prefill,
         )
+        if prefill and constexprs["BLOCK_T"] == 1:  # a wide head's decode tile already has MAX_WARPS warps
+            continue
         yield rotary_kernel, signature(dtype, head_dim, half, constexprs), constexprs, warps
 
 
@@ -177,29 +217,36 @@ def _store_rounded(ptr, value, mask, ROUND_BF16_IN_INTEGERS: tl.constexpr):
 
 
 @triton.jit
-def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr):
-    """This program's token (``program_id(0)``), its batch row b and index t in the sequence, and its table
-    row: ``positions[token]`` (HAS_POS) or ``offset + t``. A row outside [0, table_len) clears ``flag`` and
-    reads row 0 instead, so no kernel reads outside the table and its launcher can fail the call."""
-    token = tl.program_id(0).to(tl.int64)
-    b = token // seq_len
-    t = token % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + token)
+def flag_bad(bad, flag_ptr, TRAP: tl.constexpr):
+    """A value out of range (``bad``, any shape) fails the launch; the caller has clamped it already, so
+    nothing was read outside a tensor.
+
+    Compiled (TRAP): a thread that holds a bad value executes ``trap``, which aborts the kernel; the CUDA
+    error surfaces at the next synchronising call on the device (as a device-side assert does) and the
+    context is lost, so no later call can read a result. No separate assert kernel runs per launch. Under the
+    interpreter: ``flag`` is cleared and the launcher raises on the host when the kernel returns."""
+    if TRAP:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $1, 0; @%p trap; mov.b32 $0, 0; }",
+            "=r,r",
+            [bad.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     else:
-        pos = offset + t
-    bad = (pos < 0) | (pos >= table_len)
-    tl.store(flag_ptr, 0, mask=bad)
-    return token, b, t, tl.where(bad, 0, pos)
+        tl.store(flag_ptr + tl.zeros_like(bad.to(tl.int32)), 0, mask=bad)
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr,
-    out_ptr,
+def _rotate_tile(
+    x,
+    out,
     x_stride_h,
     out_stride_h,
+    h0,
     n_heads,
+    token_ok,
     c,
     s,
     HALF: tl.constexpr,
@@ -207,46 +254,45 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     TAIL_CHUNK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     COPY_TAIL: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
 ):
-    """Rotate n_heads heads of one token; x_ptr/out_ptr point at head 0, feature 0 of that token.
+    """Rotate heads h0 .. h0 + BLOCK_H of BLOCK_T tokens; x, out: (BLOCK_T,) pointers at each token's head 0.
 
-    c, s: (1, BLOCK_HALF) float32. Each tile is read with contiguous, 16-byte aligned vectors: in the
+    c, s: (BLOCK_T, 1, BLOCK_HALF) float32. Each tile is read with contiguous, 16-byte aligned vectors: in the
     half layout the two halves are two contiguous runs; in the interleaved layout the whole rotary part is
     read as one run and split into its even and odd lanes in registers (a stride-2 load would not vectorise).
     """
     pair = tl.arange(0, BLOCK_HALF)
-    for h0 in range(0, n_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        head_ok = (heads < n_heads)[:, None]
-        x_row = x_ptr + heads[:, None] * x_stride_h  # (BLOCK_H, 1)
-        out_row = out_ptr + heads[:, None] * out_stride_h
-        if INTERLEAVED:  # pair i sits at (2i, 2i+1): GPT-J / Meta
-            lane = tl.arange(0, 2 * BLOCK_HALF)
-            mask = head_ok & (lane < 2 * HALF)[None, :]  # (BLOCK_H, 2 * BLOCK_HALF)
-            x = tl.load(x_row + lane[None, :], mask=mask, other=0.0).to(tl.float32)
-            a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
-            ra = a * c - b * s
-            rb = b * c + a * s
-            y = tl.reshape(tl.join(ra, rb), (BLOCK_H, 2 * BLOCK_HALF))
-            _store_rounded(out_row + lane[None, :], y, mask, ROUND_BF16_IN_INTEGERS)
-        else:  # pair i sits at (i, i + R/2): GPT-NeoX / HF
-            mask = head_ok & (pair < HALF)[None, :]  # (BLOCK_H, BLOCK_HALF)
-            a = tl.load(x_row + pair[None, :], mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(x_row + HALF + pair[None, :], mask=mask, other=0.0).to(tl.float32)
-            _store_rounded(out_row + pair[None, :], a * c - b * s, mask, ROUND_BF16_IN_INTEGERS)
-            _store_rounded(out_row + HALF + pair[None, :], b * c + a * s, mask, ROUND_BF16_IN_INTEGERS)
-        if COPY_TAIL:  # in chunks of TAIL_CHUNK columns: one 16-byte vector a thread, like the pairs
-            for j in tl.static_range(0, BLOCK_TAIL, TAIL_CHUNK):
-                tail = 2 * HALF + j + tl.arange(0, TAIL_CHUNK)
-                tmask = head_ok & (tail < 2 * HALF + TAIL)[None, :]  # (BLOCK_H, TAIL_CHUNK)
-                tl.store(out_row + tail[None, :], tl.load(x_row + tail[None, :], mask=tmask), mask=tmask)
+    heads = h0 + tl.arange(0, BLOCK_H)
+    ok = token_ok[:, None, None] & (heads < n_heads)[None, :, None]  # (BLOCK_T, BLOCK_H, 1)
+    x_row = x[:, None, None] + heads[None, :, None] * x_stride_h  # (BLOCK_T, BLOCK_H, 1)
+    out_row = out[:, None, None] + heads[None, :, None] * out_stride_h
+    if INTERLEAVED:  # pair i sits at (2i, 2i+1): GPT-J / Meta
+        lane = tl.arange(0, 2 * BLOCK_HALF)
+        mask = ok & (lane < 2 * HALF)[None, None, :]  # (BLOCK_T, BLOCK_H, 2 * BLOCK_HALF)
+        v = tl.load(x_row + lane[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        a, b = tl.split(tl.reshape(v, (BLOCK_T, BLOCK_H, BLOCK_HALF, 2)))
+        y = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_T, BLOCK_H, 2 * BLOCK_HALF))
+        _store_rounded(out_row + lane[None, None, :], y, mask, ROUND_BF16_IN_INTEGERS)
+    else:  # pair i sits at (i, i + R/2): GPT-NeoX / HF: two contiguous runs
+        mask = ok & (pair < HALF)[None, None, :]  # (BLOCK_T, BLOCK_H, BLOCK_HALF)
+        a = tl.load(x_row + pair[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_row + HALF + pair[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        _store_rounded(out_row + pair[None, None, :], a * c - b * s, mask, ROUND_BF16_IN_INTEGERS)
+        _store_rounded(out_row + HALF + pair[None, None, :], b * c + a * s, mask, ROUND_BF16_IN_INTEGERS)
+    if COPY_TAIL:  # in chunks of TAIL_CHUNK columns: one 16-byte vector a thread, like the pairs
+        for j in tl.static_range(0, BLOCK_TAIL, TAIL_CHUNK):
+            tail = 2 * HALF + j + tl.arange(0, TAIL_CHUNK)
+            tmask = ok & (tail < 2 * HALF + TAIL)[None, None, :]  # (BLOCK_T, BLOCK_H, TAIL_CHUNK)
+            v = tl.load(x_row + tail[None, None, :], mask=tmask)
+            tl.store(out_row + tail[None, None, :], v, mask=tmask)
 
 
-@triton.jit(do_not_specialize=["offset", "table_len", "seq_len", "q_heads", "k_heads"])
+@triton.jit(do_not_specialize=["offset", "table_len", "tokens", "seq_len", "q_heads", "k_heads"])
 def rotary_kernel(
     q_ptr,
     k_ptr,
@@ -254,10 +300,11 @@ def rotary_kernel(
     k_out_ptr,
     cos_ptr,
     sin_ptr,
-    pos_ptr,
+    rows_ptr,
     flag_ptr,
     offset,
     table_len,
+    tokens,
     seq_len,
     q_heads,
     k_heads,
@@ -280,61 +327,96 @@ def rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     TAIL_CHUNK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    ROWS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     COPY_TAIL: tl.constexpr,
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
+    TRAP_BAD_ROWS: tl.constexpr,
 ):
-    """Rotate token ``program_id(0)`` of q (and k: ``k_heads`` is 0 without one); leading axes are
-    (batch, seq), the last has stride 1.
+    """Rotate tokens ``program_id(0) * BLOCK_T ...`` by the heads of head block ``program_id(1)`` (q's
+    blocks, then k's; ``k_heads`` is 0 without k). Leading axes are (batch, seq), the last has stride 1.
 
-    The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``. Whichever it is, a row
-    outside [0, table_len) clears ``flag`` and reads row 0 instead, so the kernel never reads outside the
-    table and the launcher can fail the call (see :func:`ropekit.backends.triton.launch`).
+    A token's table row is ``offset + t`` (ROWS 0), ``rows[token]`` (ROWS 1: positions) or ``rows[b] + t``
+    (ROWS 2: per-sequence offsets). Whichever it is, a row outside [0, table_len) reads row 0 instead and
+    fails the launch (:func:`flag_bad`): the kernel never reads outside the table nor returns a result.
     """
-    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS)
+    # Token indices fit int32 (tokens is an i32 argument); dividing in int32 keeps prefill's per-thread
+    # division cheap. Addresses are computed in int64 below.
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    token_ok = token < tokens
+    b = (token // seq_len).to(tl.int64)
+    t = (token % seq_len).to(tl.int64)
+    if ROWS == 1:
+        pos = tl.load(rows_ptr + token, mask=token_ok, other=0)
+    elif ROWS == 2:
+        pos = tl.load(rows_ptr + b, mask=token_ok, other=0) + t
+    else:
+        pos = offset + t
+    bad = token_ok & ((pos < 0) | (pos >= table_len))
+    flag_bad(bad, flag_ptr, TRAP_BAD_ROWS)
+    pos = tl.where(bad | ~token_ok, 0, pos)
 
     pair = tl.arange(0, BLOCK_HALF)
-    c = tl.load(cos_ptr + pos * cos_stride + pair, mask=pair < HALF, other=0.0)[None, :]  # (1, BLOCK_HALF)
-    s = tl.load(sin_ptr + pos * sin_stride + pair, mask=pair < HALF, other=0.0)[None, :]
+    row_c = cos_ptr + pos[:, None] * cos_stride + pair[None, :]  # (BLOCK_T, BLOCK_HALF)
+    row_s = sin_ptr + pos[:, None] * sin_stride + pair[None, :]
+    c = tl.load(row_c, mask=(pair < HALF)[None, :], other=0.0)[:, None, :]  # (BLOCK_T, 1, BLOCK_HALF)
+    s = tl.load(row_s, mask=(pair < HALF)[None, :], other=0.0)[:, None, :]
     if CONJUGATE:
         s = -s  # R(-theta) = R(theta)^T: the backward pass
 
-    _rotate_heads(
-        q_ptr + b * q_stride_b + t * q_stride_s,
-        q_out_ptr + b * qo_stride_b + t * qo_stride_s,
-        q_stride_h,
-        qo_stride_h,
-        q_heads,
-        c,
-        s,
-        HALF,
-        TAIL,
-        BLOCK_HALF,
-        BLOCK_TAIL,
-        TAIL_CHUNK,
-        BLOCK_H,
-        INTERLEAVED,
-        COPY_TAIL,
-        ROUND_BF16_IN_INTEGERS,
-    )
-    _rotate_heads(
-        k_ptr + b * k_stride_b + t * k_stride_s,
-        k_out_ptr + b * ko_stride_b + t * ko_stride_s,
-        k_stride_h,
-        ko_stride_h,
-        k_heads,
-        c,
-        s,
-        HALF,
-        TAIL,
-        BLOCK_HALF,
-        BLOCK_TAIL,
-        TAIL_CHUNK,
-        BLOCK_H,
-        INTERLEAVED,
-        COPY_TAIL,
-        ROUND_BF16_IN_INTEGERS,
-    )
+    # Head block -> q's heads or k's: one tile of either, the same code on that tensor's pointers. (A branch,
+    # not a select of the pointers: the machine-code check follows each pointer argument to its accesses.)
+    q_blocks = tl.cdiv(q_heads, BLOCK_H)
+    block = tl.program_id(1)
+    if block < q_blocks:
+        _rotate_tile(
+            q_ptr + b * q_stride_b + t * q_stride_s,
+            q_out_ptr + b * qo_stride_b + t * qo_stride_s,
+            q_stride_h,
+            qo_stride_h,
+            block * BLOCK_H,
+            q_heads,
+            token_ok,
+            c,
+            s,
+            HALF,
+            TAIL,
+            BLOCK_HALF,
+            BLOCK_TAIL,
+            TAIL_CHUNK,
+            BLOCK_T,
+            BLOCK_H,
+            INTERLEAVED,
+            COPY_TAIL,
+            ROUND_BF16_IN_INTEGERS,
+        )
+    else:
+        _rotate_tile(
+            k_ptr + b * k_stride_b + t * k_stride_s,
+            k_out_ptr + b * ko_stride_b + t * ko_stride_s,
+            k_stride_h,
+            ko_stride_h,
+            (block - q_blocks) * BLOCK_H,
+            k_heads,
+            token_ok,
+            c,
+            s,
+            HALF,
+            TAIL,
+            BLOCK_HALF,
+            BLOCK_TAIL,
+            TAIL_CHUNK,
+            BLOCK_T,
+            BLOCK_H,
+            INTERLEAVED,
+            COPY_TAIL,
+            ROUND_BF16_IN_INTEGERS,
+        )
+
+
+# Whether Triton decorated the kernels for its interpreter (TRITON_INTERPRET=1 at import): fixed for the
+# process, so the launcher reads it instead of the environment at every call.
+INTERPRETED = isinstance(rotary_kernel, InterpretedFunction)

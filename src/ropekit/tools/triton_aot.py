@@ -8,7 +8,8 @@ machine. Each module that defines ``@triton.jit`` functions lists what its launc
 ahead-of-time notation (``"*bf16:16"``: a pointer the JIT specializes as 16-byte aligned; ``"i32:16"``: an
 int divisible by 16). Optional module attributes: ``COMPILE_OPTIONS`` (passed to every compile, as
 the launcher passes them), ``VECTORISED_ARGS`` (pointer arguments whose loads and stores must be 128-bit;
-by default every 16-byte-aligned fp16/bf16 pointer) and ``OCCUPANCY_TARGET`` (default 1.0: full
+by default every 16-byte-aligned fp16/bf16 pointer; a module's ``vectorised_args(signature)`` narrows it per
+specialization) and ``OCCUPANCY_TARGET`` (default 1.0: full
 occupancy).
 
 Checked results (registers, spills, access widths, findings: a few hundred bytes each) are cached in
@@ -115,7 +116,8 @@ def _jit_functions(module) -> dict[str, object]:
 
 def module_spec(module, kernel, signature: dict, constexprs: dict, num_warps: int) -> Spec:
     """A :class:`Spec` for one specialization of a kernel of ``module``, with the module's options."""
-    vectorised = getattr(module, "VECTORISED_ARGS", None)
+    pick = getattr(module, "vectorised_args", None)  # per specialization, when a module defines it
+    vectorised = pick(signature) if pick is not None else getattr(module, "VECTORISED_ARGS", None)
     return Spec(
         module.__name__,
         kernel.__name__,

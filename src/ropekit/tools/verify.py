@@ -340,7 +340,7 @@ def triton_compile_checks(config: RopeConfig) -> list[Check]:
             for has_pos in (False, True):
                 constexprs, warps = triton_kernel.kernel_config(
                     dtype, half, tail, interleaved=config.interleaved, conjugate=conjugate,
-                    has_pos=has_pos, copy_tail=tail > 0,
+                    rows=int(has_pos), copy_tail=tail > 0,  # ROWS 1: positions; 0: an int offset
                 )  # fmt: skip
                 signature = triton_kernel.signature(dtype, config.head_dim, half, constexprs)
                 spec = triton_aot.module_spec(
