@@ -187,9 +187,10 @@ class RotaryEmbedding(nn.Module):
             # with a table of this shape would rotate it partially): head_dim= makes such a q miss. k needs
             # no test: a plan exists only for a call the checked path accepted, which holds k to q's rank and
             # head_dim, and its key holds both shapes; launch_planned refuses a q or k that is not a plain
-            # tensor. Per-sequence offsets have a plan on the C backend only, whose loop checks every row
-            # against the table before it writes: a row the table does not hold yet misses, and the path
-            # below grows the table.
+            # tensor. Per-sequence offsets: the kernel reads them and checks each row against the table. On
+            # the CPU a row the table does not hold yet misses the plan (nothing written), and the path below
+            # grows the table; on a GPU the plan's table is the one the path below sized (max_position_
+            # embeddings rows, rows unknown on the host), and a row past it fails the kernel, as it did there.
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
             out = launch_planned(
                 q, k, tables["cos"], tables["sin"], offsets, self._interleaved, inplace, self.backend, False,
