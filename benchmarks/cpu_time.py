@@ -1,4 +1,4 @@
-"""Issue 17's CPU targets measured in thread CPU time, for a machine shared with other jobs.
+"""Issues 17's and 25's CPU targets measured in thread CPU time, for a machine shared with other jobs.
 
 Usage:
 
@@ -15,7 +15,8 @@ take; the page faults of a fresh output are counted (they run on the thread).
 Shapes and rows are ``ropekit bench``'s (``ropekit.tools.bench``): Llama-3-8B heads (32 q, 8 k, head_dim 128)
 in float32; "Meta complex" is Meta's LLaMA form, "HF eager" transformers' ``apply_rotary_pos_emb``; the
 fused rows and their unfused sequences are ``ropekit.tools.bench_fused``'s (rope+cache: an "nhd" cache,
-in place; decode-1 has an int offset, decode 64 sequences with one offset each).
+in place; decode-1 has an int offset, decode 64 sequences with one offset each). At prefill-4k each fusion
+is timed against the floor of its own bytes (``floor <name>``: a ``copy_`` of filled buffers).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 import ropekit
 from ropekit.tools.bench import SHAPES, _hf_tables, make_case, meta_complex_rotary
-from ropekit.tools.bench_fused import FUSED_ROWS, copy_floor
+from ropekit.tools.bench_fused import FUSED_ROWS, copy_floor, random_bytes
 
 # (shape, row, baseline row, at most): issue 17's targets, each a ratio of two rows of one run.
 TARGETS = [
@@ -42,12 +43,17 @@ TARGETS = [
     ("prefill-4k", "out of place", "clone", 1.1),
     ("prefill-4k", "in place", "copy_", 0.7),
     ("decode-1", "RotaryEmbedding", "out of place", 1.15),
+    ("decode", "RotaryEmbedding", "out of place", 1.15),  # issue 25: per-sequence offsets too
     ("decode-1", "compat.vllm", "in place", 1.1),
     # issue 25: each serving fusion against the unfused sequence it replaces (ropekit.tools.bench_fused)
     ("decode-1", "fused rope+cache", "unfused rope+cache", 0.6),
     ("decode", "fused rope+cache", "unfused rope+cache", 0.6),
     ("decode-1", "fused qknorm+rope", "unfused qknorm+rope", 0.6),
     ("decode", "fused qknorm+rope", "unfused qknorm+rope", 0.6),
+    # issue 25 at prefill: each fusion against a copy of its own bytes (bench_fused's floor, buffers filled)
+    ("prefill-4k", "fused rope+cache", "floor rope+cache", 1.15),
+    ("prefill-4k", "fused rope+fp8", "floor rope+fp8", 1.15),
+    ("prefill-4k", "fused qknorm+rope", "floor qknorm+rope", 1.15),
 ]
 FUSED = ("rope+cache", "qknorm+rope")  # the fusions with decode targets
 
@@ -64,6 +70,10 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
         "clone": lambda: (q.clone(), k.clone()),
     }
     if shape.startswith("prefill"):
+        for row in FUSED_ROWS:  # each fusion and the floor of its own bytes
+            pair = row.setup(case)
+            floor = pair.floor_tensors or (random_bytes(pair.fused_bytes // 2, q.device),)
+            calls[f"fused {row.name}"], calls[f"floor {row.name}"] = pair.fused, copy_floor(floor)
         return calls
     rope = ropekit.RotaryEmbedding(head_dim=case.shape.head_dim, base=500000.0)
     angle = case.angle[case.positions].unsqueeze(2)  # (B, S, 1, D/2)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ropekit import RopeConfig, RotaryEmbedding
+from call_count import ropekit_calls
+from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
 from ropekit.functional import apply_resolved
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -278,3 +279,74 @@ def test_rotary_position_must_be_first_or_last():
     ):
         RotaryEmbedding(head_dim=HEAD_DIM, rotary_position="middle")
     assert RopeConfig(HEAD_DIM).rotary_position == "first"
+
+
+def _decode_step(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, 1, 4, 16, generator=g), torch.randn(batch, 1, 2, 16, generator=g)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_per_sequence_offsets_take_the_launch_plan_and_equal_the_functional_call(inplace):
+    """Issue 25: a decode step with one offset per sequence (a tensor) was resolved, looked up and checked in
+    full on every call; now the second call of a kind is the plan (no resolve) and gives the same answer."""
+    rope = RotaryEmbedding(head_dim=16)
+    q, k = _decode_step()
+    offsets = torch.tensor([5, 0, 900])
+    want = apply_rotary_qk(q, k, rope.cos, rope.sin, offsets=offsets)
+    qi, ki = q.clone(), k.clone()
+    rope(qi, ki, offsets=offsets, inplace=inplace)  # checked in full; plans the next call
+
+    def step():
+        return rope(qi, ki, offsets=offsets, inplace=inplace) if inplace else rope(q, k, offsets=offsets)
+
+    qi.copy_(q), ki.copy_(k)
+    calls = ropekit_calls(step)
+    assert "resolve" not in calls and "lookup" not in calls and "run" in calls, calls
+    qi.copy_(q), ki.copy_(k)
+    got = step()
+    assert (got[0] is qi and got[1] is ki) if inplace else True
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_per_sequence_offsets_past_the_table_grow_it_and_rotate_by_the_right_rows(assert_matches_reference):
+    """The planned C loop checks every row against the table before it writes: a row the 2048-row table
+    does not hold misses the plan, the checked path grows the table, and the rows are the right ones."""
+    rope = RotaryEmbedding(head_dim=16)
+    q, k = _decode_step()
+    rope(q, k, offsets=torch.tensor([1, 2, 3]))
+    rope(q, k, offsets=torch.tensor([1, 2, 3]))  # planned
+    assert rope.cos.shape[0] == 2048
+    far = torch.tensor([7, 2047, 5000])
+    out_q, out_k = rope(q, k, offsets=far)
+    assert rope.cos.shape[0] >= 5001
+    cos, sin = rope.config.cos_sin(5001)
+    assert_matches_reference(out_q, q, cos, sin, far.numpy()[:, None], interleaved=False)
+    assert_matches_reference(out_k, k, cos, sin, far.numpy()[:, None], interleaved=False)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_negative_per_sequence_offsets_are_a_value_error_on_the_planned_path_too(inplace):
+    rope = RotaryEmbedding(head_dim=16)
+    q, k = _decode_step()
+    rope(q, k, offsets=torch.tensor([1, 2, 3]), inplace=inplace)
+    rope(q, k, offsets=torch.tensor([1, 2, 3]), inplace=inplace)  # planned
+    before_q, before_k = q.clone(), k.clone()
+    with pytest.raises(ValueError, match=r"^offsets: expected values >= 0, got a minimum of -4"):
+        rope(q, k, offsets=torch.tensor([1, -4, 3]), inplace=inplace)
+    assert torch.equal(q, before_q) and torch.equal(k, before_k)  # nothing written
+
+
+def test_a_plan_made_elsewhere_for_a_wider_head_never_serves_the_module():
+    """The plan key holds shapes, not the module's head_dim: a plan for a 24-wide head rotated partially with
+    a table shaped like this module's must not let the module accept that head."""
+    rope = RotaryEmbedding(head_dim=16)
+    g = torch.Generator().manual_seed(2)
+    wide_q, wide_k = torch.randn(1, 1, 4, 24, generator=g), torch.randn(1, 1, 2, 24, generator=g)
+    cos, sin = rope.cos.clone(), rope.sin.clone()  # another table of the module's shape
+    for _ in range(2):  # planned for the wide head
+        apply_rotary_qk(wide_q, wide_k, cos, sin, offsets=3)
+    with pytest.raises(
+        ValueError, match=r"^q: expected head_dim 16 \(this RotaryEmbedding's config\), got 24"
+    ):
+        rope(wide_q, wide_k, offsets=3)

@@ -152,17 +152,12 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags)
-    if (
-        type(offsets) is torch.Tensor
-        and positions is None
-        and cu_seqlens is None
-        and cos is table_cos  # not a view made from per-token or full-width rows
-        and flags["rotary_position"] == "first"
-    ):  # per-sequence offsets (a decode step): plan the next call like this one
-        impl = select_backend(backend, q, cos)
-        remember(impl, q, k, cos, sin, offsets, interleaved, flags["inplace"], backend, flags["inverse"])
-    return out
+    per_sequence = (  # per-sequence offsets (a decode step) on the caller's own table: plan the next call
+        type(offsets) is torch.Tensor and positions is None and cu_seqlens is None and cos is table_cos
+    )
+    return apply_resolved(
+        q, k, cos, sin, pos, backend=backend, offsets=offsets if per_sequence else None, **flags
+    )
 
 
 def apply_resolved(
@@ -177,6 +172,7 @@ def apply_resolved(
     backend: str,
     inverse: bool = False,
     rotary_position: str = "first",
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -188,6 +184,8 @@ def apply_resolved(
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
         cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
+        offsets: the per-sequence offsets tensor pos was resolved from (no positions, no cu_seqlens), or
+            None: once this call is served, the next call like it takes a launch plan that reads them.
 
     Returns:
         (q_rotated, k_rotated or None).
@@ -242,8 +240,10 @@ def apply_resolved(
         out = impl.rotate_qk(
             q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
-        if rows is None and cos is table_cos and type(offset) is int:  # plan the next call like this one
-            remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
+        if cos is table_cos and (rows is None or offsets is not None):  # plan the next call like this one
+            offset = offset if rows is None else offsets
+            if type(offset) is int or type(offset) is torch.Tensor:  # not a symbolic int (compiled)
+                remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
         return out
     if cos.requires_grad or sin.requires_grad:
         return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)

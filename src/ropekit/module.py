@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ropekit.backends import BACKENDS
 from ropekit.backends.plan import launch_planned
@@ -94,6 +94,7 @@ class RotaryEmbedding(nn.Module):
         self._plain = not self._mrope and not config.length_dependent
         self._planned = self._plain and layout == "bshd" and config.rotary_position == "first"
         self._interleaved = config.interleaved
+        self._head_dim = config.head_dim  # read every call: a plain attribute
 
     @classmethod
     def for_model(
@@ -178,20 +179,26 @@ class RotaryEmbedding(nn.Module):
             ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
-        rank, head_dim = self._rank, self.config.head_dim
         if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
-            self._planned and type(offsets) is int and positions is None and cu_seqlens is None
-            and inverse is False and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and q.dim() == 4 and k.dim() == 4 and q.size(3) == head_dim == k.size(3)
+            self._planned and positions is None and cu_seqlens is None and inverse is False
+            and k is not None and (type(offsets) is int or type(offsets) is Tensor)
         ):  # fmt: skip
-            tables = self._modules[
-                "cache"
-            ]._buffers  # dict reads: nn.Module.__getattr__ costs more than a check
+            # What a plan's key cannot know is this module's head_dim (a plan made elsewhere for a wider head
+            # with a table of this shape would rotate it partially): head_dim= makes such a q miss. k needs
+            # no test: a plan exists only for a call the checked path accepted, which holds k to q's rank and
+            # head_dim, and its key holds both shapes; launch_planned refuses a q or k that is not a plain
+            # tensor. Per-sequence offsets: the kernel reads them and checks each row against the table. On
+            # the CPU a row the table does not hold yet misses the plan (nothing written), and the path below
+            # grows the table; on a GPU the plan's table is the one the path below sized (max_position_
+            # embeddings rows, rows unknown on the host), and a row past it fails the kernel, as it did there.
+            tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
             out = launch_planned(
-                q, k, tables["cos"], tables["sin"], offsets, self._interleaved, inplace, self.backend, False
-            )
+                q, k, tables["cos"], tables["sin"], offsets, self._interleaved, inplace, self.backend, False,
+                head_dim=self._head_dim,
+            )  # fmt: skip
             if out is not None:
                 return out
+        rank, head_dim = self._rank, self.config.head_dim
         for name, t in (("q", q), ("k", k)):
             if t is None and name == "k":
                 continue  # one tensor
@@ -228,6 +235,11 @@ class RotaryEmbedding(nn.Module):
             else:
                 pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
                 cos, sin, pos = self.cache.lookup(pos, q_view)
+                if (  # per-sequence offsets into the table itself: the steady step above serves the next
+                    type(offsets) is torch.Tensor and positions is None and cu_seqlens is None
+                    and self._plain and cos is self.cache.cos  # not rows computed for this call's tokens
+                ):  # fmt: skip
+                    kw["offsets"] = offsets
             out_q, out_k = apply_resolved(q_view, k_view, cos, sin, pos, **kw)
         if inplace:
             return q if k is None else (q, k)  # the caller's own tensors, whatever view the layout needed

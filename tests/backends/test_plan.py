@@ -231,3 +231,15 @@ def test_the_plan_served_the_planned_version_test():
     apply_rotary(x, cos, sin, inplace=True, backend="cpu")
     calls = ropekit_calls(lambda: apply_rotary(x, cos, sin, inplace=True, backend="cpu"))
     assert "run" in calls and "check_x" not in calls
+
+
+def test_a_named_head_dim_misses_a_plan_made_for_another_width():
+    """head_dim= (RotaryEmbedding's): a plan for q of another width, or another rank, is not run."""
+    cos, sin = tables(16)
+    q, k = _q_k()  # head_dim 16
+    apply_rotary_qk(q, k, cos, sin, offsets=2)  # plans this key
+    want = apply_rotary_qk(q, k, cos, sin, offsets=2, backend="torch")
+    got = plan.launch_planned(q, k, cos, sin, 2, False, False, "auto", False, head_dim=16)
+    assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert plan.launch_planned(q, k, cos, sin, 2, False, False, "auto", False, head_dim=24) is None
+    assert plan.launch_planned(q[0], k[0], cos, sin, 2, False, False, "auto", False, head_dim=16) is None

@@ -121,3 +121,52 @@ def test_a_meta_table_is_a_value_error_naming_it():
     meta_scale = torch.ones((), device="meta")  # a meta scale: no value to divide by either
     with pytest.raises(ValueError, match=r"^k_scale: expected a tensor with values.* got a meta tensor"):
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=meta_scale)
+
+
+# The fused C loop runs 512-bit vectors (where the CPU has them) for FP8 stores of this many elements or more.
+WIDE_ELEMENTS = 1 << 22
+
+
+@pytest.mark.parametrize("copies", [1, 11], ids=["narrow", "wide"])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_the_c_conversion_equals_torchs_cast_at_every_exponent_and_rounding_boundary(fp8_dtype, copies):
+    """The C loop's float32 -> FP8 rounding (issue 25 rewrote it: one float addition rounds onto the FP8 grid)
+    against torch's ``clamp(-max, max).to(fp8)``, for every float32 whose low 16 bits are 0, 1, 0x7fff,
+    0x8000, 0x8001 or 0xffff: every sign and exponent (subnormals, the saturating range, inf, NaN), and every
+    FP8 tie (a float32 with the bits below the FP8 mantissa's half-step clear) with its neighbours on each
+    side. Cast-only nope parts with a scale of 1 put the values through the C rounding unchanged; 11 copies
+    make the call large enough for the loop's 512-bit variant."""
+    high = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = (high[:, None] | low[None, :]).reshape(-1)  # (393216,)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    values = bits.view(torch.float32).reshape(-1, 1, 512).repeat(copies, 1, 1)  # (tokens, 1 head, 512): MLA's
+    tokens = values.shape[0]
+    assert (2 * values.numel() >= WIDE_ELEMENTS) == (copies > 1)
+    cos, sin = tables(8)
+    q, k = torch.zeros(tokens, 1, 8), torch.zeros(tokens, 1, 8)
+    outs = ropekit.apply_rotary_qk_fp8(
+        q, k, cos, sin, q_scale=1.0, k_scale=1.0, fp8_dtype=fp8_dtype, q_nope=values, k_nope=values.flip(0),
+        positions=torch.zeros(tokens, dtype=torch.int64), backend="cpu",
+    )  # fmt: skip
+    fmax = torch.finfo(fp8_dtype).max
+    for got, x in ((outs[2], values), (outs[3], values.flip(0))):
+        want = x.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+        nan = x.isnan()  # torch's NaN bytes are its own; the contract's are 0x7f with the sign
+        assert torch.equal(got.view(torch.uint8)[~nan], want[~nan])
+        assert torch.equal(got.view(torch.uint8)[nan] & 0x7F, torch.full_like(want[nan], 0x7F))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_a_prefill_sized_call_runs_the_wide_loop_to_the_same_bytes(fp8_dtype, interleaved):
+    """A 1024-token Llama-3-8B prefill (5.2M FP8 elements, past WIDE_ELEMENTS) on the C loop's 512-bit
+    variant equals the torch backend's bytes: saturation, per-head scales and both pair layouts included."""
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(1100)
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 1024, 32, 128, generator=g) * 30, torch.randn(1, 1024, 8, 128, generator=g)
+    assert q.numel() + k.numel() >= WIDE_ELEMENTS
+    kw = dict(q_scale=torch.rand(32, generator=g) + 0.02, k_scale=0.05, fp8_dtype=fp8_dtype, offsets=3)
+    want = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="torch", **kw)
+    got = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="cpu", **kw)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))

@@ -89,7 +89,7 @@ def _plain(q, k, cos, sin) -> bool:
     return not (needs_grad and torch.is_grad_enabled())
 
 
-def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate):
+def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate, *, head_dim=None):
     """Run the plan for these arguments; None when there is none or a value check fails (the checked path
     then runs, and raises where it should).
 
@@ -99,6 +99,9 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
         offset: an int, or a tensor of per-sequence offsets (the caller checked the type is exactly one of
             those); a tensor's values are checked by the kernel before it writes anything.
         conjugate: rotate by -theta (``inverse=True``).
+        head_dim: a caller that serves one head width (a :class:`ropekit.RotaryEmbedding`) names it: a plan
+            made elsewhere for a 4-D q of another width (partial rotary with a table of the same shape) then
+            misses, and the caller's checked path raises. Read from the key, which holds q's shape already.
     """
     if (
         (interleaved is not True and interleaved is not False)
@@ -108,7 +111,10 @@ def launch_planned(q, k, cos, sin, offset, interleaved, inplace, backend, conjug
         or not _plain(q, k, cos, sin)
     ):
         return None
-    plan = _plans.get(_key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate))
+    key = _key(q, k, cos, sin, offset, interleaved, inplace, backend, conjugate)
+    if head_dim is not None and (len(key[0]) != 4 or key[0][3] != head_dim):  # key[0]: q.shape
+        return None
+    plan = _plans.get(key)
     if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):
         return None
     if plan.spans is not None:  # in place: the memory rule, from this call's addresses (docs/safety.md)
