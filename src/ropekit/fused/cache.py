@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.fused.plan import (
-    FUSED_BACKENDS,
+from ropekit.fused.checks import (
     cache_view,
     check_distinct_slots,
     check_inference,
     check_scale,
     check_slots,
     paged_view,
-    run,
-    select,
 )
 from ropekit.fused.planned import planned_cache, remember_cache
 from ropekit.positions import resolve
@@ -173,7 +171,7 @@ def apply_rotary_qk_and_cache(
          ("slot_mapping", slot_mapping), ("k_scale", k_scale), ("v_scale", v_scale)),
         optional=False,
     )  # fmt: skip
-    name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
+    name = select_backend(backend, q4, cos, op="fused", widest=max(head_dim, v4.shape[3])).name
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
     q_out = None if cache_only or inplace else torch.empty_like(q)
     args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved, scales[0],
@@ -201,8 +199,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
     into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
     wall and the memory rule are checked here, the kernels check table rows and slots."""
-    if backend not in FUSED_BACKENDS:
-        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    impl = named_backend(backend, "fused")
     if not checked:  # a registered op called directly: the public call's memory rule and distinct slots
         if q_out is not None:
             check_writable("q_out", q_out)
@@ -223,7 +220,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
     kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
     batch, seq = k4.shape[:2]
-    plan = FusedLaunch(
+    launch = FusedLaunch(
         batch, seq, cos, sin, positions, offset, slots, interleaved, False,
         (
             None if q is None else Channel(sources[0], scratch, rotate=True, by_slot=False),
@@ -232,10 +229,10 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
         ),
     )  # fmt: skip
     written = [k_cache, v_cache] if q_out is None else [q_out, k_cache, v_cache]
-    run(backend, plan, written if checked else [], checked=checked)
+    impl.launch_fused(launch, checked=checked, written=written if checked else ())
     if scratch is not out4:  # a strided last axis: rotated in a scratch copy
         out4.copy_(scratch)
-    return plan
+    return launch
 
 
 def _fake(*args) -> None:

@@ -28,7 +28,7 @@ import torch
 from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, keep, known, lookup, span
-from ropekit.fused.plan import check_distinct_slots
+from ropekit.fused.checks import check_distinct_slots
 from ropekit.validation import shares_memory
 
 __all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
