@@ -128,8 +128,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "module: the plan's q / k overlap verdict always 'disjoint'",
         "ropekit/backends/plan.py",
-        "                    shared = shares_memory(q, k)\n",
-        "                    shared = False\n",
+        "                        meet = shares_memory(q, k)\n",
+        "                        meet = False\n",
         ("tests/backends/test_plan.py", "tests/test_module.py"),
     ),
     # ---- fused: apply_rotary_qk_and_cache ----
@@ -263,8 +263,8 @@ MUTATIONS += [
     Mutation(
         "functional: no offset bound in the launch plan nor in the C rotary loop",
         "ropekit/backends/plan.py",
-        "    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):\n",
-        "    if plan is None:\n",
+        "        if type(offset) is int and not 0 <= offset <= last_offset:\n",
+        "        if False:\n",
         ("tests/backends/test_plan.py::test_a_planned_call_still_refuses_an_offset_past_the_table",),
         also=(("ropekit/backends/cpu.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
     ),

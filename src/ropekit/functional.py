@@ -19,7 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.backends.plan import launch_planned, remember
+from ropekit.backends.plan import keep, launch_planned, rotary_plan
 from ropekit.dtensor_inputs import (
     POSITIONS,
     ROTATED,
@@ -134,17 +134,19 @@ def apply_rotary(
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
-    interleaved = flags["interleaved"]
+    interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
+    key = None
     if (
         positions is None
         and cu_seqlens is None
-        and (type(offsets) is int or type(offsets) is torch.Tensor)
         and forms["per_token"] is False
         and forms["full_width"] is False
         and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
-        inplace, inverse = flags["inplace"], flags["inverse"]
-        out = launch_planned(q, k, cos, sin, offsets, interleaved, inplace, backend, inverse)
+        out, key = launch_planned(
+            "rotary", q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
+            conjugate=inverse,
+        )  # fmt: skip
         if out is not None:
             return out
     # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
@@ -152,17 +154,19 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags)
-    if (
-        type(offsets) is torch.Tensor
-        and positions is None
-        and cu_seqlens is None
-        and cos is table_cos  # not a view made from per-token or full-width rows
-        and flags["rotary_position"] == "first"
-    ):  # per-sequence offsets (a decode step): plan the next call like this one
-        impl = select_backend(backend, q, cos)
-        remember(impl, q, k, cos, sin, offsets, interleaved, flags["inplace"], backend, flags["inverse"])
+    if key is None or type(offsets) is int:
+        return apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, plan_key=key)
+    # Per-sequence offsets (a decode step): served, then the plan of the next call like this one.
+    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, plan_key=None)
+    impl = select_backend(backend, q, cos) if cos is table_cos else None
+    plan = impl and rotary_plan(impl, q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace,
+                                conjugate=inverse)  # fmt: skip
+    keep(key, plan)
     return out
+
+
+# apply_resolved's plan_key when its caller has not been through the gate: it goes through it itself.
+UNGATED: tuple = ("ungated",)
 
 
 def apply_resolved(
@@ -177,6 +181,7 @@ def apply_resolved(
     backend: str,
     inverse: bool = False,
     rotary_position: str = "first",
+    plan_key: tuple | None = UNGATED,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -188,14 +193,22 @@ def apply_resolved(
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
         cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
+        plan_key: what the launch-plan gate (:func:`ropekit.backends.plan.launch_planned`) answered a caller
+            that went through it already: the key to keep this call's plan under, or None (no plan); left
+            out, the call goes through the gate here.
 
     Returns:
         (q_rotated, k_rotated or None).
     """
-    if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
-        out = launch_planned(q, k, cos, sin, pos.offset, interleaved, inplace, backend, inverse)
-        if out is not None:
-            return out
+    if plan_key is UNGATED:
+        plan_key = None
+        if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
+            out, plan_key = launch_planned(
+                "rotary", q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,
+                backend=backend, conjugate=inverse,
+            )  # fmt: skip
+            if out is not None:
+                return out
     if k is not None:  # q was checked by resolve(q, ...)
         check_x("k", k, varlen=q.dim() == 3)
         q_shape, k_shape = q.shape, k.shape  # same rank (check_x); no slicing: this runs every decode step
@@ -242,8 +255,10 @@ def apply_resolved(
         out = impl.rotate_qk(
             q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
-        if rows is None and cos is table_cos and type(offset) is int:  # plan the next call like this one
-            remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
+        if plan_key is not None:  # plan the next call like this one
+            plannable = rows is None and cos is table_cos and type(offset) is int
+            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse)
+            keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:
         return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)

@@ -272,7 +272,10 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
         return None
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
-    out = launch_planned(q, k, cos_rows, sin_rows, starts, False, False, backend, False)
+    out = launch_planned(
+        "rotary", q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend,
+        conjugate=False,
+    )[0]  # fmt: skip
     if out is None:
         with peer_names({"x": "q"}):
             out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)

@@ -13,6 +13,7 @@ import torch
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.backends.plan import keep, launch_planned
 from ropekit.fused.checks import (
     cache_view,
     check_distinct_slots,
@@ -21,7 +22,7 @@ from ropekit.fused.checks import (
     check_slots,
     paged_view,
 )
-from ropekit.fused.planned import planned_cache, remember_cache
+from ropekit.fused.planned import cache_plan
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -90,9 +91,23 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
-    out, key = planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout,
-                             positions, offsets, cu_seqlens, interleaved, inplace, k_scale, v_scale,
-                             backend)  # fmt: skip
+    args = (
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        positions,
+        offsets,
+        cu_seqlens,
+        k_scale,
+        v_scale,
+    )
+    out, key = launch_planned("apply_rotary_qk_and_cache", *args, cache_layout=cache_layout,
+                              interleaved=interleaved, inplace=inplace, backend=backend)  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
@@ -174,16 +189,16 @@ def apply_rotary_qk_and_cache(
     name = select_backend(backend, q4, cos, op="fused", widest=max(head_dim, v4.shape[3])).name
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
     q_out = None if cache_only or inplace else torch.empty_like(q)
-    args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved, scales[0],
-            scales[1], name)  # fmt: skip
+    launch_args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved,
+                   scales[0], scales[1], name)  # fmt: skip
     if plain_eager(q):
-        launch = _launch(None if cache_only else q, q if inplace else q_out, *args, checked=True)
-        if key is not None and not cache_only:  # plan the next call like this one
-            remember_cache(key, name, launch, q, k, v, k_cache, v_cache, offsets, inplace)
+        launch = _launch(None if cache_only else q, q if inplace else q_out, *launch_args, checked=True)
+        if key is not None:  # plan the next call like this one
+            keep(key, None if cache_only else cache_plan(name, launch, *args, inplace))
     elif inplace:  # traced: the registered op, one node of a compiled graph
-        _OP_(q, *args)
+        _OP_(q, *launch_args)
     else:
-        _OP(None if cache_only else q, q_out, *args)
+        _OP(None if cache_only else q, q_out, *launch_args)
     return q if inplace else q_out
 
 

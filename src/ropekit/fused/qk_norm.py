@@ -34,9 +34,10 @@ from torch.autograd.function import once_differentiable
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.backends.plan import keep, launch_planned
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec
 from ropekit.backends.qk_norm_eager import heads as _heads
-from ropekit.fused.planned import planned_qk_norm, remember_qk_norm
+from ropekit.fused.planned import qk_norm_plan
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -184,9 +185,12 @@ def qk_norm_rotary_(
             offsets or cu_seqlens as :func:`ropekit.apply_rotary` refuses them; a read-only or overlapping
             qkv, or a leaf that requires grad; an unavailable backend. Nothing is written then.
     """
-    out, key = planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps,
-                               positions, offsets, cu_seqlens, interleaved, weight_offset, norm,
-                               cast_before_weight, backend)  # fmt: skip
+    out, key = launch_planned(
+        "qk_norm_rotary_", qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
+        interleaved=interleaved, weight_offset=weight_offset, norm=norm,
+        cast_before_weight=cast_before_weight, backend=backend,
+    )  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     qkv = _check_qkv(qkv, cu_seqlens is not None)
@@ -269,7 +273,10 @@ def qk_norm_rotary_(
     if plain_eager(qkv):
         _launch(*args, checked=True)
         if key is not None:  # plan the next call like this one
-            remember_qk_norm(key, impl.name, qkv, cos, sin, spec, positions, offsets)
+            plan = qk_norm_plan(
+                impl.name, qkv, q_weight, k_weight, cos, sin, spec, positions, offsets, cu_seqlens
+            )
+            keep(key, plan)
     else:  # traced: the registered op, one node of a compiled graph
         _OP(*args)
     return qkv
