@@ -21,6 +21,7 @@ from ropekit.fused.checks import (
     check_scale,
     check_slots,
     paged_view,
+    pages,
 )
 from ropekit.fused.planned import cache_plan
 from ropekit.positions import resolve
@@ -231,7 +232,10 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
         t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)
     ]
     scratch = out4 if out4 is None or out4.shape[-1] <= 1 or out4.stride(-1) == 1 else torch.empty_like(q4)
-    views = [paged_view(name, c, cache_layout) for name, c in (("k_cache", k_cache), ("v_cache", v_cache))]
+    if checked:  # the public call checked both caches (cache_view)
+        views = [pages(k_cache, cache_layout), pages(v_cache, cache_layout)]
+    else:
+        views = [paged_view("k_cache", k_cache, cache_layout), paged_view("v_cache", v_cache, cache_layout)]
     kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
     kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
     batch, seq = k4.shape[:2]

@@ -30,6 +30,7 @@ __all__ = [
     "check_scale",
     "check_slots",
     "paged_view",
+    "pages",
 ]
 
 CACHE_LAYOUTS = ("flat", "nhd", "hnd")
@@ -96,6 +97,11 @@ def paged_view(name: str, cache: object, layout: object) -> torch.Tensor:
     if not isinstance(cache, torch.Tensor) or cache.dim() != (3 if layout == "flat" else 4):
         shape = _LAYOUT_SHAPES[layout]
         raise ValueError(f"{name}: expected a {layout!r} cache {shape}, got {describe(cache)}")
+    return pages(cache, layout)
+
+
+def pages(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """:func:`paged_view` of a cache checked already (a fused op's launch after its public call)."""
     if layout == "flat":
         return cache.unsqueeze(1)  # (num_slots, 1, heads, width)
     if layout == "nhd":

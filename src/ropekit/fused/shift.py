@@ -13,7 +13,7 @@ import torch
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view
+from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view, pages
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
 
 __all__ = ["shift_cache_"]
@@ -106,7 +106,7 @@ def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend,
     checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
     is checked here."""
     impl = named_backend(backend, "fused")
-    view = paged_view("k_cache", k_cache, cache_layout)
+    view = pages(k_cache, cache_layout) if checked else paged_view("k_cache", k_cache, cache_layout)
     row = abs(delta)
     if not checked:  # a registered op called directly: the public call's value checks
         if not 0 <= row < cos.shape[0]:
