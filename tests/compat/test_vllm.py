@@ -459,8 +459,9 @@ def test_fused_qk_norm_rope_head_counts_and_head_dim_that_are_not_ints_are_value
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
     """From the second step on, rotary_embedding runs its launch plan (the C loop the core's
-    per-sequence-offset plan proved, each token a sequence of its own): every step equals the float64 reference, and a position past the cache on a planned
-    step is still a ValueError naming positions, with query and key unchanged."""
+    per-sequence-offset plan proved, each token a sequence of its own): every step equals the float64
+    reference, and a position past the cache on a planned step is still a ValueError naming positions,
+    with query and key unchanged."""
     import ropekit.backends.plan as plan
 
     cache = get_rope(64, 64, is_neox, {"rope_theta": 10000.0}).cos_sin_cache

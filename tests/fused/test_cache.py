@@ -23,6 +23,7 @@ from fused_cases import (
 )
 
 import ropekit
+from call_count import ropekit_frames
 
 BACKENDS = ["torch", "cpu"]
 
@@ -338,23 +339,15 @@ def _holds(value, q: torch.Tensor) -> bool:
 def _follow(q: torch.Tensor, fn) -> list[tuple[str, str, bool]]:
     """(file under ropekit/, function, whether one of its arguments holds q) for every ropekit Python call
     that fn makes, in order (sys.setprofile)."""
-    root = str(Path(ropekit.__file__).parent)
-    calls = []
+    root = len(str(Path(ropekit.__file__).parent)) + 1
 
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            code = frame.f_code
-            star = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + star]
-            held = any(_holds(frame.f_locals.get(n), q) for n in names)
-            calls.append((code.co_filename[len(root) + 1 :], code.co_name, held))
+    def record(frame):
+        code = frame.f_code
+        star = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + star]
+        return code.co_filename[root:], code.co_name, any(_holds(frame.f_locals.get(n), q) for n in names)
 
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return ropekit_frames(fn, record)
 
 
 def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_only_the_value_checks():
