@@ -135,7 +135,7 @@ def apply_rotary(
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
     interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
-    key = None
+    gated, key = False, None
     if (
         positions is None
         and cu_seqlens is None
@@ -143,6 +143,7 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
         and forms["full_width"] is False
         and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
+        gated = True
         out, key = launch_planned(
             "rotary", q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
             conjugate=inverse,
@@ -155,18 +156,16 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
     if key is None or type(offsets) is int:
-        return apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, plan_key=key)
+        return apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, gated=gated, plan_key=key)
     # Per-sequence offsets (a decode step): served, then the plan of the next call like this one.
-    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, plan_key=None)
-    impl = select_backend(backend, q, cos) if cos is table_cos else None
-    plan = impl and rotary_plan(impl, q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace,
-                                conjugate=inverse)  # fmt: skip
+    out = apply_resolved(q, k, cos, sin, pos, backend=backend, **flags, gated=True)
+    plan = None
+    if cos is table_cos:  # not moved to q's device
+        impl = select_backend(backend, q, cos)
+        kw = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse)
+        plan = rotary_plan(impl, q, k, cos, sin, offsets, **kw)
     keep(key, plan)
     return out
-
-
-# apply_resolved's plan_key when its caller has not been through the gate: it goes through it itself.
-UNGATED: tuple = ("ungated",)
 
 
 def apply_resolved(
@@ -181,7 +180,8 @@ def apply_resolved(
     backend: str,
     inverse: bool = False,
     rotary_position: str = "first",
-    plan_key: tuple | None = UNGATED,
+    gated: bool = False,
+    plan_key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -193,15 +193,14 @@ def apply_resolved(
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
         cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
-        plan_key: what the launch-plan gate (:func:`ropekit.backends.plan.launch_planned`) answered a caller
-            that went through it already: the key to keep this call's plan under, or None (no plan); left
-            out, the call goes through the gate here.
+        gated: the caller went through the launch-plan gate (:func:`ropekit.backends.plan.launch_planned`)
+            already, which answered ``plan_key``: the key to keep this call's plan under, or None (no plan).
+            Otherwise the call goes through the gate here.
 
     Returns:
         (q_rotated, k_rotated or None).
     """
-    if plan_key is UNGATED:
-        plan_key = None
+    if not gated:
         if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
             out, plan_key = launch_planned(
                 "rotary", q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,

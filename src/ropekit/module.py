@@ -13,8 +13,8 @@ from torch import nn
 from ropekit.backends import BACKENDS
 from ropekit.backends.plan import launch_planned
 from ropekit.config import RopeConfig
-from ropekit.functional import UNGATED, apply_resolved, apply_rotary, apply_rotary_qk
-from ropekit.model_plan import model_rope
+from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
+from ropekit.layer_rope import model_rope
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
 from ropekit.validation import check_bool, describe
@@ -179,13 +179,14 @@ class RotaryEmbedding(nn.Module):
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
         rank, head_dim = self._rank, self.config.head_dim
-        plan_key = UNGATED  # the launch-plan gate's answer, once this call has been through it
+        gated, plan_key = False, None  # whether this call went through the launch-plan gate, its answer
         if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
             self._planned and type(offsets) is int and positions is None and cu_seqlens is None
             and inverse is False and type(q) is torch.Tensor and type(k) is torch.Tensor
             and q.dim() == 4 and k.dim() == 4 and q.size(3) == head_dim == k.size(3)
         ):  # fmt: skip
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
+            gated = True
             out, plan_key = launch_planned(
                 "rotary", q, k, tables["cos"], tables["sin"], offsets, interleaved=self._interleaved,
                 inplace=inplace, backend=self.backend, conjugate=False,
@@ -220,7 +221,7 @@ class RotaryEmbedding(nn.Module):
         ):  # fmt: skip
             if k is None:
                 out_q, out_k = apply_rotary(q_view, cos, self.cache.sin, offsets=offsets, **kw), None
-            elif plan_key is not UNGATED:  # through the gate already: on to the checked path
+            elif gated:  # through the gate already: on to the checked path
                 pos = resolve(q_view, offsets=offsets, name="q")
                 out_q, out_k = apply_resolved(
                     q_view, k_view, cos, self.cache.sin, pos, **kw, plan_key=plan_key
