@@ -42,7 +42,7 @@ from ropekit.integrations.hf_probe import (
     Call,
     NotUnderstood,
     Signature,
-    find_plan,
+    find_convention,
     rotation_function,
     stand_in,
 )
@@ -53,7 +53,7 @@ __all__ = ["EXTEND_METHODS", "extend_context", "patch", "unpatch"]
 
 log = logging.getLogger(__name__)
 
-PLANS_ATTR = "_ropekit_plans"  # on a patched layer: {function name: (Plan, backend)}
+CONVENTIONS_ATTR = "_ropekit_conventions"  # on a patched layer: {function name: (Convention, backend)}
 ORIGINAL_ATTR = (
     "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
 )
@@ -289,9 +289,9 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
     for message in refused:
         warnings.warn(message, stacklevel=2)
-    for layer, (plans, functions) in replacements.items():
+    for layer, (conventions, functions) in replacements.items():
         _replace_functions(layer, functions)
-        setattr(layer, PLANS_ATTR, plans)
+        setattr(layer, CONVENTIONS_ATTR, conventions)
     log.debug("patched %d layers of %s", len(replacements), model_type)
     return len(replacements)
 
@@ -302,7 +302,7 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
     refused: list[str] = []
     checked_backend = False
     for layer_name, layer, functions in candidates:
-        plans, stand_ins, reasons = {}, {}, []
+        conventions, stand_ins, reasons = {}, {}, []
         for name, fn in functions.items():
             call = calls.get((id(layer), name))
             if call is None:
@@ -316,11 +316,11 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 _check_backend(backend, call, signature)
                 checked_backend = True
             try:
-                plan, diff, tol = find_plan(fn, signature, call, backend)
+                convention, diff, tol = find_convention(fn, signature, call, backend)
             except NotUnderstood as err:
                 reasons.append(f"its {name} cannot be read: {err}")
                 continue
-            if plan is None:
+            if convention is None:
                 reasons.append(
                     f"ropekit does not reproduce its {name}: smallest difference {diff:.3g} over every "
                     "pairing "
@@ -329,15 +329,15 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 continue
             recorded = {slot[1]: Signature.get(call.args, call.kwargs, slot) for slot in signature.others}
             recorded["__tuple__"] = isinstance(call.output, tuple)
-            plans[name] = (plan, backend)
-            stand_ins[name] = stand_in(fn, signature, plan, recorded, backend)
+            conventions[name] = (convention, backend)
+            stand_ins[name] = stand_in(fn, signature, convention, recorded, backend)
         if reasons:
             refused.append(
                 f"model: {model_type} layer {layer_name!r} ({type(layer).__name__}) not patched: "
                 + "; ".join(reasons)
             )
-        elif plans:
-            replacements[layer] = (plans, stand_ins)
+        elif conventions:
+            replacements[layer] = (conventions, stand_ins)
     return replacements, refused
 
 
@@ -345,8 +345,8 @@ def unpatch(model: nn.Module) -> int:
     """Restore HF's own rotary code in every layer :func:`patch` changed; returns how many were restored."""
     restored = 0
     for module in model.modules():
-        if PLANS_ATTR in module.__dict__:
-            del module.__dict__[PLANS_ATTR]
+        if CONVENTIONS_ATTR in module.__dict__:
+            del module.__dict__[CONVENTIONS_ATTR]
             module.__dict__.pop("forward", None)
             restored += 1
     return restored
@@ -356,11 +356,11 @@ def patched_layers(model: nn.Module) -> dict[str, dict[str, str]]:
     """{layer name: {RoPE function: how ropekit runs it}} for every layer :func:`patch` replaced."""
     return {
         name: {
-            fn: f"{plan.describe()}, backend {backend}"
-            for fn, (plan, backend) in module.__dict__[PLANS_ATTR].items()
+            fn: f"{convention.describe()}, backend {backend}"
+            for fn, (convention, backend) in module.__dict__[CONVENTIONS_ATTR].items()
         }
         for name, module in model.named_modules()
-        if PLANS_ATTR in module.__dict__
+        if CONVENTIONS_ATTR in module.__dict__
     }
 
 
