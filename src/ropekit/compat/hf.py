@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from ropekit.backends.plan import launch_planned
-from ropekit.compat._common import peer_names
+from ropekit.compat._common import peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.hf_config import load_hf_config, rope_layer_types
@@ -242,9 +241,9 @@ def _row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
 def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
     (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
-    batch). In the steady state that is the core's launch plan (:mod:`ropekit.backends.plan`) with no other
-    check: everything HF's shapes rely on is compared here, the rest is in the plan's key. None for any
-    other call (the checked path below then names what is wrong)."""
+    batch). In the steady state that is the core's launch plan (its one gate, :mod:`ropekit.backends.plan`)
+    with no other check: everything HF's shapes rely on is compared here, the rest is in the plan's key. None
+    for any other call (the checked path below then names what is wrong)."""
     if type(unsqueeze_dim) is not int or (unsqueeze_dim != 1 and unsqueeze_dim != 2):
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(cos) is not torch.Tensor:
@@ -272,13 +271,10 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
         return None
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
-    out = launch_planned(
-        "rotary", q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend,
-        conjugate=False,
-    )[0]  # fmt: skip
-    if out is None:
-        with peer_names({"x": "q"}):
-            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
+    try:  # not peer_names: a context manager costs a steady step more than the core's planned call
+        out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
+    except ValueError as err:
+        raise renamed(err, {"x": "q"}) from None
     if unsqueeze_dim == 2:
         return out
     return out[0].transpose(1, 2), out[1].transpose(1, 2)  # back to (B, H, S, D)
