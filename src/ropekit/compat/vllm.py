@@ -150,7 +150,9 @@ def _plan(impl, query, key, q, k, cos, sin, interleaved):
     flags = dict(interleaved=interleaved, conjugate=False, inplace=True, per_sequence=True)
     if impl.name != "cpu" or q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
         return None  # the core's C plan proves the loop takes these views and table as they are
-    call = pointer_launch(q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved, False, True)
+    call = pointer_launch(
+        q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved=interleaved, conjugate=False, per_sequence=True
+    )
     sin_bytes = sin.data_ptr() - cos.data_ptr()  # sin is the cache's second half, a fixed step from cos
     q_span, k_span = span(query), 0 if key is None else span(key)
     shared: dict[int, bool] = {}  # k - q byte distance -> whether query and key share an element
