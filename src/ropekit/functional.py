@@ -19,7 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.backends.plan import keep, launch_planned, rotary_plan
+from ropekit.backends.plan import keep, launch_rotary, rotary_plan
 from ropekit.dtensor_inputs import (
     POSITIONS,
     ROTATED,
@@ -144,8 +144,8 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
         and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
         gated = True
-        out, key = launch_planned(
-            "rotary", q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
+        out, key = launch_rotary(
+            q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
             conjugate=inverse,
         )  # fmt: skip
         if out is not None:
@@ -193,7 +193,7 @@ def apply_resolved(
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
         cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
-        gated: the caller went through the launch-plan gate (:func:`ropekit.backends.plan.launch_planned`)
+        gated: the caller went through the launch-plan gate (:func:`ropekit.backends.plan.gate`)
             already, which answered ``plan_key``: the key to keep this call's plan under, or None (no plan).
             Otherwise the call goes through the gate here.
 
@@ -202,8 +202,8 @@ def apply_resolved(
     """
     if not gated:
         if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
-            out, plan_key = launch_planned(
-                "rotary", q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,
+            out, plan_key = launch_rotary(
+                q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,
                 backend=backend, conjugate=inverse,
             )  # fmt: skip
             if out is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ropekit.backends import BACKENDS
-from ropekit.backends.plan import launch_planned
+from ropekit.backends.plan import launch_rotary
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.layer_rope import model_rope
@@ -187,8 +187,8 @@ class RotaryEmbedding(nn.Module):
         ):  # fmt: skip
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
             gated = True
-            out, plan_key = launch_planned(
-                "rotary", q, k, tables["cos"], tables["sin"], offsets, interleaved=self._interleaved,
+            out, plan_key = launch_rotary(
+                q, k, tables["cos"], tables["sin"], offsets, interleaved=self._interleaved,
                 inplace=inplace, backend=self.backend, conjugate=False,
             )  # fmt: skip
             if out is not None:

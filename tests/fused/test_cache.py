@@ -381,6 +381,7 @@ def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_o
     assert not [name for _, name, _ in steady if name in CHECKS and name != "check_distinct_slots"], steady
     assert [name for _, name, _ in steady].count("check_distinct_slots") == 1
     assert [(f, n) for f, n, held in steady if held] == [
-        ("fused/cache.py", "apply_rotary_qk_and_cache"), ("backends/plan.py", "launch_planned"),
+        ("fused/cache.py", "apply_rotary_qk_and_cache"),
+        ("backends/plan.py (the gate of apply_rotary_qk_and_cache)", "launch_planned"),
         ("fused/planned.py", "run"),
     ]  # fmt: skip

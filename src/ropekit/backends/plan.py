@@ -3,7 +3,7 @@
 "Plan" in ropekit means this and nothing else: the launch-plan cache and the runs it holds.
 
 A decode loop calls with the same shapes, strides, dtypes and flags every step; only the data and the int
-offset change. :func:`launch_planned` is the one gate every op reaches (the rotation, the serving fusions,
+offset change. :func:`gate` makes the one gate every op reaches (the rotation, the serving fusions,
 the module, the compat calls): it builds the call's key from its arguments (each tensor's shape, stride, dtype
 and device; ``int`` for an int; the keyword flags with their types), looks it up once, and runs the plan it
 finds. A miss returns the key; the op's checked path then serves the call (every argument checked, the
@@ -13,9 +13,9 @@ none. A plan's run makes the checks that depend on values and addresses (an int 
 the memory rule of docs/safety.md from this call's data pointers) and returns None, having written nothing,
 when one fails: the checked path then runs and raises its own error.
 
-A plan never changes an answer: every fact a check relied on is in the key, so a changed stride, shape, dtype
-or flag misses. Calls that trace (torch.compile, dispatch modes), take a tensor subclass, a tensor that
-requires grad, or an argument of any other type never use a plan.
+A plan never changes an answer: every fact a check relied on is in the key (or checked by its run), so a
+changed stride, shape, dtype or flag misses. Calls that trace (torch.compile, dispatch modes), record autograd
+history, take a tensor subclass or an argument of any other type never use a plan.
 
 Shape notation: B batch, S sequence, H heads, D head_dim.
 """
@@ -28,7 +28,7 @@ import torch
 
 from ropekit.validation import byte_extent, shares_memory
 
-__all__ = ["clear_plans", "keep", "launch_planned", "rotary_plan", "span"]
+__all__ = ["clear_plans", "gate", "keep", "launch_rotary", "rotary_plan", "span"]
 
 # Plans kept before the cache starts over: a process sees a handful of (shape, layout) kinds; a workload
 # whose shapes never repeat (variable-length prefill) must not grow this without bound.
@@ -46,41 +46,72 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def launch_planned(op: str, *args, **flags) -> tuple[object, tuple | None]:
-    """The one gate in front of every op's checked path: ``(result, None)`` when a plan served the call;
-    ``(None, key)`` on a first call of its kind (the checked path serves it, then :func:`keep` stores the
-    plan for key); ``(None, None)`` when no plan serves it (a kind known to have none, a value check that
-    failed, an argument no plan may take).
+def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | None]]:
+    """The one gate in front of an op's checked path, made once per op: ``gate(op, args, flags)`` returns
+    ``launch_planned(*args, **flags)``, which answers ``(result, None)`` when a plan served the call; ``(None,
+    key)`` on a first call of its kind (the checked path serves it, then :func:`keep` stores the plan for
+    key); ``(None, None)`` when no plan serves it (a kind known to have none, a value check that failed, an
+    argument no plan may take: a trace, a tensor subclass or one that requires grad, another type).
+
+    Every op's key is built the same way: each tensor's shape, stride, dtype and device, ``int`` for an int
+    (its value goes to the plan's run), None for None, then each flag's value and type (True == 1). A call
+    that records autograd history (grad enabled and a tensor that requires grad) never takes a plan. The gate
+    is written out for the op's arguments (a tuple literal, as a hand-written key would be: a decode step
+    cannot spare a loop over its arguments), from this one template.
 
     Args:
         op: the op's name (its plans never meet another op's).
-        args: the op's tensors and ints in a fixed order, each a plain tensor, None or an int; the plan's run
-            takes them in this order.
-        flags: the op's other arguments (bool, int, float, str or None), by keyword.
+        args: the positional arguments, in the order the plan's run takes them: ``name`` a plain tensor,
+            ``name?`` a tensor or None, ``name#`` a tensor or an int.
+        flags: the keyword-only arguments (bool, int, float, str or None), in the key by value and type.
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return None, None
-    key = [op]
-    for a in args:
-        kind = type(a)
-        if kind is Tensor:
-            if a.requires_grad:
-                return None, None
-            key += (a.shape, a.stride(), a.dtype, a.device)
-        elif a is None or kind is int:
-            key.append(kind)
+    names, plain, facts, grads = [], [], [], []  # pieces of the source; its own names start with _gate_
+    for token in args.split():
+        name = token.rstrip("?#")
+        names.append(name)
+        layout = f"{name}.shape, {name}.stride(), {name}.dtype, {name}.device"
+        if token.endswith("?"):
+            plain.append(f"(type({name}) is Tensor or {name} is None)")
+            facts.append(f"None if {name} is None else ({layout})")
+            grads.append(f"({name} is not None and {name}.requires_grad)")
+        elif token.endswith("#"):
+            plain.append(f"(type({name}) is Tensor or type({name}) is int)")
+            facts.append(f"int if type({name}) is int else ({layout})")
+            grads.append(f"(type({name}) is Tensor and {name}.requires_grad)")
         else:
-            return None, None
-    for value in flags.values():
-        if type(value) not in _FLAG_TYPES:
-            return None, None
-    key = (*key, *flags.items(), *map(type, flags.values()))
-    run = _plans.get(key, _MISSING)
-    if run is _MISSING:
-        return None, key
-    if run is None:
+            plain.append(f"type({name}) is Tensor")
+            facts.append(layout)
+            grads.append(f"{name}.requires_grad")
+    flag_names = flags.split()
+    plain += [f"type({f}) in _FLAG_TYPES" for f in flag_names]
+    facts += [*flag_names, *(f"type({f})" for f in flag_names)]
+    call = ", ".join(names)
+    params = f"{call}, *, {', '.join(flag_names)}" if flag_names else call
+    source = f"""
+def launch_planned({params}):
+    if (
+        torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+        or not ({" and ".join(plain)})
+        or (torch.is_grad_enabled() and ({" or ".join(grads)}))
+    ):
         return None, None
-    return run(*args), None
+    _gate_key = ({op!r}, {", ".join(facts)})
+    _gate_run = _plans.get(_gate_key, _MISSING)
+    if _gate_run is _MISSING:
+        return None, _gate_key
+    if _gate_run is None:
+        return None, None
+    return _gate_run({call}), None
+"""
+    scope: dict = {}
+    exec(
+        compile(source, f"{__file__} (the gate of {op})", "exec"), globals(), scope
+    )  # its globals: this module's
+    return scope["launch_planned"]
+
+
+# The rotation's gate: apply_rotary(_qk), RotaryEmbedding and compat.hf (through apply_rotary_qk) use it.
+launch_rotary = gate("rotary", "q k? cos sin offset#", "interleaved inplace backend conjugate")
 
 
 def keep(key: tuple | None, run: Callable | None) -> None:

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ropekit.compat._common import peer_names, renamed
+from ropekit.backends.plan import launch_rotary
+from ropekit.compat._common import peer_names
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.hf_config import load_hf_config, rope_layer_types
@@ -271,10 +272,12 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
         return None
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
-    try:  # not peer_names: a context manager costs a steady step more than the core's planned call
-        out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
-    except ValueError as err:
-        raise renamed(err, {"x": "q"}) from None
+    out = launch_rotary(
+        q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend, conjugate=False
+    )[0]  # the rotation's gate: a steady step is its plan (a miss is looked up again by apply_rotary_qk)
+    if out is None:
+        with peer_names({"x": "q"}):
+            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
     if unsqueeze_dim == 2:
         return out
     return out[0].transpose(1, 2), out[1].transpose(1, 2)  # back to (B, H, S, D)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.cpu import pointer_launch
-from ropekit.backends.plan import MAX_PLANS, keep, launch_planned, span
+from ropekit.backends.plan import MAX_PLANS, gate, keep, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -48,6 +48,10 @@ __all__ = [
 ]
 
 _NAMES = {"x": "query", "q": "query", "k": "key", "cos": "cos_sin_cache", "sin": "cos_sin_cache"}
+# vLLM's in-place call, its own launch-plan gate (ropekit.backends.plan.gate): no (T, H, D) views on a hit.
+_launch_planned = gate(
+    "compat.vllm.rotary_embedding", "positions query key? cos_sin_cache", "head_size is_neox backend"
+)
 
 
 def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor:
@@ -103,10 +107,9 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto"):
     plan_key = None
     if inplace:  # a decode step seen before: vLLM's call as its launch plan, no views built
-        out, plan_key = launch_planned(
-            "compat.vllm.rotary_embedding", positions, query, key, cos_sin_cache, head_size=head_size,
-            is_neox=is_neox, backend=backend,
-        )  # fmt: skip
+        out, plan_key = _launch_planned(
+            positions, query, key, cos_sin_cache, head_size=head_size, is_neox=is_neox, backend=backend
+        )
         if out is not None:
             return None
     if type(head_size) is not int:

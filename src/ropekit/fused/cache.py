@@ -13,7 +13,7 @@ import torch
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.backends.plan import keep, launch_planned
+from ropekit.backends.plan import gate, keep
 from ropekit.fused.checks import (
     cache_view,
     check_distinct_slots,
@@ -36,6 +36,13 @@ from ropekit.validation import (
 )
 
 __all__ = ["apply_rotary_qk_and_cache"]
+
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
+_launch_planned = gate(
+    "apply_rotary_qk_and_cache",
+    "q? k v cos sin k_cache v_cache slot_mapping positions? offsets# cu_seqlens? k_scale? v_scale?",
+    "cache_layout interleaved inplace backend",
+)
 
 
 def apply_rotary_qk_and_cache(
@@ -92,23 +99,10 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
-    args = (
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        positions,
-        offsets,
-        cu_seqlens,
-        k_scale,
-        v_scale,
-    )
-    out, key = launch_planned("apply_rotary_qk_and_cache", *args, cache_layout=cache_layout,
-                              interleaved=interleaved, inplace=inplace, backend=backend)  # fmt: skip
+    args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
+            v_scale)  # fmt: skip
+    out, key = _launch_planned(*args, cache_layout=cache_layout, interleaved=interleaved, inplace=inplace,
+                               backend=backend)  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)

@@ -1,6 +1,6 @@
 """Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
 :func:`~ropekit.qk_norm_rotary_` decode step goes through the one gate
-(:func:`ropekit.backends.plan.launch_planned`: its key, one lookup), the value checks that cannot be planned,
+(:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
 and one call of the C loop.
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
@@ -168,6 +168,8 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
     def run(qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens):
         if positions is not None and offsets != 0:
             return None  # positions and offsets together: the checked path refuses them
+        if cos.requires_grad or sin.requires_grad:
+            return None  # refused in any grad mode (constants to qk_norm_rotary_): the checked path says so
         if qkv.is_inference() and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
         # The memory rule: qkv (written) meets nothing it reads; where byte ranges meet, the checked path

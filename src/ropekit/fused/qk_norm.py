@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.backends.plan import keep, launch_planned
+from ropekit.backends.plan import gate, keep
 from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec
 from ropekit.backends.qk_norm_eager import heads as _heads
 from ropekit.fused.planned import qk_norm_plan
@@ -54,6 +54,12 @@ from ropekit.validation import (
 __all__ = ["qk_norm_rotary_"]
 
 _NORMS = ("head", "all_heads")
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
+_launch_planned = gate(
+    "qk_norm_rotary_",
+    "qkv q_weight k_weight cos sin positions? offsets# cu_seqlens?",
+    "num_q_heads num_kv_heads head_dim eps interleaved weight_offset norm cast_before_weight backend",
+)
 
 
 class QKNormRotaryFunction(torch.autograd.Function):
@@ -185,8 +191,8 @@ def qk_norm_rotary_(
             offsets or cu_seqlens as :func:`ropekit.apply_rotary` refuses them; a read-only or overlapping
             qkv, or a leaf that requires grad; an unavailable backend. Nothing is written then.
     """
-    out, key = launch_planned(
-        "qk_norm_rotary_", qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens,
+    out, key = _launch_planned(
+        qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
         interleaved=interleaved, weight_offset=weight_offset, norm=norm,
         cast_before_weight=cast_before_weight, backend=backend,
