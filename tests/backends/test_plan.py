@@ -235,10 +235,11 @@ def test_the_plan_served_the_planned_version_test():
 
 def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_take():
     """plan.gate: one template for every op's gate. An int's value goes to the run, not the key; a flag's
-    value and type are the key (1 == True, but interleaved=1 is refused by the checked path); a layout, a
-    tensor subclass, a float where an int goes, an unhashable flag or autograd history never reach a plan."""
+    value is the key, of exactly its kind (1 == True, but interleaved=1 is refused by the checked path); a
+    layout, a tensor subclass, a float where an int goes, a flag of another type or autograd history never
+    reach a plan."""
     plan.clear_plans()
-    launch = plan.gate("test_op", "x y? n#", "flag")
+    launch = plan.gate("test_op", "x y? n#", "flag:bool")
     x = torch.zeros(2, 3)
     out, key = launch(x, None, 3, flag=True)
     assert out is None and key is not None and key[0] == "test_op"
@@ -246,7 +247,6 @@ def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_tak
     assert launch(x, None, 4, flag=True) == (("ran", 4), None)
     assert launch(x.clone(), None, 5, flag=True) == (("ran", 5), None)  # another tensor, same layout
     for missed in (
-        launch(x, None, 4, flag=1),  # 1 == True: another type, another key
         launch(x.t(), None, 4, flag=True),  # another stride
         launch(x, x, 4, flag=True),  # y given
         launch(x, None, torch.tensor([4]), flag=True),  # per-sequence offsets
@@ -255,6 +255,7 @@ def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_tak
     for refused in (
         launch(torch.nn.Parameter(x), None, 4, flag=True),  # a tensor subclass
         launch(x, None, 4.0, flag=True),  # a float where an int or a tensor goes
+        launch(x, None, 4, flag=1),  # 1 == True, but not a bool: the checked path refuses it
         launch(x, None, 4, flag=[1]),  # a flag of another type (unhashable)
         launch(x.clone().requires_grad_(), None, 4, flag=True),  # autograd history to record
     ):

@@ -33,8 +33,14 @@ __all__ = ["clear_plans", "gate", "keep", "launch_rotary", "rotary_plan", "span"
 # Plans kept before the cache starts over: a process sees a handful of (shape, layout) kinds; a workload
 # whose shapes never repeat (variable-length prefill) must not grow this without bound.
 MAX_PLANS = 256
-# The types a flag may have: its value (and type: True == 1) is part of the key.
-_FLAG_TYPES = (bool, int, float, str, type(None))
+# A flag's kind (``name:kind`` in gate's flags) -> the check that its value is exactly of that kind.
+_FLAG_CHECKS = {
+    "bool": "({0} is True or {0} is False)",
+    "bool?": "({0} is None or {0} is True or {0} is False)",
+    "int": "type({0}) is int",
+    "number": "(type({0}) is float or type({0}) is int)",
+    "str": "type({0}) is str",
+}
 
 Tensor = torch.Tensor
 _plans: dict[tuple, Callable | None] = {}  # None: the key's kind has no plan (the checked path serves it)
@@ -54,7 +60,7 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
     argument no plan may take: a trace, a tensor subclass or one that requires grad, another type).
 
     Every op's key is built the same way: each tensor's shape, stride, dtype and device, ``int`` for an int
-    (its value goes to the plan's run), None for None, then each flag's value and type (True == 1). A call
+    (its value goes to the plan's run), None for None, then each flag's value, of exactly its kind. A call
     that records autograd history (grad enabled and a tensor that requires grad) never takes a plan. The gate
     is written out for the op's arguments (a tuple literal, as a hand-written key would be: a decode step
     cannot spare a loop over its arguments), from this one template.
@@ -63,7 +69,8 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
         op: the op's name (its plans never meet another op's).
         args: the positional arguments, in the order the plan's run takes them: ``name`` a plain tensor,
             ``name?`` a tensor or None, ``name#`` a tensor or an int.
-        flags: the keyword-only arguments (bool, int, float, str or None), in the key by value and type.
+        flags: the keyword-only arguments, ``name:kind`` with kind bool, bool? (or None), int, number (int or
+            float) or str; any other type takes the checked path.
     """
     names, plain, facts, grads = [], [], [], []  # pieces of the source; its own names start with _gate_
     for token in args.split():
@@ -82,9 +89,12 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
             plain.append(f"type({name}) is Tensor")
             facts.append(layout)
             grads.append(f"{name}.requires_grad")
-    flag_names = flags.split()
-    plain += [f"type({f}) in _FLAG_TYPES" for f in flag_names]
-    facts += [*flag_names, *(f"type({f})" for f in flag_names)]
+    flag_names = []
+    for token in flags.split():
+        name, kind = token.split(":")
+        flag_names.append(name)
+        plain.append(_FLAG_CHECKS[kind].format(name))  # exact types: a key holds True, never 1 in its place
+        facts.append(name)
     call = ", ".join(names)
     params = f"{call}, *, {', '.join(flag_names)}" if flag_names else call
     source = f"""
@@ -110,8 +120,10 @@ def launch_planned({params}):
     return scope["launch_planned"]
 
 
-# The rotation's gate: apply_rotary(_qk), RotaryEmbedding and compat.hf (through apply_rotary_qk) use it.
-launch_rotary = gate("rotary", "q k? cos sin offset#", "interleaved inplace backend conjugate")
+# The rotation's gate: apply_rotary(_qk), RotaryEmbedding and compat.hf use it.
+launch_rotary = gate(
+    "rotary", "q k? cos sin offset#", "interleaved:bool inplace:bool backend:str conjugate:bool"
+)
 
 
 def keep(key: tuple | None, run: Callable | None) -> None:

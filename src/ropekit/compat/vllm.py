@@ -50,7 +50,9 @@ __all__ = [
 _NAMES = {"x": "query", "q": "query", "k": "key", "cos": "cos_sin_cache", "sin": "cos_sin_cache"}
 # vLLM's in-place call, its own launch-plan gate (ropekit.backends.plan.gate): no (T, H, D) views on a hit.
 _launch_planned = gate(
-    "compat.vllm.rotary_embedding", "positions query key? cos_sin_cache", "head_size is_neox backend"
+    "compat.vllm.rotary_embedding",
+    "positions query key? cos_sin_cache",
+    "head_size:int is_neox:bool backend:str",
 )
 
 

@@ -41,7 +41,7 @@ __all__ = ["apply_rotary_qk_and_cache"]
 _launch_planned = gate(
     "apply_rotary_qk_and_cache",
     "q? k v cos sin k_cache v_cache slot_mapping positions? offsets# cu_seqlens? k_scale? v_scale?",
-    "cache_layout interleaved inplace backend",
+    "cache_layout:str interleaved:bool inplace:bool backend:str",
 )
 
 

@@ -58,7 +58,8 @@ _NORMS = ("head", "all_heads")
 _launch_planned = gate(
     "qk_norm_rotary_",
     "qkv q_weight k_weight cos sin positions? offsets# cu_seqlens?",
-    "num_q_heads num_kv_heads head_dim eps interleaved weight_offset norm cast_before_weight backend",
+    "num_q_heads:int num_kv_heads:int head_dim:int eps:number interleaved:bool weight_offset:number norm:str "
+    "cast_before_weight:bool? backend:str",
 )
 
 
