@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.cpu import pointer_launch
-from ropekit.backends.plan import MAX_PLANS, gate, keep, span
+from ropekit.backends.plan import MAX_PLANS, gate, keep, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -141,19 +141,22 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
     if plan_key is not None:  # checked and served: later steps of this kind take the plan
         flat = positions.dtype == torch.int64 and positions.is_contiguous()  # the loop reads it as it lies
         impl = select_backend(backend, q, cos)
-        keep(plan_key, _plan(impl, query, key, q, k, cos, sin, interleaved) if flat else None)
+        keep(plan_key, _plan(impl, query, key, q, k, cos, sin, positions, interleaved) if flat else None)
     return out
 
 
-def _plan(impl, query, key, q, k, cos, sin, interleaved):
+def _plan(impl, query, key, q, k, cos, sin, positions, interleaved):
     """run(positions, query, key, cache) -> query once it has rotated query and key in place (None: nothing
-    written; the checked path serves the call): the C loop on the call's data pointers, each token's row
-    read from positions by the loop, which checks it. None (no plan) unless the C loop serves this kind."""
-    # Each token as a sequence of its own, (T, 1, H, D) views, whose offset is its position: the core's C
-    # plan for per-sequence offsets proves the loop takes these views and table as they are.
+    written; the checked path serves the call). On the C loop: the loop on the call's data pointers, each
+    token's row read from positions by the loop, which checks it; on another backend: its plan for
+    per-sequence offsets (:func:`_views_plan`). None when the backend has no plan for this kind."""
+    # Each token as a sequence of its own, (T, 1, H, D) views, whose offset is its position: the core's
+    # plan for per-sequence offsets proves the backend takes these views and table as they are.
     q_tok, k_tok = q.transpose(0, 1), None if k is None else k.transpose(0, 1)  # (T, 1, H, D)
+    if impl.name != "cpu":
+        return _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved)
     flags = dict(interleaved=interleaved, conjugate=False, inplace=True, per_sequence=True)
-    if impl.name != "cpu" or q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
+    if q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
         return None  # the core's C plan proves the loop takes these views and table as they are
     call = pointer_launch(
         q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved=interleaved, conjugate=False, per_sequence=True
@@ -191,6 +194,25 @@ def _plan(impl, query, key, q, k, cos, sin, interleaved):
                 if meet:
                     return None
         return query if call(q, q, k, k, c, c + sin_bytes, p, 0) == -1 else None
+
+    return run
+
+
+def _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved):
+    """run(positions, query, key, cache) on a backend other than the C loop: the (T, 1, H, D) views of the
+    checked path, then the core's plan for per-sequence offsets (:func:`ropekit.backends.plan.rotary_plan`:
+    its value checks, then the backend's launch); None when the backend has no such plan."""
+    tokens, head_size = q_tok.shape[0], q_tok.shape[3]
+    core = rotary_plan(impl, q_tok, k_tok, cos, sin, positions.view(tokens), interleaved=interleaved,
+                       inplace=True, conjugate=False)  # fmt: skip
+    if core is None:
+        return None
+
+    def run(positions, query, key, cache):
+        q = _token_heads("query", query, tokens, head_size).transpose(0, 1)  # (T, 1, H, D)
+        k = None if key is None else _token_heads("key", key, tokens, head_size).transpose(0, 1)
+        cos, sin = _halves(cache)
+        return None if core(q, k, cos, sin, positions.view(tokens)) is None else query
 
     return run
 
