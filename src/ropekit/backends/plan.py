@@ -113,10 +113,8 @@ def launch_planned({params}):
         return None, None
     return _gate_run({call}), None
 """
-    scope: dict = {}
-    exec(
-        compile(source, f"{__file__} (the gate of {op})", "exec"), globals(), scope
-    )  # its globals: this module's
+    scope: dict = {}  # the gate reads this module's globals (_plans, _MISSING) when it is called
+    exec(compile(source, f"{__file__} (the gate of {op})", "exec"), globals(), scope)
     return scope["launch_planned"]
 
 
