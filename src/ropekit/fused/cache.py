@@ -40,7 +40,7 @@ __all__ = ["apply_rotary_qk_and_cache"]
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
 _launch_planned = gate(
     "apply_rotary_qk_and_cache",
-    "q? k v cos sin k_cache v_cache slot_mapping positions? offsets# cu_seqlens? k_scale? v_scale?",
+    "q? k v cos sin k_cache v_cache slot_mapping positions! offsets# cu_seqlens! k_scale! v_scale!",
     "cache_layout:str interleaved:bool inplace:bool backend:str",
 )
 
