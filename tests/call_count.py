@@ -14,15 +14,20 @@ ROOT = str(Path(ropekit.__file__).parent)
 
 def ropekit_calls(fn) -> list[str]:
     """Names of the Python functions inside ropekit that one call of fn runs (sys.setprofile)."""
-    calls: list[str] = []
+    return ropekit_frames(fn, lambda frame: frame.f_code.co_name)
+
+
+def ropekit_frames(fn, record) -> list:
+    """record(frame) for every Python function inside ropekit that one call of fn runs, in order."""
+    seen: list = []
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(ROOT):
-            calls.append(frame.f_code.co_name)
+            seen.append(record(frame))
 
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return calls
+    return seen

@@ -409,7 +409,7 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
     return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
 
 
-def expected_allowed(layer: ropekit.model_plan.LayerRope) -> torch.Tensor:
+def expected_allowed(layer: ropekit.layer_rope.LayerRope) -> torch.Tensor:
     """(S, S) bool: the lower triangle a query sees under the layer's window and chunk (k <= q)."""
     q = torch.arange(SEQ)[:, None]
     k = torch.arange(SEQ)[None, :]
@@ -427,12 +427,12 @@ TOLERANCE = 1e-5  # fp32 model tables (angles formed in fp32) against ropekit's 
 def prove(model_type: str) -> tuple[list[str], list[str]]:
     """(disagreements, things not measured) between model_rope and the tiny model's layers."""
     config = tiny_config(model_type)
-    plan = ropekit.model_rope(config)  # before building: a refused config need not run
+    layers = ropekit.model_rope(config)  # before building: a refused config need not run
     model = build(model_type, config)
     observed = observe(model)
     problems, unmeasured = [], []
     lower = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool))
-    for layer in plan:
+    for layer in layers:
         seen = observed.get(layer.index, Observed())
         where = f"{model_type} layer {layer.index} ({layer.layer_type})"
         direct = [r for r in seen.rotations if _depth(r[0]) == min(_depth(n) for n, _, _ in seen.rotations)]

@@ -59,8 +59,10 @@ _C_PLAN_BUMP = (
     "            return q_out, k_out\n"
 )
 _C_ROW_BOUND = "        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \\\n"
-_FUSED_BUMP = "            torch.autograd.graph.increment_version(live)\n"
-_QK_NORM_BUMP = "        torch.autograd.graph.increment_version(qkv)  # does it for the registered op)\n"
+_FUSED_BUMP = "        self.kernels()[0](launch, checked=checked)\n        tell_autograd(written)\n"
+_NO_FUSED_BUMP = "        self.kernels()[0](launch, checked=checked)\n"
+_NO_QK_NORM_BUMP = "        self.kernels()[1](qkv, *weights, cos, sin, positions, offset, spec)\n"
+_QK_NORM_BUMP = _NO_QK_NORM_BUMP + "        tell_autograd(written)\n"
 _FUNCTIONAL_ALIAS = (
     '        ((name, q), ("k", k)), ((name, q), ("k", k), ("cos", cos), ("sin", sin), ("positions", rows))\n'
 )
@@ -126,16 +128,16 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "module: the plan's q / k overlap verdict always 'disjoint'",
         "ropekit/backends/plan.py",
-        "                    shared = shares_memory(q, k)\n",
-        "                    shared = False\n",
+        "                        meet = shares_memory(q, k)\n",
+        "                        meet = False\n",
         ("tests/backends/test_plan.py", "tests/test_module.py"),
     ),
     # ---- fused: apply_rotary_qk_and_cache ----
     Mutation(
         "fused: no version bump after a kernel writes the caches",
-        "ropekit/fused/plan.py",
+        "ropekit/backends/kernel_op.py",
         _FUSED_BUMP,
-        "            pass\n",
+        _NO_FUSED_BUMP,
         ("tests/fused/test_cache.py",),
     ),
     Mutation(
@@ -177,9 +179,9 @@ MUTATIONS: list[Mutation] = [
     # ---- shift: shift_cache_ ----
     Mutation(
         "shift: no version bump after a kernel rotates the cache",
-        "ropekit/fused/plan.py",
+        "ropekit/backends/kernel_op.py",
         _FUSED_BUMP,
-        "            pass\n",
+        _NO_FUSED_BUMP,
         ("tests/fused/test_shift.py",),
     ),
     Mutation(
@@ -206,9 +208,9 @@ MUTATIONS: list[Mutation] = [
     # ---- QK-norm: qk_norm_rotary_ ----
     Mutation(
         "qk_norm: no version bump after a kernel writes qkv",
-        "ropekit/fused/qk_norm.py",
+        "ropekit/backends/kernel_op.py",
         _QK_NORM_BUMP,
-        "        pass  # does it for the registered op)\n",
+        _NO_QK_NORM_BUMP,
         ("tests/fused/test_qk_norm.py",),
     ),
     # ---- compat: vLLM's in-place rotary_embedding, FlashInfer's paged append ----
@@ -261,8 +263,8 @@ MUTATIONS += [
     Mutation(
         "functional: no offset bound in the launch plan nor in the C rotary loop",
         "ropekit/backends/plan.py",
-        "    if plan is None or (type(offset) is int and not 0 <= offset <= plan.last_offset):\n",
-        "    if plan is None:\n",
+        "        if type(offset) is int and not 0 <= offset <= last_offset:\n",
+        "        if False:\n",
         ("tests/backends/test_plan.py::test_a_planned_call_still_refuses_an_offset_past_the_table",),
         also=(("ropekit/backends/cpu.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
     ),
@@ -292,9 +294,9 @@ MUTATIONS += [
 MUTATIONS += [
     Mutation(
         "fuzzer alone: fused, no version bump after a kernel writes the caches",
-        "ropekit/fused/plan.py",
+        "ropekit/backends/kernel_op.py",
         _FUSED_BUMP,
-        "            pass\n",
+        _NO_FUSED_BUMP,
         (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
     ),
     Mutation(
@@ -308,9 +310,9 @@ MUTATIONS += [
     ),
     Mutation(
         "fuzzer alone: qk_norm, no version bump after a kernel writes qkv",
-        "ropekit/fused/qk_norm.py",
+        "ropekit/backends/kernel_op.py",
         _QK_NORM_BUMP,
-        "        pass  # does it for the registered op)\n",
+        _NO_QK_NORM_BUMP,
         (f"{_FUZZ}[qk_norm]",),
     ),
 ]
@@ -321,7 +323,7 @@ _PLANNED_SLOTS = (
     '        check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path\'s check and error\n'
 )
 _DISTINCT = "    check_distinct_slots(name, flat)\n    return flat\n"
-_WIDE = '    if name != "torch" and widest > MAX_WIDTH:\n'
+_WIDE = '        if op == "fused" and widest > MAX_WIDTH:\n'
 
 # The memory rule (validation.check_no_alias) in each op, distinct slots, the launch plans' value checks, the
 # wide-head bound and PyTorch's in-place refusals (issue 24).
@@ -343,8 +345,8 @@ MUTATIONS += [
     Mutation(
         "shift: no memory check (a table or the slots in the cache)",
         "ropekit/fused/shift.py",
-        '    check_no_alias((("k_cache", k_cache),), reads, optional=False)\n    name = select(',
-        f'    {_NO_CALL}(("k_cache", k_cache),), reads, optional=False)\n    name = select(',
+        '    check_no_alias((("k_cache", k_cache),), reads, optional=False)\n    name = select_backend(',
+        f'    {_NO_CALL}(("k_cache", k_cache),), reads, optional=False)\n    name = select_backend(',
         (
             "tests/fused/test_shift.py::test_a_table_or_slots_inside_the_cache_is_a_value_error_and_nothing_rotates",
         ),
@@ -376,14 +378,14 @@ MUTATIONS += [
     ),
     Mutation(
         "fused: no distinct-slots check of slot_mapping",
-        "ropekit/fused/plan.py",
+        "ropekit/fused/checks.py",
         _DISTINCT,
         "    return flat\n",
         ("tests/fused/test_cache.py::test_a_slot_given_twice_is_a_value_error_and_padding_may_repeat",),
     ),
     Mutation(
         "shift: no distinct-slots check of slots",
-        "ropekit/fused/plan.py",
+        "ropekit/fused/checks.py",
         _DISTINCT,
         "    return flat\n",
         ("tests/fused/test_shift.py::test_a_slot_given_twice_is_refused_before_anything_rotates",),
@@ -449,10 +451,10 @@ MUTATIONS += [
         ("tests/test_boundary.py::test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key",),
     ),
     Mutation(
-        "fused: no wide-head bound (select(..., widest=...))",
-        "ropekit/fused/plan.py",
+        "fused: no wide-head bound (select_backend(..., widest=...))",
+        "ropekit/backends/kernel_op.py",
         _WIDE,
-        "    if False:\n",
+        "        if False:\n",
         (
             "tests/fused/test_cache.py::test_a_head_past_the_kernel_bound_is_refused_by_cpu_and_served_by_auto",
             "tests/fused/test_cache.py::test_a_very_wide_head_does_not_crash_the_process",

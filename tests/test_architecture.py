@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("validation", ("ropekit.validation", "ropekit.dtensor_inputs")),
     ("reference", ("ropekit.reference",)),
     ("schedules", ("ropekit.schedules",)),
-    ("config", ("ropekit.config", "ropekit.presets", "ropekit.hf_config", "ropekit.model_plan")),
+    ("config", ("ropekit.config", "ropekit.presets", "ropekit.hf_config", "ropekit.layer_rope")),
     ("positions", ("ropekit.positions", "ropekit.tables")),
     ("backends", ("ropekit.backends",)),
     ("autograd", ("ropekit.autograd",)),

@@ -9,7 +9,7 @@ from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8, shift_cache_
 from ropekit.fused.qk_norm import qk_norm_rotary_
-from ropekit.model_plan import LayerRope, model_rope
+from ropekit.layer_rope import LayerRope, model_rope
 from ropekit.module import RotaryEmbedding
 from ropekit.multiaxis import axial_cos_sin, mrope_positions, xpos_cos_sin
 from ropekit.rope_index import get_rope_index

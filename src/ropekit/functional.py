@@ -19,7 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.backends.plan import launch_planned, remember
+from ropekit.backends.plan import keep, launch_rotary, rotary_plan
 from ropekit.dtensor_inputs import (
     POSITIONS,
     ROTATED,
@@ -134,17 +134,20 @@ def apply_rotary(
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
-    interleaved = flags["interleaved"]
+    interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
+    gated, key = False, None
     if (
         positions is None
         and cu_seqlens is None
-        and (type(offsets) is int or type(offsets) is torch.Tensor)
         and forms["per_token"] is False
         and forms["full_width"] is False
         and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
-        inplace, inverse = flags["inplace"], flags["inverse"]
-        out = launch_planned(q, k, cos, sin, offsets, interleaved, inplace, backend, inverse)
+        gated = True
+        out, key = launch_rotary(
+            q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
+            conjugate=inverse,
+        )  # fmt: skip
         if out is not None:
             return out
     # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
@@ -152,12 +155,11 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    per_sequence = (  # per-sequence offsets (a decode step) on the caller's own table: plan the next call
-        type(offsets) is torch.Tensor and positions is None and cu_seqlens is None and cos is table_cos
-    )
+    per_sequence = key is not None and type(offsets) is torch.Tensor and cos is table_cos  # a decode step
     return apply_resolved(
-        q, k, cos, sin, pos, backend=backend, offsets=offsets if per_sequence else None, **flags
-    )
+        q, k, cos, sin, pos, backend=backend, **flags, gated=gated, plan_key=key,
+        offsets=offsets if per_sequence else None,
+    )  # fmt: skip
 
 
 def apply_resolved(
@@ -172,6 +174,8 @@ def apply_resolved(
     backend: str,
     inverse: bool = False,
     rotary_position: str = "first",
+    gated: bool = False,
+    plan_key: tuple | None = None,
     offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
@@ -184,16 +188,24 @@ def apply_resolved(
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
         cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
-        offsets: the per-sequence offsets tensor pos was resolved from (no positions, no cu_seqlens), or
-            None: once this call is served, the next call like it takes a launch plan that reads them.
+        gated: the caller went through the launch-plan gate (:func:`ropekit.backends.plan.gate`)
+            already, which answered ``plan_key``: the key to keep this call's plan under, or None (no plan).
+            Otherwise the call goes through the gate here.
+        offsets: the per-sequence offsets tensor pos was resolved from (no positions, no cu_seqlens, rows
+            of the caller's own table), or None: the plan kept under ``plan_key`` then reads them in the
+            kernel, so the next call like this one is a lookup and one launch.
 
     Returns:
         (q_rotated, k_rotated or None).
     """
-    if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
-        out = launch_planned(q, k, cos, sin, pos.offset, interleaved, inplace, backend, inverse)
-        if out is not None:
-            return out
+    if not gated:
+        if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
+            out, plan_key = launch_rotary(
+                q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,
+                backend=backend, conjugate=inverse,
+            )  # fmt: skip
+            if out is not None:
+                return out
     if k is not None:  # q was checked by resolve(q, ...)
         check_x("k", k, varlen=q.dim() == 3)
         q_shape, k_shape = q.shape, k.shape  # same rank (check_x); no slicing: this runs every decode step
@@ -240,10 +252,12 @@ def apply_resolved(
         out = impl.rotate_qk(
             q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
-        if cos is table_cos and (rows is None or offsets is not None):  # plan the next call like this one
-            offset = offset if rows is None else offsets
-            if type(offset) is int or type(offset) is torch.Tensor:  # not a symbolic int (compiled)
-                remember(impl, q, k, cos, sin, offset, interleaved, inplace, backend, inverse)
+        if plan_key is not None:  # plan the next call like this one
+            if offsets is not None:  # per-sequence: the plan reads the offsets, not these rows
+                offset = offsets
+            plannable = cos is table_cos and (offsets is not None or (rows is None and type(offset) is int))
+            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse)
+            keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:
         return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)

@@ -57,7 +57,7 @@ INTERLEAVED_MODEL_TYPES = frozenset(
         # ERNIE 4.5 (rotate_half_text) and Llama 4 (complex pairs, text and vision) pair (2i, 2i+1) too.
         "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_moe_vl",
         "llama4", "llama4_text", "llama4_vision_model",
-        # Found by proving ropekit.model_rope against each model's layers (tests/test_model_plan.py).
+        # Found by proving ropekit.model_rope against each model's layers (tests/test_layer_rope.py).
         "cohere2_moe", "glm", "glm4", "glm4v", "glm_ocr", "helium", "openai_privacy_filter", "moonshine",
         "moonshine_streaming",
     }

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ropekit.backends import BACKENDS
-from ropekit.backends.plan import launch_planned
+from ropekit.backends.plan import gate
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
-from ropekit.model_plan import model_rope
+from ropekit.layer_rope import model_rope
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
 from ropekit.validation import check_bool, describe
@@ -30,6 +30,11 @@ LAYOUT_SHAPES = {
 }
 # The axes swapped to view an input of each layout as (batch, seq, heads, head_dim); a swap is a view.
 _TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
+# The module's gate (backends.plan's one template, the rotation's arguments): its own op name keeps the plans
+# its checks proved apart from those of the functional call, which holds no head_dim to check.
+_launch_module = gate(
+    "rotary_module", "q k cos sin offset#", "interleaved:bool inplace:bool backend:str conjugate:bool"
+)
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,7 +99,6 @@ class RotaryEmbedding(nn.Module):
         self._plain = not self._mrope and not config.length_dependent
         self._planned = self._plain and layout == "bshd" and config.rotary_position == "first"
         self._interleaved = config.interleaved
-        self._head_dim = config.head_dim  # read every call: a plain attribute
 
     @classmethod
     def for_model(
@@ -179,22 +183,21 @@ class RotaryEmbedding(nn.Module):
             ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
+        gated, plan_key = False, None  # whether this call went through the launch-plan gate, its answer
         if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
-            self._planned and positions is None and cu_seqlens is None and inverse is False
-            and k is not None and (type(offsets) is int or type(offsets) is Tensor)
+            self._planned and positions is None and cu_seqlens is None and inverse is False and k is not None
         ):  # fmt: skip
-            # What a plan's key cannot know is this module's head_dim (a plan made elsewhere for a wider head
-            # with a table of this shape would rotate it partially): head_dim= makes such a q miss. k needs
-            # no test: a plan exists only for a call the checked path accepted, which holds k to q's rank and
-            # head_dim, and its key holds both shapes; launch_planned refuses a q or k that is not a plain
-            # tensor. Per-sequence offsets: the kernel reads them and checks each row against the table. On
-            # the CPU a row the table does not hold yet misses the plan (nothing written), and the path below
-            # grows the table; on a GPU the plan's table is the one the path below sized (max_position_
-            # embeddings rows, rows unknown on the host), and a row past it fails the kernel, as it did there.
+            # The module's own gate: its plans are kept only after this module's checks (rank, head_dim)
+            # accepted a call, and the key holds q's and k's shapes, so no plan made by another caller (a
+            # wider head with a table of this shape) ever serves it. An int offset or per-sequence offsets:
+            # the plan's run checks an int against the table; per-sequence rows are checked by the kernel
+            # (the C loop before it writes; Triton flags them), and a row past the table misses here on the
+            # CPU, so the path below grows the table.
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
-            out = launch_planned(
-                q, k, tables["cos"], tables["sin"], offsets, self._interleaved, inplace, self.backend, False,
-                head_dim=self._head_dim,
+            gated = True
+            out, plan_key = _launch_module(
+                q, k, tables["cos"], tables["sin"], offsets, interleaved=self._interleaved,
+                inplace=inplace, backend=self.backend, conjugate=False,
             )  # fmt: skip
             if out is not None:
                 return out
@@ -227,6 +230,11 @@ class RotaryEmbedding(nn.Module):
         ):  # fmt: skip
             if k is None:
                 out_q, out_k = apply_rotary(q_view, cos, self.cache.sin, offsets=offsets, **kw), None
+            elif gated:  # through the gate already: on to the checked path
+                pos = resolve(q_view, offsets=offsets, name="q")
+                out_q, out_k = apply_resolved(
+                    q_view, k_view, cos, self.cache.sin, pos, **kw, plan_key=plan_key
+                )
             else:
                 out_q, out_k = apply_rotary_qk(q_view, k_view, cos, self.cache.sin, offsets=offsets, **kw)
         else:
@@ -236,10 +244,9 @@ class RotaryEmbedding(nn.Module):
                 pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
                 cos, sin, pos = self.cache.lookup(pos, q_view)
                 if (  # per-sequence offsets into the table itself: the steady step above serves the next
-                    type(offsets) is torch.Tensor and positions is None and cu_seqlens is None
-                    and self._plain and cos is self.cache.cos  # not rows computed for this call's tokens
+                    gated and type(offsets) is torch.Tensor and cos is self.cache.cos
                 ):  # fmt: skip
-                    kw["offsets"] = offsets
+                    kw.update(gated=True, plan_key=plan_key, offsets=offsets)
             out_q, out_k = apply_resolved(q_view, k_view, cos, sin, pos, **kw)
         if inplace:
             return q if k is None else (q, k)  # the caller's own tensors, whatever view the layout needed

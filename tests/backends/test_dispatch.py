@@ -8,8 +8,9 @@ import pytest
 import torch
 from rotary_cases import tables
 
+import ropekit
 from ropekit import apply_rotary
-from ropekit.backends import AUTO_ORDER, BACKENDS, select_backend
+from ropekit.backends import AUTO_ORDER, BACKENDS, clear_backend_cache, register_backend, select_backend
 
 
 def test_auto_order_is_triton_then_cpu_then_torch():
@@ -62,3 +63,55 @@ def test_unknown_backend_name_lists_the_choices():
     cos, sin = tables(4)
     with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \['cpu', 'torch', 'triton'\]"):
         apply_rotary(torch.zeros(1, 2, 1, 4), cos, sin, backend="cuda")
+
+
+class RotationOnly:
+    """A registered third-party backend: it rotates (the torch backend's math) and has no fused kernels."""
+
+    name = "mine"
+
+    def unavailable_reason(self, q, cos):
+        return None
+
+    def rotate_qk(self, *args, **kwargs):
+        return BACKENDS["torch"].rotate_qk(*args, **kwargs)
+
+
+@pytest.fixture
+def rotation_only(monkeypatch):
+    monkeypatch.setattr("ropekit.backends.BACKENDS", dict(BACKENDS))
+    monkeypatch.setattr("ropekit.backends.AUTO_ORDER", list(AUTO_ORDER))
+    register_backend(RotationOnly(), auto_priority=0)
+    yield
+    clear_backend_cache()
+
+
+@pytest.mark.parametrize("op", ["fused", "qk_norm"])
+def test_a_registered_backend_without_fused_kernels_is_refused_by_name_and_skipped_by_auto(op, rotation_only):
+    x, (cos, _) = torch.zeros(1, 1, 1, 2), tables(2)
+    assert select_backend("mine", x, cos).name == "mine"  # it rotates
+    with pytest.raises(ValueError, match="backend: 'mine' has no fused serving kernel"):
+        select_backend("mine", x, cos, op=op)
+    assert select_backend("auto", x, cos).name == "mine"
+    assert select_backend("auto", x, cos, op=op).name == "torch"
+
+
+def test_a_fused_op_under_auto_runs_on_torch_when_auto_picks_a_backend_without_fused_kernels(rotation_only):
+    cos, sin = ropekit.RopeConfig(head_dim=8).cos_sin(16)
+    q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 1, 8)
+    got = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0)
+    want = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, backend="torch")
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="backend: 'mine' has no fused serving kernel"):
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, backend="mine")
+
+
+def test_a_kernel_backend_names_why_it_cannot_serve_a_fused_op():
+    x, (cos, _) = torch.zeros(1, 1, 1, 2), tables(2)
+    with pytest.raises(
+        ValueError, match="backend: 'cpu' serves heads of up to 16384 features, got a head of"
+    ):
+        select_backend("cpu", x, cos, op="fused", widest=16385)
+    assert select_backend("auto", x, cos, op="fused", widest=16385).name == "torch"
+    with pytest.raises(ValueError, match="backend: expected a string, got 3"):
+        select_backend(3, x, cos, op="fused")

@@ -233,13 +233,34 @@ def test_the_plan_served_the_planned_version_test():
     assert "run" in calls and "check_x" not in calls
 
 
-def test_a_named_head_dim_misses_a_plan_made_for_another_width():
-    """head_dim= (RotaryEmbedding's): a plan for q of another width, or another rank, is not run."""
-    cos, sin = tables(16)
-    q, k = _q_k()  # head_dim 16
-    apply_rotary_qk(q, k, cos, sin, offsets=2)  # plans this key
-    want = apply_rotary_qk(q, k, cos, sin, offsets=2, backend="torch")
-    got = plan.launch_planned(q, k, cos, sin, 2, False, False, "auto", False, head_dim=16)
-    assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert plan.launch_planned(q, k, cos, sin, 2, False, False, "auto", False, head_dim=24) is None
-    assert plan.launch_planned(q[0], k[0], cos, sin, 2, False, False, "auto", False, head_dim=16) is None
+def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_take():
+    """plan.gate: one template for every op's gate. An int's value goes to the run, not the key; a flag's
+    value is the key, of exactly its kind (1 == True, but interleaved=1 is refused by the checked path); a
+    layout, a tensor subclass, a float where an int goes, a flag of another type, autograd history or an
+    argument no plan serves never reach a plan."""
+    plan.clear_plans()
+    launch = plan.gate("test_op", "x y? n# z!", "flag:bool")
+    x = torch.zeros(2, 3)
+    out, key = launch(x, None, 3, None, flag=True)
+    assert out is None and key is not None and key[0] == "test_op"
+    plan.keep(key, lambda x, y, n, z: ("ran", n))
+    assert launch(x, None, 4, None, flag=True) == (("ran", 4), None)
+    assert launch(x.clone(), None, 5, None, flag=True) == (("ran", 5), None)  # another tensor, same layout
+    for missed in (
+        launch(x.t(), None, 4, None, flag=True),  # another stride
+        launch(x, x, 4, None, flag=True),  # y given
+        launch(x, None, torch.tensor([4]), None, flag=True),  # per-sequence offsets
+    ):
+        assert missed[0] is None and missed[1] is not None and missed[1] != key
+    for refused in (
+        launch(torch.nn.Parameter(x), None, 4, None, flag=True),  # a tensor subclass
+        launch(x, None, 4.0, None, flag=True),  # a float where an int or a tensor goes
+        launch(x, None, 4, None, flag=1),  # 1 == True, but not a bool: the checked path refuses it
+        launch(x, None, 4, None, flag=[1]),  # a flag of another type (unhashable)
+        launch(x.clone().requires_grad_(), None, 4, None, flag=True),  # autograd history to record
+        launch(x, None, 4, x, flag=True),  # z given: no plan serves it
+    ):
+        assert refused == (None, None)
+    plan.keep(key, None)  # the kind has no plan: no key is handed out again
+    assert launch(x, None, 4, None, flag=True) == (None, None)
+    plan.clear_plans()

@@ -7,9 +7,9 @@ is the one the core dispatched to, and that an unknown name is a ValueError nami
 name in a compat module must join CALLS or NOT_ROTATIONS, or test_every_public_name_is_covered fails.
 
 The seams: every core entry asks :func:`ropekit.backends.select_backend` for its backend, imported by name
-into ropekit.functional (the rotations), ropekit.fused.plan (the FP8 and cache fusions) and
-ropekit.fused.qk_norm; the fused ops then run the chosen name through ``run`` (fp8, cache) or ``_launcher``
-(qk_norm), which are watched too, so a fused call also proves that the kernel launched is the one named.
+into ropekit.functional (the rotations), ropekit.fused.cache, ropekit.fused.fp8 and ropekit.fused.qk_norm;
+the fused ops then run their launch on the chosen backend object (``launch_fused``, ``launch_qk_norm``),
+which are watched too, so a fused call also proves that the kernel launched is the one named.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import ropekit.backends.plan
 import ropekit.functional
 import ropekit.fused.cache
 import ropekit.fused.fp8
-import ropekit.fused.plan
 import ropekit.fused.qk_norm
+from ropekit.backends import BACKENDS
 from ropekit.compat import (
     flash_attn,
     flashinfer,
@@ -192,7 +192,7 @@ def test_every_public_name_is_covered():
 
 
 # The core modules that call select_backend by the name they imported (see the module docstring).
-SELECTING = [ropekit.functional, ropekit.fused.plan, ropekit.fused.qk_norm]
+SELECTING = [ropekit.functional, ropekit.fused.cache, ropekit.fused.fp8, ropekit.fused.qk_norm]
 
 
 def _signatures():
@@ -223,9 +223,9 @@ def requested(monkeypatch) -> list[str]:
     seen: list[str] = []
     original = ropekit.functional.select_backend
 
-    def select(name, q, cos):
+    def select(name, q, cos, **needs):
         seen.append(name)
-        return original(name, q, cos)
+        return original(name, q, cos, **needs)
 
     for module in SELECTING:
         assert module.select_backend is original
@@ -238,21 +238,16 @@ def requested(monkeypatch) -> list[str]:
 def launched(monkeypatch) -> list[str]:
     """The backend name each fused kernel launch ran on."""
     seen: list[str] = []
-    for module in (ropekit.fused.fp8, ropekit.fused.cache):
-        original_run = module.run
+    for name in ("torch", "cpu"):
+        backend = BACKENDS[name]
+        for method in ("launch_fused", "launch_qk_norm"):
+            original = getattr(backend, method)
 
-        def run(name, plan, written, _original=original_run, **kwargs):
-            seen.append(name)
-            return _original(name, plan, written, **kwargs)
+            def launch(*args, _name=name, _original=original, **kwargs):
+                seen.append(_name)
+                return _original(*args, **kwargs)
 
-        monkeypatch.setattr(module, "run", run)
-    original_launcher = ropekit.fused.qk_norm._launcher
-
-    def launcher(name):
-        seen.append(name)
-        return original_launcher(name)
-
-    monkeypatch.setattr(ropekit.fused.qk_norm, "_launcher", launcher)
+            monkeypatch.setattr(backend, method, launch)
     return seen
 
 

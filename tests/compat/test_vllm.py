@@ -458,9 +458,10 @@ def test_fused_qk_norm_rope_head_counts_and_head_dim_that_are_not_ints_are_value
 
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
-    """From the second step on, rotary_embedding runs the core's per-sequence-offset plan (each token a
-    sequence of its own): every step equals the float64 reference, and a position past the cache on a planned
-    step is still a ValueError naming positions, with query and key unchanged."""
+    """From the second step on, rotary_embedding runs its launch plan (the C loop the core's
+    per-sequence-offset plan proved, each token a sequence of its own): every step equals the float64
+    reference, and a position past the cache on a planned step is still a ValueError naming positions,
+    with query and key unchanged."""
     import ropekit.backends.plan as plan
 
     cache = get_rope(64, 64, is_neox, {"rope_theta": 10000.0}).cos_sin_cache
@@ -476,9 +477,7 @@ def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
         rotary_embedding(positions, query, key, 64, cache, is_neox)
         torch.testing.assert_close(query.view(5, 4, 64), want_q.float(), atol=2e-6, rtol=2e-6)
         torch.testing.assert_close(key.view(5, 2, 64), want_k.float(), atol=2e-6, rtol=2e-6)
-        assert (
-            len(plan._plans) == 2
-        )  # the first step made the plans (the core's, vLLM's), later ones use them
+        assert len(plan._plans) == 1  # the first step made vLLM's plan (its one gate), later ones use it
     bad = torch.tensor([0, 1, 64, 2, 3])
     query, key = torch.randn(5, 4 * 64), torch.randn(5, 2 * 64)
     before = query.clone(), key.clone()
@@ -584,3 +583,64 @@ def test_an_error_names_only_the_arguments_a_vllm_caller_passed(backend):
     assert message.startswith("query:") and "cos_sin_cache" in message, message
     assert not re.search(r"(?<![\w/-])(q|k|x|cos|sin)(?![\w/-])", message), message
     assert torch.equal(cache, before)  # nothing written
+
+
+class PerSequencePlanned:
+    """A registered backend whose launch plan takes per-sequence offsets, as the Triton kernel's does (the
+    torch backend's math; its plan's runs counted). A row past the table: its run writes nothing and says so
+    (None), as a launcher that refuses it on the host."""
+
+    name = "per_sequence_planned"
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def unavailable_reason(self, q, cos):
+        return None
+
+    def rotate_qk(self, *args, **kwargs):
+        from ropekit.backends import BACKENDS
+
+        return BACKENDS["torch"].rotate_qk(*args, **kwargs)
+
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+        def run(q, k, cos, sin, offset):
+            self.runs += 1
+            rows = offset[:, None] + torch.arange(q.shape[1]) if per_sequence else None  # (B, S)
+            flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+            try:
+                return self.rotate_qk(q, k, cos, sin, rows, **flags, offset=0 if per_sequence else offset)
+            except ValueError:
+                return None
+
+        return run
+
+
+def test_a_backend_with_a_per_sequence_plan_serves_the_steady_in_place_step_through_it(monkeypatch):
+    """On a backend other than the C loop, vLLM's one gate keeps the core's per-sequence plan on the call's
+    (T, 1, H, D) views: a steady step resolves no positions and matches the torch backend; a position past
+    the cache still raises the checked path's error with query and key unchanged."""
+    import ropekit.backends as backends
+    from call_count import ropekit_calls
+
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    backend = PerSequencePlanned()
+    backends.register_backend(backend)
+    monkeypatch.setattr(backends, "_choices", {})  # the choices of the registered backend go with it
+    g = torch.Generator().manual_seed(5)
+    cache = get_rope(64, 64, True, {"rope_theta": 10000.0}).cos_sin_cache
+    for _ in range(3):
+        positions = torch.randint(0, 64, (5,), generator=g)
+        query, key = torch.randn(5, 4 * 64, generator=g), torch.randn(5, 2 * 64, generator=g)
+        want = query.clone(), key.clone()
+        rotary_embedding(positions, *want, 64, cache, True, backend="torch")
+        rotary_embedding(positions, query, key, 64, cache, True, backend=backend.name)
+        torch.testing.assert_close((query, key), want, rtol=0, atol=0)
+    runs = backend.runs
+    step = lambda: rotary_embedding(positions, query, key, 64, cache, True, backend=backend.name)  # noqa: E731
+    calls = ropekit_calls(step)
+    assert backend.runs == runs + 1 and "resolve" not in calls, calls
+    bad, before = torch.tensor([0, 1, 64, 2, 3]), (query.clone(), key.clone())
+    with pytest.raises(ValueError, match=r"^positions: largest position 64 is past the cos/sin table"):
+        rotary_embedding(bad, query, key, 64, cache, True, backend=backend.name)
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])

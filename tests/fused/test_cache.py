@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from fused_cases import (
 )
 
 import ropekit
+from call_count import ropekit_frames
 
 BACKENDS = ["torch", "cpu"]
 
@@ -314,3 +318,70 @@ def test_a_planned_step_still_refuses_caches_that_share_memory():
     with pytest.raises(ValueError, match="v_cache: the call writes k_cache and v_cache, which share memory"):
         step(q, torch.tensor([[1], [2]]), caches=[shared, shared])
     assert not shared.any() and torch.equal(q, q_before)
+
+
+# The argument checks of apply_rotary_qk_and_cache (and the kernel wall, check_launch), by function name.
+CHECKS = ("resolve", "check_x", "check_tables", "check_movable", "cache_view", "paged_view", "check_scale",
+          "check_slots", "check_distinct_slots", "check_in_place_allowed", "check_writable", "check_no_alias",
+          "check_inference", "check_launch", "_check_channel", "_check_memory")  # fmt: skip
+
+
+def _holds(value, q: torch.Tensor) -> bool:
+    """Whether value is q's memory: a tensor whose first element is q's, or a tuple (a launch, a channel,
+    an argument list) or a dict (keyword arguments) holding one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0 and value.data_ptr() == q.data_ptr()
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    return isinstance(value, tuple) and any(_holds(v, q) for v in value)
+
+
+def _follow(q: torch.Tensor, fn) -> list[tuple[str, str, bool]]:
+    """(file under ropekit/, function, whether one of its arguments holds q) for every ropekit Python call
+    that fn makes, in order (sys.setprofile)."""
+    root = len(str(Path(ropekit.__file__).parent)) + 1
+
+    def record(frame):
+        code = frame.f_code
+        star = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + star]
+        return code.co_filename[root:], code.co_name, any(_holds(frame.f_locals.get(n), q) for n in names)
+
+    return ropekit_frames(fn, record)
+
+
+def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_only_the_value_checks():
+    """Issue 25: following q from apply_rotary_qk_and_cache down to the C loop, every check runs once on the
+    first call of a kind (each cache is checked once, q once, the kernel wall is trusted, not re-run), and a
+    planned step is the gate, the plan's value check of the slots and the kernel: no argument check again."""
+    g = torch.Generator().manual_seed(25)
+    cos, sin = ropekit.RopeConfig(head_dim=64).cos_sin(128)
+    q, k, v = (torch.randn(3, 1, h, 64, generator=g) for h in (4, 2, 2))
+    caches = [torch.zeros(4, 8, 2, 64) for _ in range(2)]
+    slots = torch.tensor([[3], [9], [17]])
+
+    def step():
+        ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots, offsets=5,
+            inplace=True, backend="cpu",
+        )  # fmt: skip
+
+    ropekit.backends.clear_backend_cache()
+    first, steady = _follow(q, step), _follow(q, step)
+    entered = Counter(name for _, name, _ in first if name in CHECKS)
+    assert entered == {
+        "resolve": 1, "check_x": 1, "check_tables": 1, "check_movable": 2, "cache_view": 2, "paged_view": 2,
+        "check_slots": 1, "check_distinct_slots": 1, "check_in_place_allowed": 3, "check_writable": 3,
+        "check_no_alias": 1, "check_inference": 1,
+    }, entered  # fmt: skip
+    with_q = Counter(name for _, name, held in first if held and name in CHECKS)
+    assert with_q == {"resolve": 1, "check_x": 1, "check_in_place_allowed": 1, "check_writable": 1,
+                      "check_no_alias": 1, "check_inference": 1}, with_q  # fmt: skip
+    assert ("backends/fused_cpu.py", "launch", True) in first  # q reached the C loop's launcher
+    assert not [name for _, name, _ in steady if name in CHECKS and name != "check_distinct_slots"], steady
+    assert [name for _, name, _ in steady].count("check_distinct_slots") == 1
+    assert [(f, n) for f, n, held in steady if held] == [
+        ("fused/cache.py", "apply_rotary_qk_and_cache"),
+        ("backends/plan.py (the gate of apply_rotary_qk_and_cache)", "launch_planned"),
+        ("fused/planned.py", "run"),
+    ]  # fmt: skip

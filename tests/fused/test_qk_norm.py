@@ -24,7 +24,8 @@ from qk_norm_cases import (
 
 import ropekit
 from ropekit.backends.qk_norm_cpu import NormSpec
-from ropekit.fused.qk_norm import qk_norm_rotary_, rms_norm
+from ropekit.backends.qk_norm_eager import rms_norm
+from ropekit.fused.qk_norm import qk_norm_rotary_
 from triton_interpreter import TIERS, run_interpreter_cases
 
 BACKENDS = ["torch", "cpu"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ropekit.integrations import hf_probe
-from ropekit.integrations.hf_probe import Call, Plan, Signature, find_plan, stand_in
+from ropekit.integrations.hf_probe import Call, Convention, Signature, find_convention, stand_in
 
 B, H, S, D = 2, 3, 7, 16
 
@@ -92,13 +92,21 @@ def qk(layout="bhsd", dtype=torch.float32):
 
 
 CASES = [
-    (neox, lambda: (*qk(), *tables("first_half")), Plan("first_half", "half", "bhsd")),
-    (neox, lambda: (*qk(), *tables("first_half", rotary_dim=8)), Plan("first_half", "half", "bhsd")),
-    (cohere, lambda: (*qk(), *tables("every_other")), Plan("every_other", "interleaved", "bhsd")),
-    (gptj, lambda: (qk("bshd")[0], *reversed(tables("full"))), Plan("full", "interleaved", "bshd")),
-    (deepseek_interleave, lambda: (*qk(), *tables("first_half")), Plan("first_half", "deinterleave", "bhsd")),
-    (llama4, lambda: (*qk("bshd"), *tables("complex")), Plan("complex", "interleaved", "bshd")),
-    (nanochat, lambda: (*qk(), *tables("first_half")), Plan("first_half", "half", "bhsd", conjugate=True)),
+    (neox, lambda: (*qk(), *tables("first_half")), Convention("first_half", "half", "bhsd")),
+    (neox, lambda: (*qk(), *tables("first_half", rotary_dim=8)), Convention("first_half", "half", "bhsd")),
+    (cohere, lambda: (*qk(), *tables("every_other")), Convention("every_other", "interleaved", "bhsd")),
+    (gptj, lambda: (qk("bshd")[0], *reversed(tables("full"))), Convention("full", "interleaved", "bshd")),
+    (
+        deepseek_interleave,
+        lambda: (*qk(), *tables("first_half")),
+        Convention("first_half", "deinterleave", "bhsd"),
+    ),
+    (llama4, lambda: (*qk("bshd"), *tables("complex")), Convention("complex", "interleaved", "bshd")),
+    (
+        nanochat,
+        lambda: (*qk(), *tables("first_half")),
+        Convention("first_half", "half", "bhsd", conjugate=True),
+    ),
 ]
 
 
@@ -109,11 +117,11 @@ def test_each_convention_is_recognised_and_reproduced(fn, make, want):
     torch.manual_seed(0)
     args = make()
     signature = Signature.of(fn)
-    plan, diff, tol = find_plan(fn, signature, record(fn, args), "torch")
-    assert plan == want
+    convention, diff, tol = find_convention(fn, signature, record(fn, args), "torch")
+    assert convention == want
     assert diff <= tol
     rotate = stand_in(
-        fn, signature, plan, {"__tuple__": isinstance(fn(*args), tuple), "position_ids": None}, "torch"
+        fn, signature, convention, {"__tuple__": isinstance(fn(*args), tuple), "position_ids": None}, "torch"
     )
     got, expected = rotate(*args), fn(*args)
     for g, e in zip(
@@ -127,14 +135,14 @@ def test_each_convention_is_recognised_and_reproduced(fn, make, want):
 def test_bf16_rotation_agrees_within_the_bf16_tolerance_and_a_wrong_table_does_not():
     torch.manual_seed(0)
     args = (*qk(dtype=torch.bfloat16), *tables("first_half", dtype=torch.bfloat16))
-    plan, diff, tol = find_plan(neox, Signature.of(neox), record(neox, args), "torch")
-    assert plan == Plan("first_half", "half", "bhsd") and 0 < tol < 0.15
+    convention, diff, tol = find_convention(neox, Signature.of(neox), record(neox, args), "torch")
+    assert convention == Convention("first_half", "half", "bhsd") and 0 < tol < 0.15
 
     def shifted(q, k, cos, sin, unsqueeze_dim=1):  # positions off by one: a real error of one angle step
         return neox(q, k, cos.roll(1, dims=1), sin.roll(1, dims=1), unsqueeze_dim)
 
-    plan, diff, tol = find_plan(shifted, Signature.of(shifted), record(shifted, args), "torch")
-    assert plan is None and diff > 10 * tol
+    convention, diff, tol = find_convention(shifted, Signature.of(shifted), record(shifted, args), "torch")
+    assert convention is None and diff > 10 * tol
 
 
 def test_stand_in_leaves_calls_it_was_not_proved_on_to_the_models_function():
@@ -146,9 +154,9 @@ def test_stand_in_leaves_calls_it_was_not_proved_on_to_the_models_function():
 
     args = (*qk(), *tables("first_half"))
     signature = Signature.of(model_fn)
-    plan, _, _ = find_plan(model_fn, signature, record(model_fn, args), "torch")
+    convention, _, _ = find_convention(model_fn, signature, record(model_fn, args), "torch")
     calls.clear()
-    rotate = stand_in(model_fn, signature, plan, {"mode": "rope", "__tuple__": True}, "torch")
+    rotate = stand_in(model_fn, signature, convention, {"mode": "rope", "__tuple__": True}, "torch")
     rotate(*args)
     assert calls == []  # proved arguments: ropekit alone
     rotate(*args, mode="other")
@@ -178,7 +186,11 @@ def test_deepseek_v4_trailing_rope_slice_is_found_and_proved():
     angles = torch.arange(5.0)[:, None] * 0.3 ** torch.arange(4.0)  # (S, R/2): one angle per pair
     call = hf_probe.Call((x, angles.cos()[None], angles.sin()[None]), {}, None)
     signature = hf_probe.Signature.of(apply_rotary_pos_emb)
-    plan, diff, tol = hf_probe.find_plan(apply_rotary_pos_emb, signature, call, "torch")
-    assert plan is not None and diff <= tol
-    assert (plan.rotary_position, plan.pairing, plan.table) == ("last", "interleaved", "full")
-    assert "trailing features" in plan.describe()
+    convention, diff, tol = hf_probe.find_convention(apply_rotary_pos_emb, signature, call, "torch")
+    assert convention is not None and diff <= tol
+    assert (convention.rotary_position, convention.pairing, convention.table) == (
+        "last",
+        "interleaved",
+        "full",
+    )
+    assert "trailing features" in convention.describe()

@@ -1,8 +1,11 @@
-"""Backend dispatch: the one place that decides which implementation rotates a tensor.
+"""Backend dispatch: the one place that decides which backend runs an op, and its fallbacks.
 
-``backend="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can serve the inputs, logging
-why each earlier one was skipped; the plain torch backend always can. Naming a backend explicitly that cannot
-serve the inputs raises a ValueError with the reason.
+A backend is one object that runs every op (:mod:`ropekit.backends.base`): the rotation (``rotate_qk``), the
+fused serving launch (``launch_fused``: RoPE + KV-cache write, RoPE + FP8, cache shift) and QK-norm + RoPE
+(``launch_qk_norm``). ``backend="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can serve
+the inputs, logging why each earlier one was skipped; the plain torch backend always can, and serves a fused
+op that the chosen backend cannot (a head too wide, a C loop not built, a registered backend without fused
+kernels). Naming a backend explicitly that cannot serve the inputs raises a ValueError with the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from ropekit.backends.eager import EagerBackend
 from ropekit.backends.plan import clear_plans
 from ropekit.backends.triton import TritonBackend
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "clear_backend_cache", "register_backend", "select_backend"]
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "FUSED_BACKENDS",
+    "Backend",
+    "clear_backend_cache",
+    "named_backend",
+    "register_backend",
+    "select_backend",
+]
 
 log = logging.getLogger("ropekit.backends")
 
@@ -26,6 +38,10 @@ log = logging.getLogger("ropekit.backends")
 BACKENDS: dict[str, Backend] = {"triton": TritonBackend(), "cpu": CpuBackend(), "torch": EagerBackend()}
 # Fastest first; "torch" last because it always works.
 AUTO_ORDER: list[str] = ["triton", "cpu", "torch"]
+# The built-in backends, each with a fused serving kernel (a registered third-party backend may have none).
+FUSED_BACKENDS = ("torch", "cpu", "triton")
+# op -> the method that runs its launch: every op but the rotation is optional for a registered backend.
+_LAUNCHES = {"fused": "launch_fused", "qk_norm": "launch_qk_norm"}
 
 
 # (name, device, dtype, table width, TRITON_INTERPRET) -> the backend chosen for it: the answer never
@@ -49,8 +65,20 @@ def register_backend(backend: Backend, *, auto_priority: int | None = None) -> N
         AUTO_ORDER.insert(auto_priority, backend.name)
 
 
-def select_backend(name: str, q: torch.Tensor, cos: torch.Tensor) -> Backend:
-    """Return the backend to use for these inputs (cached per name, device type, dtype and table width)."""
+def select_backend(
+    name: str, q: torch.Tensor, cos: torch.Tensor, *, op: str = "rotary", widest: int = 0, spec=None
+) -> Backend:
+    """Return the backend to use for these inputs (cached per name, device type, dtype and table width).
+
+    Args:
+        name: "auto" or a registered backend's name.
+        q, cos: the inputs (their device, dtype and the table width decide).
+        op: "rotary"; "fused" (RoPE + cache, RoPE + FP8, cache shift: ``launch_fused``) or "qk_norm"
+            (``launch_qk_norm``): the rotation's choice, then whether it runs that op here, for heads of
+            ``widest`` features and the QK-norm packing ``spec``. "auto" falls back to torch where it cannot.
+    """
+    if op != "rotary":
+        return _select_fused(name, q, cos, op, widest, spec)
     if torch.compiler.is_compiling():
         return _select(name, q, cos)
     # Only an explicit "triton" on CPU tensors depends on the environment (the interpreter switch).
@@ -84,4 +112,30 @@ def _select(name: str, q: torch.Tensor, cos: torch.Tensor, skipped: list[str] | 
     reason = backend.unavailable_reason(q, cos)
     if reason is not None:
         raise ValueError(f"backend: {name!r} cannot serve these inputs: {reason}")
+    return backend
+
+
+def _select_fused(name, q, cos, op: str, widest: int, spec) -> Backend:
+    if type(name) is not str:
+        raise ValueError(f"backend: expected a string, got {name!r}")
+    backend = select_backend(name, q, cos)
+    if not hasattr(backend, _LAUNCHES[op]):  # a registered backend without fused kernels
+        if name == "auto":
+            return BACKENDS["torch"]
+        raise ValueError(
+            f"backend: {backend.name!r} has no fused serving kernel (use 'torch', 'cpu' or 'triton')"
+        )
+    reason = backend.fused_unavailable_reason(op, widest=widest, spec=spec)
+    if reason is None:
+        return backend
+    if name == "auto":
+        return BACKENDS["torch"]
+    raise ValueError(f"backend: {backend.name!r} {reason}")
+
+
+def named_backend(name: object, op: str) -> Backend:
+    """The backend a registered op names (its ``str backend`` argument), which must run ``op``."""
+    backend = BACKENDS.get(name) if type(name) is str else None
+    if backend is None or not hasattr(backend, _LAUNCHES[op]):
+        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {name!r}")
     return backend

@@ -16,6 +16,17 @@ Contract of :meth:`Backend.rotate_qk`:
     otherwise), never a read outside the table.
     Features past rotary_dim are copied unchanged. Math runs in float32 (float64 if q is float64); outputs
     have the input dtype.
+
+The same object runs every other op, when it has the kernels (the built-in three do; a registered
+third-party backend may have rotate_qk alone, and :func:`ropekit.backends.select_backend` then refuses it by
+name for a fused op, and skips it for "auto"):
+    ``launch_fused(launch, *, checked, written=())``: a
+    :class:`~ropekit.backends.fused_launch.FusedLaunch` (RoPE + KV-cache write, RoPE + FP8, cache shift);
+    ``launch_qk_norm(qkv, q_weight, k_weight, cos, sin, positions, offset, spec, *, written=())``: QK-RMSNorm
+    + RoPE on a packed (B, S, W) qkv in place;
+    ``fused_unavailable_reason(op, *, widest=0, spec=None)``: None, or why it cannot run ``op`` ("fused",
+    "qk_norm") for these heads. ``written``: the tensors whose version counters a kernel that writes through
+    pointers bumps.
 """
 
 from __future__ import annotations

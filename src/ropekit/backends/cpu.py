@@ -280,6 +280,23 @@ class CpuBackend(KernelBackend):
             return f"rotary_dim {2 * cos.shape[-1]} is wider than the kernel serves ({2 * MAX_HALF})"
         return _build_failure()
 
+    def kernels(self):
+        from ropekit.backends import fused_cpu, qk_norm_cpu  # C loops built by this file's machinery
+
+        return fused_cpu.launch, qk_norm_cpu.launch
+
+    def fused_unavailable_reason(self, op: str, *, widest: int = 0, spec=None) -> str | None:
+        reason = super().fused_unavailable_reason(op, widest=widest, spec=spec)
+        if reason is not None:
+            return reason
+        from ropekit.backends import fused_cpu, qk_norm_cpu
+
+        if op == "qk_norm":
+            reason = qk_norm_cpu.unavailable_reason(spec)
+            return None if reason is None else f"cannot serve these inputs: {reason}"
+        reason = fused_cpu.unavailable_reason()
+        return None if reason is None else f"cannot serve the fused op: {reason}"
+
     def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
         call is the outputs, the data pointers and the C loop. With per_sequence, ``offset`` is an int64

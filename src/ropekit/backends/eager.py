@@ -82,10 +82,31 @@ def rotate(
 
 
 class EagerBackend:
+    """Plain PyTorch: serves every op on any device and dtype, and traces under torch.compile."""
+
     name = "torch"
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         return None
+
+    def fused_unavailable_reason(self, op: str, *, widest: int = 0, spec=None) -> str | None:
+        return None  # tensor ops: any head width, any packing
+
+    def launch_fused(self, launch, *, checked: bool, written=()) -> None:
+        """A fused serving launch (:class:`~ropekit.backends.fused_launch.FusedLaunch`) with tensor ops, which
+        tell autograd what they wrote themselves (``written`` is not needed)."""
+        from ropekit.backends import fused_eager  # it builds on this file's rotation
+
+        fused_eager.launch(launch, checked=checked)
+
+    def launch_qk_norm(
+        self, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, *, written=()
+    ) -> None:
+        """QK-RMSNorm + RoPE on qkv (B, S, W) in place (:mod:`ropekit.backends.qk_norm_eager`); tensor ops
+        bump the version counters themselves."""
+        from ropekit.backends import qk_norm_eager
+
+        qk_norm_eager.launch(qkv, q_weight.detach(), k_weight.detach(), cos, sin, positions, offset, spec)
 
     def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
         positions = table_rows(positions, offset, q, cos.shape[0])

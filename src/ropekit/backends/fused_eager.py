@@ -43,20 +43,20 @@ def _values(ch: Channel, src: torch.Tensor, launch: FusedLaunch, rows: torch.Ten
     return fp8_quantize(r.float(), ch.scale, _FP8_DTYPES[ch.fp8]).view(torch.uint8)
 
 
-def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
+def launch(launch: FusedLaunch, *, checked: bool = False) -> None:
     """Run the launch with torch ops; ValueError for a table row or (host-checked) slot out of range.
     (checked: accepted for the launchers' common signature; torch ops check their own indexing.)"""
-    batch, seq = plan.batch, plan.seq
+    batch, seq = launch.batch, launch.seq
     tokens = batch * seq
     rows = table_rows(
-        None if plan.positions is None else plan.positions.view(batch, seq),
-        plan.offset,
-        torch.empty(batch, seq, 0, 0, device=plan.cos.device),
-        plan.cos.shape[0],
+        None if launch.positions is None else launch.positions.view(batch, seq),
+        launch.offset,
+        torch.empty(batch, seq, 0, 0, device=launch.cos.device),
+        launch.cos.shape[0],
     )  # (batch, seq): checked against the table
-    slots = None if plan.slots is None else _checked_slots(plan)
+    slots = None if launch.slots is None else _checked_slots(launch)
     writes = []
-    for ch in plan.channels:
+    for ch in launch.channels:
         if ch is None:
             continue
         dst = ch.dst  # (pages, page_size, heads, width)
@@ -73,7 +73,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         else:  # dst is shaped (batch, seq, heads, width) like src
             keep, page, index = None, None, None
             src, token_rows = ch.src, rows
-        writes.append((dst, page, index, _values(ch, src, plan, token_rows)))
+        writes.append((dst, page, index, _values(ch, src, launch, token_rows)))
     for dst, page, index, values in writes:
         if page is None:
             dst.copy_(values)
@@ -81,12 +81,12 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
             dst[page, index] = values
 
 
-def _checked_slots(plan: FusedLaunch) -> torch.Tensor:
+def _checked_slots(launch: FusedLaunch) -> torch.Tensor:
     """slot_mapping as (batch, seq), each in [-1, num_slots): checked on the host for CPU tensors, else with a
     device-side assert (the bad slots are then clamped, so indexing never leaves the cache)."""
-    dst = next(ch.dst for ch in plan.channels if ch is not None and ch.by_slot)
+    dst = next(ch.dst for ch in launch.channels if ch is not None and ch.by_slot)
     num_slots = dst.shape[0] * dst.shape[1]
-    slots = plan.slots.view(plan.batch, plan.seq)
+    slots = launch.slots.view(launch.batch, launch.seq)
     if slots.device.type == "cpu" and not torch.compiler.is_compiling():
         if slots.numel():
             lo, hi = torch.stack(torch.aminmax(slots)).tolist()

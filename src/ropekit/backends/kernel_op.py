@@ -231,6 +231,14 @@ def plain_eager(x) -> bool:
     )
 
 
+def tell_autograd(written) -> None:
+    """What the dispatcher does after an in-place op, for a kernel that wrote through pointers: bump the
+    version counter of each written tensor (an inference tensor has none), so autograd sees the write."""
+    live = [t for t in written if not t.is_inference()]
+    if live:
+        torch.autograd.graph.increment_version(live)
+
+
 class KernelBackend:
     """A :class:`~ropekit.backends.base.Backend` around a raw kernel, callable under torch.compile.
 
@@ -283,6 +291,43 @@ class KernelBackend:
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
+
+    def kernels(self) -> tuple[Callable[..., None], Callable[..., None]]:
+        """(the fused serving launcher, the QK-norm launcher) of this backend's kernel family."""
+        raise NotImplementedError
+
+    def fused_unavailable_reason(self, op: str, *, widest: int = 0, spec=None) -> str | None:
+        """None when this backend's kernel runs ``op`` ("fused": RoPE + cache, RoPE + FP8, cache shift;
+        "qk_norm") for heads of ``widest`` features, else the rest of the error ``backend: '<name>' ...``."""
+        from ropekit.backends.fused_launch import MAX_WIDTH  # it builds on this file's bounds
+
+        if op == "fused" and widest > MAX_WIDTH:
+            return (
+                f"serves heads of up to {MAX_WIDTH} features, got a head of {widest}; use backend='torch' "
+                f"(or 'auto', which takes it for such heads)"
+            )
+        return None
+
+    def launch_fused(self, launch, *, checked: bool, written=()) -> None:
+        """Run a fused serving launch (:class:`~ropekit.backends.fused_launch.FusedLaunch`) on this backend's
+        kernel, then tell autograd that each tensor of ``written`` changed (the kernel writes through
+        pointers; a registered op passes none: its dispatcher does it). checked=False: the launcher checks
+        the launch."""
+        if launch.cos.dtype != torch.float32 or launch.cos.stride(-1) != 1:
+            launch = launch._replace(cos=launch.cos.float().contiguous(), sin=launch.sin.float().contiguous())
+        self.kernels()[0](launch, checked=checked)
+        tell_autograd(written)
+
+    def launch_qk_norm(
+        self, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, *, written=()
+    ) -> None:
+        """QK-RMSNorm + RoPE on qkv (B, S, W) in place on this backend's kernel (it reads contiguous float32
+        weights and tables), then bump the version counter of each tensor of ``written``."""
+        if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        weights = [w.detach().float().contiguous() for w in (q_weight, k_weight)]
+        self.kernels()[1](qkv, *weights, cos, sin, positions, offset, spec)
+        tell_autograd(written)
 
     def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
         """The launch for one key (:mod:`ropekit.backends.plan`): the raw launcher on the caller's tensors,

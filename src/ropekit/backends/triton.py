@@ -217,6 +217,11 @@ class TritonBackend(KernelBackend):
             return f"rotary_dim {2 * cos.shape[-1]} is wider than the kernel serves ({2 * MAX_HALF})"
         return None
 
+    def kernels(self):
+        from ropekit.backends import fused_triton, qk_norm_triton  # imported at first use: they import triton
+
+        return fused_triton.launch, qk_norm_triton.launch
+
     def auto_skip_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         """Like unavailable_reason, but "auto" also refuses the (slow) interpreter."""
         if q.device.type == "cpu":

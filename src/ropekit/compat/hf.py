@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ropekit.backends.plan import launch_planned
+from ropekit.backends.plan import launch_rotary
 from ropekit.compat._common import peer_names
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
@@ -242,9 +242,9 @@ def _row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
 def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
     (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
-    batch). In the steady state that is the core's launch plan (:mod:`ropekit.backends.plan`) with no other
-    check: everything HF's shapes rely on is compared here, the rest is in the plan's key. None for any
-    other call (the checked path below then names what is wrong)."""
+    batch). In the steady state that is the core's launch plan (its one gate, :mod:`ropekit.backends.plan`)
+    with no other check: everything HF's shapes rely on is compared here, the rest is in the plan's key. None
+    for any other call (the checked path below then names what is wrong)."""
     if type(unsqueeze_dim) is not int or (unsqueeze_dim != 1 and unsqueeze_dim != 2):
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(cos) is not torch.Tensor:
@@ -272,7 +272,9 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
         return None
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
-    out = launch_planned(q, k, cos_rows, sin_rows, starts, False, False, backend, False)
+    out = launch_rotary(
+        q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend, conjugate=False
+    )[0]  # the rotation's gate: a steady step is its plan (a miss is looked up again by apply_rotary_qk)
     if out is None:
         with peer_names({"x": "q"}):
             out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.cpu import pointer_launch
-from ropekit.backends.plan import MAX_PLANS, keep, known, launch_planned, lookup, remember, span
+from ropekit.backends.plan import MAX_PLANS, gate, keep, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -48,6 +48,12 @@ __all__ = [
 ]
 
 _NAMES = {"x": "query", "q": "query", "k": "key", "cos": "cos_sin_cache", "sin": "cos_sin_cache"}
+# vLLM's in-place call, its own launch-plan gate (ropekit.backends.plan.gate): no (T, H, D) views on a hit.
+_launch_planned = gate(
+    "compat.vllm.rotary_embedding",
+    "positions query key? cos_sin_cache",
+    "head_size:int is_neox:bool backend:str",
+)
 
 
 def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor:
@@ -103,11 +109,11 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto"):
     plan_key = None
     if inplace:  # a decode step seen before: vLLM's call as its launch plan, no views built
-        plan_key = _plan_key(positions, query, key, head_size, cos_sin_cache, is_neox, backend)
-        if plan_key is not None:
-            run = lookup(plan_key)
-            if run is not None and run(positions, query, key, cos_sin_cache):
-                return None
+        out, plan_key = _launch_planned(
+            positions, query, key, cos_sin_cache, head_size=head_size, is_neox=is_neox, backend=backend
+        )
+        if out is not None:
+            return None
     if type(head_size) is not int:
         head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
     if type(is_neox) is not bool:
@@ -124,16 +130,7 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
     q = _token_heads("query", query, tokens, head_size)
     k = None if key is None else _token_heads("key", key, tokens, head_size)
     cos, sin = _halves(c)
-    # Each token as a sequence of its own, (T, 1, H, D) views, whose offset is its position: the core's
-    # launch plan for per-sequence offsets then serves a steady step (one lookup, pointers, one C call; the
-    # loop checks every row before it writes).
-    q_tok, k_tok = q.transpose(0, 1), None if k is None else k.transpose(0, 1)  # (T, 1, H, D)
-    flat = positions.view(tokens) if positions.dtype == torch.int64 and positions.is_contiguous() else None
     interleaved = not is_neox
-    if inplace and flat is not None:
-        out = launch_planned(q_tok, k_tok, cos, sin, flat, interleaved, True, backend, False)
-        if out is not None:
-            return out
     rows = positions.view(1, tokens) if positions.is_contiguous() else positions.reshape(1, tokens)
     try:  # not peer_names: a context manager costs a decode step more than all the checks above
         # The functional API's own two steps (apply_rotary_qk minus its table forms, which vLLM has none of).
@@ -141,44 +138,29 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
         out = apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
     except ValueError as err:
         raise renamed(err, _NAMES, within=True) from None
-    if inplace and flat is not None:  # checked and served: later steps of this kind take the plan
+    if plan_key is not None:  # checked and served: later steps of this kind take the plan
+        flat = positions.dtype == torch.int64 and positions.is_contiguous()  # the loop reads it as it lies
         impl = select_backend(backend, q, cos)
-        remember(impl, q_tok, k_tok, cos, sin, flat, interleaved, True, backend, False)
-        if plan_key is not None and not known(plan_key):
-            keep(plan_key, _plan(impl, query, key, q_tok, k_tok, cos, sin, interleaved))
+        keep(plan_key, _plan(impl, query, key, q, k, cos, sin, positions, interleaved) if flat else None)
     return out
 
 
-def _plan_key(positions, query, key, head_size, cache, is_neox, backend) -> tuple | None:
-    """The launch-plan key of an in-place call (every fact its checks read), or None when no plan may serve
-    it (a trace, autograd history, an argument of another type)."""
-    if (
-        type(positions) is not torch.Tensor
-        or type(query) is not torch.Tensor
-        or type(cache) is not torch.Tensor
-        or (key is not None and type(key) is not torch.Tensor)
-        or type(head_size) is not int
-        or (is_neox is not True and is_neox is not False)
-        or type(backend) is not str
-        or torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or (torch.is_grad_enabled() and (query.requires_grad or (key is not None and key.requires_grad)))
-    ):
-        return None
-    k_layout = None if key is None else (key.shape, key.stride(), key.dtype, key.device)
-    return ("compat.vllm.rotary_embedding", positions.shape, positions.stride(), positions.dtype,
-            positions.device, query.shape, query.stride(), query.dtype, query.device, k_layout, head_size,
-            cache.shape, cache.stride(), cache.dtype, cache.device, is_neox, backend)  # fmt: skip
-
-
-def _plan(impl, query, key, q_tok, k_tok, cos, sin, interleaved):
-    """run(positions, query, key, cache) -> whether it rotated query and key in place (False: nothing
-    written; the checked path serves the call): the C loop on the call's data pointers, each token's row
-    read from positions by the loop, which checks it. None (no plan) unless the C loop serves this kind."""
+def _plan(impl, query, key, q, k, cos, sin, positions, interleaved):
+    """run(positions, query, key, cache) -> query once it has rotated query and key in place (None: nothing
+    written; the checked path serves the call). On the C loop: the loop on the call's data pointers, each
+    token's row read from positions by the loop, which checks it; on another backend: its plan for
+    per-sequence offsets (:func:`_views_plan`). None when the backend has no plan for this kind."""
+    # Each token as a sequence of its own, (T, 1, H, D) views, whose offset is its position: the core's
+    # plan for per-sequence offsets proves the backend takes these views and table as they are.
+    q_tok, k_tok = q.transpose(0, 1), None if k is None else k.transpose(0, 1)  # (T, 1, H, D)
+    if impl.name != "cpu":
+        return _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved)
     flags = dict(interleaved=interleaved, conjugate=False, inplace=True, per_sequence=True)
-    if impl.name != "cpu" or q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
+    if q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
         return None  # the core's C plan proves the loop takes these views and table as they are
-    call = pointer_launch(q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved, False, True)
+    call = pointer_launch(
+        q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved=interleaved, conjugate=False, per_sequence=True
+    )
     sin_bytes = sin.data_ptr() - cos.data_ptr()  # sin is the cache's second half, a fixed step from cos
     q_span, k_span = span(query), 0 if key is None else span(key)
     shared: dict[int, bool] = {}  # k - q byte distance -> whether query and key share an element
@@ -187,22 +169,22 @@ def _plan(impl, query, key, q_tok, k_tok, cos, sin, interleaved):
         if (query.is_inference() or (key is not None and key.is_inference())) and (
             not torch.is_inference_mode_enabled()
         ):
-            return False  # PyTorch refuses this write: the checked path says so
+            return None  # PyTorch refuses this write: the checked path says so
         q = query.data_ptr()
         c, p = cache.data_ptr(), positions.data_ptr()
         # The memory rule: query and key (written) meet neither the cache nor positions (read); where byte
         # ranges meet, the checked path decides exactly.
         if not cache.is_contiguous():
-            return False
+            return None
         c_end = c + cache.numel() * cache.element_size()
         p_end = p + positions.numel() * positions.element_size()
         if (c < q + q_span and q < c_end) or (p < q + q_span and q < p_end):
-            return False
+            return None
         k = None
         if key is not None:
             k = key.data_ptr()
             if (c < k + k_span and k < c_end) or (p < k + k_span and k < p_end):
-                return False
+                return None
             if -k_span < k - q < q_span:  # the spans meet (views of one qkv buffer): exactly, once a distance
                 meet = shared.get(k - q)
                 if meet is None:
@@ -210,8 +192,27 @@ def _plan(impl, query, key, q_tok, k_tok, cos, sin, interleaved):
                     if len(shared) < MAX_PLANS:  # bounded: a workload of ever new distances recomputes
                         shared[k - q] = meet
                 if meet:
-                    return False
-        return call(q, q, k, k, c, c + sin_bytes, p, 0) == -1
+                    return None
+        return query if call(q, q, k, k, c, c + sin_bytes, p, 0) == -1 else None
+
+    return run
+
+
+def _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved):
+    """run(positions, query, key, cache) on a backend other than the C loop: the (T, 1, H, D) views of the
+    checked path, then the core's plan for per-sequence offsets (:func:`ropekit.backends.plan.rotary_plan`:
+    its value checks, then the backend's launch); None when the backend has no such plan."""
+    tokens, head_size = q_tok.shape[0], q_tok.shape[3]
+    core = rotary_plan(impl, q_tok, k_tok, cos, sin, positions.view(tokens), interleaved=interleaved,
+                       inplace=True, conjugate=False)  # fmt: skip
+    if core is None:
+        return None
+
+    def run(positions, query, key, cache):
+        q = _token_heads("query", query, tokens, head_size).transpose(0, 1)  # (T, 1, H, D)
+        k = None if key is None else _token_heads("key", key, tokens, head_size).transpose(0, 1)
+        cos, sin = _halves(cache)
+        return None if core(q, k, cos, sin, positions.view(tokens)) is None else query
 
     return run
 

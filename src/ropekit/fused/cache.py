@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.fused.plan import (
-    FUSED_BACKENDS,
+from ropekit.backends.plan import gate, keep
+from ropekit.fused.checks import (
     cache_view,
     check_distinct_slots,
     check_inference,
     check_scale,
     check_slots,
     paged_view,
-    run,
-    select,
+    pages,
 )
-from ropekit.fused.planned import planned_cache, remember_cache
+from ropekit.fused.planned import cache_plan
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -36,6 +36,13 @@ from ropekit.validation import (
 )
 
 __all__ = ["apply_rotary_qk_and_cache"]
+
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
+_launch_planned = gate(
+    "apply_rotary_qk_and_cache",
+    "q? k v cos sin k_cache v_cache slot_mapping positions! offsets# cu_seqlens! k_scale! v_scale!",
+    "cache_layout:str interleaved:bool inplace:bool backend:str",
+)
 
 
 def apply_rotary_qk_and_cache(
@@ -92,9 +99,10 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
-    out, key = planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout,
-                             positions, offsets, cu_seqlens, interleaved, inplace, k_scale, v_scale,
-                             backend)  # fmt: skip
+    args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
+            v_scale)  # fmt: skip
+    out, key = _launch_planned(*args, cache_layout=cache_layout, interleaved=interleaved, inplace=inplace,
+                               backend=backend)  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
@@ -173,19 +181,19 @@ def apply_rotary_qk_and_cache(
          ("slot_mapping", slot_mapping), ("k_scale", k_scale), ("v_scale", v_scale)),
         optional=False,
     )  # fmt: skip
-    name = select(backend, q4, cos, widest=max(head_dim, v4.shape[3]))
+    name = select_backend(backend, q4, cos, op="fused", widest=max(head_dim, v4.shape[3])).name
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
     q_out = None if cache_only or inplace else torch.empty_like(q)
-    args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved, scales[0],
-            scales[1], name)  # fmt: skip
+    launch_args = (k, v, cos, sin, rows, pos.offset, slots, k_cache, v_cache, cache_layout, interleaved,
+                   scales[0], scales[1], name)  # fmt: skip
     if plain_eager(q):
-        launch = _launch(None if cache_only else q, q if inplace else q_out, *args, checked=True)
-        if key is not None and not cache_only:  # plan the next call like this one
-            remember_cache(key, name, launch, q, k, v, k_cache, v_cache, offsets, inplace)
+        launch = _launch(None if cache_only else q, q if inplace else q_out, *launch_args, checked=True)
+        if key is not None:  # plan the next call like this one
+            keep(key, None if cache_only else cache_plan(name, launch, *args, inplace))
     elif inplace:  # traced: the registered op, one node of a compiled graph
-        _OP_(q, *args)
+        _OP_(q, *launch_args)
     else:
-        _OP(None if cache_only else q, q_out, *args)
+        _OP(None if cache_only else q, q_out, *launch_args)
     return q if inplace else q_out
 
 
@@ -201,8 +209,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
     into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
     wall and the memory rule are checked here, the kernels check table rows and slots."""
-    if backend not in FUSED_BACKENDS:
-        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    impl = named_backend(backend, "fused")
     if not checked:  # a registered op called directly: the public call's memory rule and distinct slots
         if q_out is not None:
             check_writable("q_out", q_out)
@@ -219,11 +226,14 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
         t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)
     ]
     scratch = out4 if out4 is None or out4.shape[-1] <= 1 or out4.stride(-1) == 1 else torch.empty_like(q4)
-    views = [paged_view(name, c, cache_layout) for name, c in (("k_cache", k_cache), ("v_cache", v_cache))]
+    if checked:  # the public call checked both caches (cache_view)
+        views = [pages(k_cache, cache_layout), pages(v_cache, cache_layout)]
+    else:
+        views = [paged_view("k_cache", k_cache, cache_layout), paged_view("v_cache", v_cache, cache_layout)]
     kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
     kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
     batch, seq = k4.shape[:2]
-    plan = FusedLaunch(
+    launch = FusedLaunch(
         batch, seq, cos, sin, positions, offset, slots, interleaved, False,
         (
             None if q is None else Channel(sources[0], scratch, rotate=True, by_slot=False),
@@ -232,10 +242,10 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
         ),
     )  # fmt: skip
     written = [k_cache, v_cache] if q_out is None else [q_out, k_cache, v_cache]
-    run(backend, plan, written if checked else [], checked=checked)
+    impl.launch_fused(launch, checked=checked, written=written if checked else ())
     if scratch is not out4:  # a strided last axis: rotated in a scratch copy
         out4.copy_(scratch)
-    return plan
+    return launch
 
 
 def _fake(*args) -> None:

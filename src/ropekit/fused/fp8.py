@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.fused.plan import FUSED_BACKENDS, check_inference, check_scale, run, select
+from ropekit.fused.checks import check_inference, check_scale
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_movable, check_tables, describe
 
@@ -106,7 +107,7 @@ def apply_rotary_qk_fp8(
                     f"{name}: expected {heads} heads (as its rope part), got shape {tuple(t.shape)}"
                 )
     widest = max([head_dim] + ([] if nopes is None else [t.shape[3] for t in nopes]))
-    name = select(backend, q4, cos, widest=widest)
+    name = select_backend(backend, q4, cos, op="fused", widest=widest).name
     rows = None if pos.tensor is None else pos.tensor.reshape(-1).contiguous()  # (B * S,)
     args = (
         q,
@@ -130,8 +131,7 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
             backend, *, checked: bool) -> list[torch.Tensor]:  # fmt: skip
     """The FP8 outputs, shaped like q, k (and q_nope, k_nope). checked=True: the public call checked
     everything; False (the registered op): the launcher checks the kernel wall."""
-    if backend not in FUSED_BACKENDS:
-        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
+    impl = named_backend(backend, "fused")
     kind = FP8_KINDS.get(fp8_dtype)
     if kind is None:
         raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
@@ -148,14 +148,14 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
         return Channel(src, out.view(torch.uint8), rotate=rotate, by_slot=False, fp8=kind, scale=scale)
 
     channels = (channel(q, q_scale, True), channel(k, k_scale, True), None)
-    plan = FusedLaunch(q4.shape[0], q4.shape[1], cos, sin, positions, offset, None, interleaved, False,
-                       channels)  # fmt: skip
+    launch = FusedLaunch(q4.shape[0], q4.shape[1], cos, sin, positions, offset, None, interleaved, False,
+                         channels)  # fmt: skip
     if channels != (None, None, None):  # no token (or no head): nothing to write, on every backend
-        run(backend, plan, [], checked=checked)
+        impl.launch_fused(launch, checked=checked)
     if q_nope is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
         channels = (channel(q_nope, q_scale, False), channel(k_nope, k_scale, False), None)
         if channels != (None, None, None):
-            run(backend, plan._replace(channels=channels), [], checked=checked)
+            impl.launch_fused(launch._replace(channels=channels), checked=checked)
     return outs
 
 

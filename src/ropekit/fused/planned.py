@@ -1,11 +1,12 @@
 """Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
-:func:`~ropekit.qk_norm_rotary_` decode step is a key, one lookup in the launch-plan cache
-(:mod:`ropekit.backends.plan`), the value checks that cannot be planned, and one call of the C loop.
+:func:`~ropekit.qk_norm_rotary_` decode step goes through the one gate
+(:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
+and one call of the C loop.
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
-:class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`remember_cache` stores
-the plan for its key: the C loop with every integer of the launch packed
-(:func:`ropekit.backends.fused_cpu.plan`).
+:class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`cache_plan` (or
+:func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of the launch packed
+(:func:`ropekit.backends.fused_cpu.plan`), or None when no plan serves that kind.
 A later call with the same key runs the plan after the checks that depend on values:
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
@@ -17,8 +18,8 @@ A later call with the same key runs the plan after the checks that depend on val
 A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
 each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
 slot outside the cache, shared memory) sends the call down the checked path, which raises the error it
-always raised, with nothing written. Calls that trace, record autograd history, take positions, cu_seqlens or
-FP8 scales, or write the caches only, never use a plan.
+always raised, with nothing written. Calls that trace or record autograd history, and cache writes that take
+positions, cu_seqlens or FP8 scales, or write the caches only, never use a plan.
 """
 
 from __future__ import annotations
@@ -27,14 +28,11 @@ import torch
 
 from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
-from ropekit.backends.plan import MAX_PLANS, keep, known, lookup, span
-from ropekit.fused.plan import check_distinct_slots
+from ropekit.backends.plan import MAX_PLANS, span
+from ropekit.fused.checks import check_distinct_slots
 from ropekit.validation import shares_memory
 
-__all__ = ["planned_cache", "planned_qk_norm", "remember_cache", "remember_qk_norm"]
-
-Tensor = torch.Tensor
-_NUMBERS = (float, int)  # exact types: a bool is neither (type(True) is bool)
+__all__ = ["cache_plan", "qk_norm_plan"]
 
 
 def _pairs(written: tuple[int, ...], count: int) -> tuple[tuple[int, int], ...]:
@@ -44,54 +42,6 @@ def _pairs(written: tuple[int, ...], count: int) -> tuple[tuple[int, int], ...]:
     for w in written:
         pairs += [(w, o) for o in range(count) if o != w and not (o in written and o < w)]
     return tuple(pairs)
-
-
-def planned_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, cache_layout, positions, offsets,
-                  cu_seqlens, interleaved, inplace, k_scale, v_scale, backend):  # fmt: skip
-    """(q rotated by the call's plan, key) when a plan served it; (None, key) when the checked path must, and
-    may remember its launch under key; (None, None) when no plan may serve a call like this one."""
-    if (
-        positions is not None
-        or cu_seqlens is not None
-        or k_scale is not None
-        or v_scale is not None
-        or not (type(q) is type(k) is type(v) is type(cos) is type(sin) is type(k_cache) is type(v_cache)
-                is type(slot_mapping) is Tensor)
-        or (interleaved is not True and interleaved is not False)
-        or (inplace is not True and inplace is not False)
-        or not (type(backend) is type(cache_layout) is str)
-        or _tracing()
-    ):  # fmt: skip
-        return None, None
-    if torch.is_grad_enabled() and (
-        q.requires_grad
-        or k.requires_grad
-        or v.requires_grad
-        or k_cache.requires_grad
-        or v_cache.requires_grad
-    ):
-        return None, None
-    layout = _rows_layout(None, offsets)
-    if layout is False:
-        return None, None
-    key = (
-        "apply_rotary_qk_and_cache", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
-        k.device, v.shape, v.stride(), v.dtype, v.device, cos.shape, cos.stride(), cos.dtype, cos.device,
-        sin.shape, sin.stride(), sin.dtype, sin.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
-        k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, slot_mapping.shape,
-        slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device, layout, cache_layout, interleaved,
-        inplace, backend,
-    )  # fmt: skip
-    plan = lookup(key)
-    if plan is not None:
-        return plan(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, offsets), key
-    if (
-        known(key)
-        or not slot_mapping.is_contiguous()  # the checked path copies it; the plan reads it where it lies
-        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1])
-    ):
-        return None, None  # the key alone decides that the checked path serves this kind
-    return None, key
 
 
 def _plannable(x, others, cos, sin, offsets, batch) -> bool:
@@ -109,16 +59,26 @@ def _plannable(x, others, cos, sin, offsets, batch) -> bool:
     )  # fmt: skip
 
 
-def remember_cache(key, backend: str, like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace) -> None:
-    """Store the plan for key after the checked path served it with ``like`` (its launch), or that key has
-    none (another backend than the C loop, an input the launch copied, a 3-D q)."""
-    if known(key):
-        return
-    units = all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
-    if backend != "cpu" or not units or q.dim() != 4:
-        keep(key, None)  # the key alone decided it: the checked path serves this kind
-        return
-    keep(key, _cache_plan(like, q, k, v, k_cache, v_cache, offsets, inplace))
+def cache_plan(backend: str, like: FusedLaunch, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions,
+               offsets, cu_seqlens, k_scale, v_scale, inplace: bool):  # fmt: skip
+    """The plan of a call the checked path served with ``like`` (its launch) on backend:
+    ``run(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
+    v_scale)`` (the gate's arguments) -> q rotated, or None. None when no plan serves its kind: another
+    backend than the C loop, an input the launch copied, a 3-D q, positions, cu_seqlens, scales, no q."""
+    units = q is not None and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
+    if (
+        backend != "cpu"
+        or not units
+        or q.dim() != 4
+        or positions is not None
+        or cu_seqlens is not None
+        or k_scale is not None
+        or v_scale is not None
+        or not slot_mapping.is_contiguous()  # the checked path copies it; the plan reads it where it lies
+        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1])
+    ):
+        return None
+    return _cache_plan(like, q, k, v, k_cache, v_cache, offsets, inplace)
 
 
 def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: bool):
@@ -135,7 +95,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
     shared: dict[tuple[int, int, int], bool] = {}  # (written, other, byte distance) -> share an element
     increment_version = torch._C._increment_version
 
-    def run(q, k, v, cos, sin, k_cache, v_cache, slots, offsets):
+    def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
         if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
         check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path's check and error
@@ -180,81 +140,22 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
     return run
 
 
-def _rows_layout(positions, offsets):
-    """The key's part for the rows: None for an int offset, the layout of a positions tensor (offsets 0) or
-    of a per-sequence offsets tensor; False when no plan may serve these."""
-    if positions is not None:
-        if type(positions) is not Tensor or type(offsets) is not int or offsets != 0:
-            return False
-        return ("positions", positions.shape, positions.stride(), positions.dtype, positions.device)
-    if type(offsets) is int:
-        return None
-    if type(offsets) is Tensor:
-        return (offsets.shape, offsets.stride(), offsets.dtype, offsets.device)
-    return False
-
-
-def _tracing() -> bool:
-    """A trace (torch.compile) or a dispatch mode is watching: the registered ops serve it, never a plan."""
-    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
-
-
-def planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps, positions,
-                    offsets, cu_seqlens, interleaved, weight_offset, norm, cast_before_weight,
-                    backend):  # fmt: skip
-    """:func:`planned_cache` for :func:`~ropekit.qk_norm_rotary_`: (qkv, key) when a plan served the call,
-    (None, key) when the checked path must and may then remember it, (None, None) when no plan may."""
-    if (
-        cu_seqlens is not None
-        or not (type(qkv) is type(q_weight) is type(k_weight) is type(cos) is type(sin) is Tensor)
-        or not (type(num_q_heads) is type(num_kv_heads) is type(head_dim) is int)
-        or not (type(eps) in _NUMBERS and type(weight_offset) in _NUMBERS)
-        or not (type(norm) is type(backend) is str)
-        or not (cast_before_weight is None or cast_before_weight is True or cast_before_weight is False)
-        or (interleaved is not True and interleaved is not False)
-        or _tracing()
-    ):
-        return None, None
-    if cos.requires_grad or sin.requires_grad:  # refused in any grad mode (constants to qk_norm_rotary_)
-        return None, None
-    if torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad):
-        return None, None
-    layout = _rows_layout(positions, offsets)
-    if layout is False:
-        return None, None
-    key = (
-        "qk_norm_rotary_", qkv.shape, qkv.stride(), qkv.dtype, qkv.device, q_weight.shape,
-        q_weight.stride(), q_weight.dtype, q_weight.device, k_weight.shape, k_weight.stride(), k_weight.dtype,
-        k_weight.device, cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype,
-        sin.device, layout, num_q_heads, num_kv_heads, head_dim, eps, weight_offset, norm, cast_before_weight,
-        interleaved, backend,
-    )  # fmt: skip
-    plan = lookup(key)
-    if plan is not None:
-        return plan(qkv, q_weight, k_weight, cos, sin, positions, offsets), key
+def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_cpu.NormSpec, positions,
+                 offsets, cu_seqlens):  # fmt: skip
+    """The plan of a call the checked path served on backend: ``run(qkv, q_weight, k_weight, cos, sin,
+    positions, offsets, cu_seqlens)`` (the gate's arguments) -> qkv, or None; None when no plan serves its
+    kind (another backend than the C loop, cu_seqlens, an input the launch would convert)."""
     weights = (q_weight, k_weight)
     if (
-        known(key)
+        backend != "cpu"
+        or cu_seqlens is not None
         or qkv.dim() not in (2, 3)
         or not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
         or not _plannable(qkv, weights, cos, sin, offsets, qkv.shape[:1] if qkv.dim() == 3 else (1,))
         or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
                                            and positions.device == qkv.device))
     ):  # fmt: skip
-        return None, None
-    return None, key
-
-
-def remember_qk_norm(
-    key, backend: str, qkv, cos, sin, spec: qk_norm_cpu.NormSpec, positions, offsets
-) -> None:
-    """Store the plan for key after the checked path served it on backend, or that key has none (not the C
-    loop)."""
-    if known(key):
-        return
-    if backend != "cpu":
-        keep(key, None)
-        return
+        return None
     view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
     c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
     seq = view.shape[1]
@@ -264,7 +165,11 @@ def remember_qk_norm(
     increment_version = torch._C._increment_version
     qkv_span, table_span = span(qkv), span(cos)
 
-    def run(qkv, q_weight, k_weight, cos, sin, positions, offsets):
+    def run(qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens):
+        if positions is not None and offsets != 0:
+            return None  # positions and offsets together: the checked path refuses them
+        if cos.requires_grad or sin.requires_grad:
+            return None  # refused in any grad mode (constants to qk_norm_rotary_): the checked path says so
         if qkv.is_inference() and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
         # The memory rule: qkv (written) meets nothing it reads; where byte ranges meet, the checked path
@@ -295,4 +200,4 @@ def remember_qk_norm(
             increment_version((qkv,))
         return qkv
 
-    keep(key, run)
+    return run

@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ropekit.backends import select_backend
+from ropekit.backends import named_backend, select_backend
 from ropekit.backends.eager import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec, unavailable_reason
-from ropekit.backends.qk_norm_cpu import launch as cpu_launch
-from ropekit.fused.planned import planned_qk_norm, remember_qk_norm
+from ropekit.backends.plan import gate, keep
+from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec
+from ropekit.backends.qk_norm_eager import heads as _heads
+from ropekit.fused.planned import qk_norm_plan
 from ropekit.positions import resolve
 from ropekit.validation import (
     check_bool,
@@ -50,53 +51,16 @@ from ropekit.validation import (
     describe,
 )
 
-__all__ = ["qk_norm_rotary_", "rms_norm"]
+__all__ = ["qk_norm_rotary_"]
 
 _NORMS = ("head", "all_heads")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> torch.Tensor:
-    """The readable RMSNorm of q or k (..., H, D) in the form ``spec`` names; returns x's shape and dtype.
-
-    The torch path of :func:`qk_norm_rotary_` and the reference its kernels are tested against.
-    """
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    groups = x.flatten(-2) if spec.all_heads else x  # (..., H * D) for OLMo 2, else (..., H, D)
-    x32 = groups.to(compute)
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + spec.eps)
-    w = weight.to(compute) + spec.weight_offset
-    if spec.cast_before_weight:
-        normed = normed.to(x.dtype).to(compute)
-    return (normed * w).to(x.dtype).view(x.shape)
-
-
-def _torch_launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec) -> None:
-    """The readable path: RMSNorm, then the torch backend's rotation, written back into qkv (B, S, W)."""
-    batch, seq, _ = qkv.shape
-    rows = table_rows(None if positions is None else positions.view(batch, seq), offset, qkv, cos.shape[0])
-    q, k = _heads(qkv, spec)
-    for x, weight in ((q, q_weight), (k, k_weight)):
-        normed = rms_norm(x, weight, spec)
-        x.copy_(rotate(normed, cos, sin, rows, interleaved=spec.interleaved, conjugate=False, inplace=True))
-
-
-_LAUNCH = {"torch": _torch_launch, "cpu": cpu_launch}
-
-
-def _launcher(name: str):
-    if name == "triton":
-        from ropekit.backends.qk_norm_triton import launch
-
-        return launch
-    return _LAUNCH.get(name, _torch_launch)  # a registered third-party backend: the torch path
-
-
-def _heads(qkv: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k of qkv (..., W) as views (..., Hq, D) and (..., Hk, D)."""
-    q_width, k_width = spec.q_heads * spec.head_dim, spec.k_heads * spec.head_dim
-    q = qkv[..., :q_width].unflatten(-1, (spec.q_heads, spec.head_dim))
-    k = qkv[..., q_width : q_width + k_width].unflatten(-1, (spec.k_heads, spec.head_dim))
-    return q, k
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
+_launch_planned = gate(
+    "qk_norm_rotary_",
+    "qkv q_weight k_weight cos sin positions? offsets# cu_seqlens!",
+    "num_q_heads:int num_kv_heads:int head_dim:int eps:number interleaved:bool weight_offset:number norm:str "
+    "cast_before_weight:bool? backend:str",
+)
 
 
 class QKNormRotaryFunction(torch.autograd.Function):
@@ -109,11 +73,11 @@ class QKNormRotaryFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, launch, kernel_weights):
+    def forward(ctx: Any, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, launch):
         qk_width = (spec.q_heads + spec.k_heads) * spec.head_dim
         ctx.save_for_backward(qkv[..., :qk_width].clone(), q_weight, k_weight, cos, sin, positions)
         ctx.offset, ctx.spec = offset, spec
-        launch(qkv, *kernel_weights, cos, sin, positions, offset, spec)
+        launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec)
         ctx.mark_dirty(qkv)
         return qkv
 
@@ -146,7 +110,7 @@ class QKNormRotaryFunction(torch.autograd.Function):
             out.copy_(dx.view(out.shape))
             weights.append((g * n).reshape(-1, w.shape[0]).sum(0).to(w.dtype))
         grad_input = grad_qkv if ctx.needs_input_grad[0] else None
-        return grad_input, weights[0], weights[1], None, None, None, None, None, None, None
+        return grad_input, weights[0], weights[1], None, None, None, None, None, None
 
 
 def _check_weight(name: str, w: object, features: int, qkv: torch.Tensor, form: str) -> None:
@@ -228,9 +192,12 @@ def qk_norm_rotary_(
             offsets or cu_seqlens as :func:`ropekit.apply_rotary` refuses them; a read-only or overlapping
             qkv, or a leaf that requires grad; an unavailable backend. Nothing is written then.
     """
-    out, key = planned_qk_norm(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, head_dim, eps,
-                               positions, offsets, cu_seqlens, interleaved, weight_offset, norm,
-                               cast_before_weight, backend)  # fmt: skip
+    out, key = _launch_planned(
+        qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
+        interleaved=interleaved, weight_offset=weight_offset, norm=norm,
+        cast_before_weight=cast_before_weight, backend=backend,
+    )  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     qkv = _check_qkv(qkv, cu_seqlens is not None)
@@ -302,54 +269,40 @@ def qk_norm_rotary_(
     if cos.device != qkv.device:
         cos, sin = cos.to(qkv.device), sin.to(qkv.device)
 
-    impl = select_backend(backend, q_view, cos).name
-    reason = unavailable_reason(spec) if impl == "cpu" else None
-    if reason is not None:
-        if backend == "cpu":
-            raise ValueError(f"backend: 'cpu' cannot serve these inputs: {reason}")
-        impl = "torch"
-    if impl != "torch" and (cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    impl = select_backend(backend, q_view, cos, op="qk_norm", spec=spec)
     rows = None if pos.tensor is None else pos.tensor.reshape(-1)  # (B * S,) int64, contiguous
     if torch.is_grad_enabled() and (qkv.requires_grad or q_weight.requires_grad or k_weight.requires_grad):
         QKNormRotaryFunction.apply(
-            view, q_weight, k_weight, cos, sin, rows, pos.offset, spec, _launcher(impl),
-            _kernel_weights(impl, q_weight, k_weight),
+            view, q_weight, k_weight, cos, sin, rows, pos.offset, spec, impl.launch_qk_norm,
         )  # fmt: skip
         return qkv
-    if impl not in ("cpu", "triton"):
-        impl = "torch"  # a registered third-party backend: the torch path
-    args = (qkv, q_weight, k_weight, cos, sin, rows, pos.offset, *spec, impl)
+    args = (qkv, q_weight, k_weight, cos, sin, rows, pos.offset, *spec, impl.name)
     if plain_eager(qkv):
         _launch(*args, checked=True)
         if key is not None:  # plan the next call like this one
-            remember_qk_norm(key, impl, qkv, cos, sin, spec, positions, offsets)
+            plan = qk_norm_plan(
+                impl.name, qkv, q_weight, k_weight, cos, sin, spec, positions, offsets, cu_seqlens
+            )
+            keep(key, plan)
     else:  # traced: the registered op, one node of a compiled graph
         _OP(*args)
     return qkv
-
-
-def _kernel_weights(impl: str, q_weight, k_weight) -> list[torch.Tensor]:
-    """The kernels read contiguous float32 weights; the torch path reads them as they are (float64 stays)."""
-    return [w.detach() if impl == "torch" else w.detach().float().contiguous() for w in (q_weight, k_weight)]
 
 
 def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_backend, checked: bool) -> None:
     """Normalise and rotate qkv's q and k in place on the named backend. checked=False (the registered op):
     the kernel wall is checked here (shapes, dtypes, strides, devices, no self-overlap); the kernels check the
     table rows."""
-    *fields, impl = spec_and_backend
+    *fields, name = spec_and_backend
     spec = NormSpec(*fields)
-    if impl not in _LAUNCH and impl != "triton":
-        raise ValueError(f"backend: expected one of ['torch', 'cpu', 'triton'], got {impl!r}")
+    impl = named_backend(name, "qk_norm")
     if not checked:
         _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec)
-    if impl != "torch" and (cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
     view = qkv.unsqueeze(0) if qkv.dim() == 2 else qkv  # (B, S, W); packed (T, W) as (1, T, W)
-    _launcher(impl)(view, *_kernel_weights(impl, q_weight, k_weight), cos, sin, positions, offset, spec)
-    if impl != "torch" and checked:  # the kernels write through pointers: tell autograd (the op's dispatcher
-        torch.autograd.graph.increment_version(qkv)  # does it for the registered op)
+    # The kernels write through pointers: checked, tell autograd (the registered op's dispatcher does it).
+    impl.launch_qk_norm(
+        view, q_weight, k_weight, cos, sin, positions, offset, spec, written=(qkv,) if checked else ()
+    )
 
 
 def _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec: NormSpec) -> None:

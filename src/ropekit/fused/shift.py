@@ -10,17 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
-from ropekit.fused.plan import (
-    FUSED_BACKENDS,
-    cache_view,
-    check_distinct_slots,
-    check_slots,
-    paged_view,
-    run,
-    select,
-)
+from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view, pages
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
 
 __all__ = ["shift_cache_"]
@@ -95,7 +88,9 @@ def shift_cache_(
     # The memory rule: the cache is rotated in place of itself; the tables and slots it reads stay apart.
     reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))
     check_no_alias((("k_cache", k_cache),), reads, optional=False)
-    name = select(backend, view if view.dtype != torch.uint8 else k_cache, cos, widest=width)
+    name = select_backend(
+        backend, view if view.dtype != torch.uint8 else k_cache, cos, op="fused", widest=width
+    ).name
     if cos.device != k_cache.device:
         cos, sin = cos.to(k_cache.device), sin.to(k_cache.device)
     args = (k_cache, cos, sin, delta, cache_layout, flat_slots, interleaved, name)
@@ -110,9 +105,8 @@ def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend,
     """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place.
     checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
     is checked here."""
-    if backend not in FUSED_BACKENDS:
-        raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {backend!r}")
-    view = paged_view("k_cache", k_cache, cache_layout)
+    impl = named_backend(backend, "fused")
+    view = pages(k_cache, cache_layout) if checked else paged_view("k_cache", k_cache, cache_layout)
     row = abs(delta)
     if not checked:  # a registered op called directly: the public call's value checks
         if not 0 <= row < cos.shape[0]:
@@ -125,12 +119,14 @@ def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend,
     # Every token reads the same row |delta|: a table of n rows that all alias it (row stride 0).
     half = cos.shape[1]
     row_cos, row_sin = cos[row : row + 1].expand(max(n, 1), half), sin[row : row + 1].expand(max(n, 1), half)
-    if backend != "torch":
+    if impl.name != "torch":  # the kernels read float32 rows: convert the one row, then alias it n times
         row_cos, row_sin = (t.float().contiguous()[:1].expand(max(n, 1), half) for t in (row_cos, row_sin))
     channel = Channel(None, view, rotate=True, by_slot=slots is not None)
-    plan = FusedLaunch(1, n, row_cos, row_sin, None, 0, slots, interleaved, delta < 0, (None, channel, None))
+    launch = FusedLaunch(
+        1, n, row_cos, row_sin, None, 0, slots, interleaved, delta < 0, (None, channel, None)
+    )
     try:
-        run(backend, plan, [k_cache] if checked else [], checked=checked)
+        impl.launch_fused(launch, checked=checked, written=[k_cache] if checked else ())
     except ValueError as err:  # the launchers check slot values under the launch's name, slot_mapping
         text = str(err)
         if text.startswith("slot_mapping:"):

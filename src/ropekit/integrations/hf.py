@@ -48,11 +48,11 @@ from ropekit.integrations.hf_probe import (
     Call,
     NotUnderstood,
     Signature,
-    find_plan,
+    find_convention,
     rotation_function,
     stand_in,
 )
-from ropekit.model_plan import LayerRope, model_rope
+from ropekit.layer_rope import LayerRope, model_rope
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
 from ropekit.validation import check_bool
 
@@ -60,7 +60,7 @@ __all__ = ["EXTEND_METHODS", "extend_context", "layer_ropes", "patch", "patched_
 
 log = logging.getLogger(__name__)
 
-PLANS_ATTR = "_ropekit_plans"  # on a patched layer: {function name: (Plan, backend)}
+CONVENTIONS_ATTR = "_ropekit_conventions"  # on a patched layer: {function name: (Convention, backend)}
 ROPE_ATTR = "_ropekit_layer_rope"  # on a patched layer served ropekit's tables: its model_rope entry
 PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for extend_context to patch again
 ORIGINAL_ATTR = (
@@ -307,9 +307,9 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
     for message in refused:
         warnings.warn(message, stacklevel=2)
-    for layer, (plans, functions) in replacements.items():
+    for layer, (conventions, functions) in replacements.items():
         _replace_functions(layer, functions)
-        setattr(layer, PLANS_ATTR, plans)
+        setattr(layer, CONVENTIONS_ATTR, conventions)
     model.__dict__[PATCH_ATTR] = (backend, strict)
     ropes = _serve_model_rope(model, rotaries, rotary_calls, served)
     for layer, entry in ropes.items():
@@ -334,13 +334,13 @@ def _serve_model_rope(
         )
         return {}
     try:
-        plan = model_rope(model.config)
+        layers = model_rope(model.config)
     except ValueError as err:
         log.info("%s keeps its own cos/sin tables: %s", _model_type(model), err)
         return {}
     names = {module: name for name, module in model.named_modules()}
     layer_of = {layer: _layer_index(layer, names.get(layer, "")) for layer in served}
-    ropes, reasons = hf_tables.prove_tables(rotaries, rotary_calls, served, layer_of, plan)
+    ropes, reasons = hf_tables.prove_tables(rotaries, rotary_calls, served, layer_of, layers)
     for reason in reasons:
         log.info("%s keeps its own cos/sin tables for %s", _model_type(model), reason)
     return ropes
@@ -358,13 +358,13 @@ def _layer_index(layer: nn.Module, name: str) -> int | None:
 
 def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str], dict]:
     """Per layer: the stand-ins proved against its recorded calls, or the reason it is refused; and per
-    patched layer, the tables its calls received with their form (``Plan.table``), when one form."""
+    patched layer, the tables its calls received with their form (``Convention.table``), when one form."""
     replacements: dict[nn.Module, tuple[dict, dict]] = {}
     refused: list[str] = []
     served: dict[nn.Module, tuple[list, str]] = {}
     checked_backend = False
     for layer_name, layer, functions in candidates:
-        plans, stand_ins, reasons, tables = {}, {}, [], []
+        conventions, stand_ins, reasons, tables = {}, {}, [], []
         for name, fn in functions.items():
             call = calls.get((id(layer), name))
             if call is None:
@@ -378,11 +378,11 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 _check_backend(backend, call, signature)
                 checked_backend = True
             try:
-                plan, diff, tol = find_plan(fn, signature, call, backend)
+                convention, diff, tol = find_convention(fn, signature, call, backend)
             except NotUnderstood as err:
                 reasons.append(f"its {name} cannot be read: {err}")
                 continue
-            if plan is None:
+            if convention is None:
                 reasons.append(
                     f"ropekit does not reproduce its {name}: smallest difference {diff:.3g} over every "
                     "pairing "
@@ -391,17 +391,17 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 continue
             recorded = {slot[1]: Signature.get(call.args, call.kwargs, slot) for slot in signature.others}
             recorded["__tuple__"] = isinstance(call.output, tuple)
-            plans[name] = (plan, backend)
+            conventions[name] = (convention, backend)
             tables += [Signature.get(call.args, call.kwargs, slot) for slot in signature.tables]
-            stand_ins[name] = stand_in(fn, signature, plan, recorded, backend)
+            stand_ins[name] = stand_in(fn, signature, convention, recorded, backend)
         if reasons:
             refused.append(
                 f"model: {model_type} layer {layer_name!r} ({type(layer).__name__}) not patched: "
                 + "; ".join(reasons)
             )
-        elif plans:
-            replacements[layer] = (plans, stand_ins)
-            forms = {plan.table for plan, _ in plans.values()}
+        elif conventions:
+            replacements[layer] = (conventions, stand_ins)
+            forms = {convention.table for convention, _ in conventions.values()}
             if len(forms) == 1:
                 served[layer] = (tables, forms.pop())
     return replacements, refused, served
@@ -413,8 +413,8 @@ def unpatch(model: nn.Module) -> int:
     model.__dict__.pop(PATCH_ATTR, None)
     hf_tables.restore(model)
     for module in model.modules():
-        if PLANS_ATTR in module.__dict__:
-            del module.__dict__[PLANS_ATTR]
+        if CONVENTIONS_ATTR in module.__dict__:
+            del module.__dict__[CONVENTIONS_ATTR]
             module.__dict__.pop(ROPE_ATTR, None)
             module.__dict__.pop("forward", None)
             restored += 1
@@ -429,12 +429,12 @@ def patched_layers(model: nn.Module) -> dict[str, dict[str, str]]:
     """
     return {
         name: {
-            fn: f"{plan.describe()}, backend {backend}, "
+            fn: f"{convention.describe()}, backend {backend}, "
             + ("tables from model_rope" if ROPE_ATTR in module.__dict__ else "the model's tables")
-            for fn, (plan, backend) in module.__dict__[PLANS_ATTR].items()
+            for fn, (convention, backend) in module.__dict__[CONVENTIONS_ATTR].items()
         }
         for name, module in model.named_modules()
-        if PLANS_ATTR in module.__dict__
+        if CONVENTIONS_ATTR in module.__dict__
     }
 
 

@@ -4,7 +4,7 @@ A Hugging Face attention layer rotates q and k by calling a module-level functio
 model's rotary module produced: ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` in most families,
 ``apply_rotary_emb(xq, xk, freqs_cis)`` (complex) in Llama 4 and DeepSeek-V2,
 ``apply_rotary_pos_emb_interleave`` in DeepSeek-V3, ``apply_rotary_pos_emb(tensor, sin, cos)`` in GPT-J.
-The families disagree on three things only, and a :class:`Plan` names one choice of each:
+The families disagree on three things only, and a :class:`Convention` names one choice of each:
 
 * how the (B, S, W) table holds the per-pair angles: ``first_half`` (``cat(freqs, freqs)``, Llama and most),
   ``every_other`` (``repeat_interleave(freqs, 2)``, Cohere), ``full`` (``freqs`` once, GPT-J, GPT-OSS), or
@@ -16,8 +16,8 @@ The families disagree on three things only, and a :class:`Plan` names one choice
 Partial rotary needs one more choice only for DeepSeek-V4, whose heads are [nope | rope]: ropekit rotates the
 first R = 2 * table width features and passes the rest, as every other HF function does, or the last R. The
 table values (frequencies, YaRN's mscale, M-RoPE's section merge, per-layer bases) are the model's own, read
-as they are, so the only thing to get right is the pairing, and :func:`find_plan` proves that on random q
-and k before anything is replaced.
+as they are, so the only thing to get right is the pairing, and :func:`find_convention` proves that on
+random q and k before anything is replaced.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ import torch
 
 from ropekit.functional import apply_rotary, apply_rotary_qk
 
-__all__ = ["CANDIDATES", "Call", "Plan", "Signature", "find_plan", "rotation_function", "stand_in"]
+__all__ = [
+    "CANDIDATES",
+    "Call",
+    "Convention",
+    "Signature",
+    "find_convention",
+    "rotation_function",
+    "stand_in",
+]
 
 # Parameter names that HF's rotation functions give the tensors they rotate and the tables they read.
 ROTATED_NAMES = ("q", "k", "x", "tensor", "xq", "xk")
@@ -40,7 +48,7 @@ UNSQUEEZE_NAME = "unsqueeze_dim"
 
 
 @dataclass(frozen=True)
-class Plan:
+class Convention:
     """One way to run a model's rotation function through ropekit (see the module docstring)."""
 
     table: str  # "first_half", "every_other", "full" or "complex"
@@ -57,7 +65,7 @@ class Plan:
 
 # Tried in this order; the first one that agrees with the model's function is used.
 CANDIDATES = tuple(
-    Plan(table, pairing, layout, conjugate, position)
+    Convention(table, pairing, layout, conjugate, position)
     for layout in ("bhsd", "bshd")
     for table, pairing, conjugate, position in (
         ("first_half", "half", False, "first"),
@@ -152,34 +160,36 @@ def rotation_function(name: str, fn: Any) -> bool:
     )
 
 
-def _tables(plan: Plan, cos: torch.Tensor, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(
+    convention: Convention, cos: torch.Tensor, sin: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's tables with one angle per pair: (..., S, R/2); views for first-half and full tables."""
     # The fused backends read tables whose last axis has stride 1; every-other and complex tables are
     # compacted (one (B, S, R/2) copy per call, far smaller than q and k).
-    if plan.table == "complex":
+    if convention.table == "complex":
         pairs = torch.view_as_real(cos)  # (..., S, R/2, 2): real and imaginary parts side by side
         return pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
     if sin is None:
         raise ValueError("the plan reads real cos/sin tables")
-    if plan.table == "first_half":
+    if convention.table == "first_half":
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
-    if plan.table == "every_other":
+    if convention.table == "every_other":
         return cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
     return cos, sin
 
 
 def _rotate(
-    plan: Plan, layout: str, xs: list, cos: torch.Tensor, sin: torch.Tensor, backend: str
+    convention: Convention, layout: str, xs: list, cos: torch.Tensor, sin: torch.Tensor, backend: str
 ) -> list | None:
-    """Rotate the tensors in xs (some may be None) as the plan says; None when the shapes do not fit it."""
+    """Rotate the tensors in xs (some may be None) as the convention says; None when the shapes do not fit."""
     present = [x for x in xs if x is not None]
     if not present or any(not isinstance(x, torch.Tensor) or x.dim() != 4 for x in present):
         return None
-    if cos.is_complex() != (plan.table == "complex"):
+    if cos.is_complex() != (convention.table == "complex"):
         return None
-    cos, sin = _tables(plan, cos, sin)
-    if plan.conjugate:
+    cos, sin = _tables(convention, cos, sin)
+    if convention.conjugate:
         sin = -sin  # (..., S, R/2): the one table copy a conjugate convention costs
     seq_axis = 2 if layout == "bhsd" else 1
     batch, seq = present[0].shape[0], present[0].shape[seq_axis]
@@ -201,7 +211,7 @@ def _rotate(
         None if x is None else (x.transpose(1, 2) if layout == "bhsd" else x) for x in xs
     ]  # (B, S, H, D)
     inplace = False
-    if plan.pairing == "deinterleave":
+    if convention.pairing == "deinterleave":
         width = 2 * cos.shape[-1]
         if any(v.shape[-1] != width for v in views if v is not None):
             return None
@@ -209,11 +219,11 @@ def _rotate(
         # that copy in place with half pairing writes what DeepSeek's code writes.
         views = [None if v is None else v.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) for v in views]
         inplace = True
-    interleaved = plan.pairing == "interleaved"
+    interleaved = convention.pairing == "interleaved"
     first, second = [*views, None][:2]
     kw = dict(positions=positions, interleaved=interleaved, inplace=inplace, backend=backend)
-    if plan.rotary_position != "first":
-        kw["rotary_position"] = plan.rotary_position
+    if convention.rotary_position != "first":
+        kw["rotary_position"] = convention.rotary_position
     if first is None:
         first, second = second, None
     if second is None:
@@ -225,16 +235,18 @@ def _rotate(
     return [None if x is None else next(it) for x in xs]
 
 
-def _layout(signature: Signature, plan: Plan, args: tuple, kwargs: dict) -> str | None:
+def _layout(signature: Signature, convention: Convention, args: tuple, kwargs: dict) -> str | None:
     if signature.unsqueeze is None:
-        return plan.layout
+        return convention.layout
     dim = Signature.get(args, kwargs, signature.unsqueeze)
     return {1: "bhsd", 2: "bshd"}.get(dim)
 
 
-def _run_plan(signature: Signature, plan: Plan, args: tuple, kwargs: dict, backend: str, like: Any) -> Any:
+def _run_convention(
+    signature: Signature, convention: Convention, args: tuple, kwargs: dict, backend: str, like: Any
+) -> Any:
     """ropekit's result for one call, shaped like the model function's output `like`; None if unservable."""
-    layout = _layout(signature, plan, args, kwargs)
+    layout = _layout(signature, convention, args, kwargs)
     if layout is None:
         return None
     xs = [Signature.get(args, kwargs, s) for s in signature.rotated]
@@ -242,7 +254,7 @@ def _run_plan(signature: Signature, plan: Plan, args: tuple, kwargs: dict, backe
     cos, sin = (tables[0], None) if len(tables) == 1 else tables
     if not isinstance(cos, torch.Tensor) or (sin is not None and not isinstance(sin, torch.Tensor)):
         return None
-    out = _rotate(plan, layout, xs, cos, sin, backend)
+    out = _rotate(convention, layout, xs, cos, sin, backend)
     if out is None:
         return None
     if isinstance(like, torch.Tensor):
@@ -250,12 +262,14 @@ def _run_plan(signature: Signature, plan: Plan, args: tuple, kwargs: dict, backe
     return tuple(out)
 
 
-def stand_in(fn: Callable, signature: Signature, plan: Plan, recorded: dict, backend: str) -> Callable:
+def stand_in(
+    fn: Callable, signature: Signature, convention: Convention, recorded: dict, backend: str
+) -> Callable:
     """The function a patched layer calls in place of the model's `fn`.
 
     `recorded` holds the values the probe saw for every parameter that is neither rotated nor a table; a call
-    that passes other values (or shapes the plan was not proved on) goes to the model's own function, so a
-    stand-in is never used outside what was proved.
+    that passes other values (or shapes the convention was not proved on) goes to the model's own function, so
+    a stand-in is never used outside what was proved.
     """
     returns_tuple = recorded["__tuple__"]
 
@@ -264,7 +278,9 @@ def stand_in(fn: Callable, signature: Signature, plan: Plan, recorded: dict, bac
             value = Signature.get(args, kwargs, slot)
             if not isinstance(value, torch.Tensor) and value != recorded.get(slot[1]):
                 return fn(*args, **kwargs)
-        out = _run_plan(signature, plan, args, kwargs, backend, () if returns_tuple else torch.empty(()))
+        out = _run_convention(
+            signature, convention, args, kwargs, backend, () if returns_tuple else torch.empty(())
+        )
         return fn(*args, **kwargs) if out is None else out
 
     rotate.__name__ = fn.__name__
@@ -317,13 +333,13 @@ def _difference(ours: Any, theirs: Any) -> float:
     return worst
 
 
-def find_plan(
+def find_convention(
     fn: Callable, signature: Signature, call: Call, backend: str
-) -> tuple[Plan | None, float, float]:
-    """The first candidate plan that agrees with `fn` on the recorded call's tables and random q, k.
+) -> tuple[Convention | None, float, float]:
+    """The first candidate convention that agrees with `fn` on the recorded call's tables and random q, k.
 
-    Returns (plan or None, the smallest difference measured, the tolerance). Every candidate is measured on
-    the same random inputs, through the model's own function and through ropekit with ``backend``.
+    Returns (convention or None, the smallest difference measured, the tolerance). Every candidate is measured
+    on the same random inputs, through the model's own function and through ropekit with ``backend``.
     """
     generator = torch.Generator().manual_seed(0)
     args, kwargs = _probe_inputs(signature, call, generator)
@@ -342,17 +358,17 @@ def find_plan(
         scale = max(o.abs().max().item() for o in outputs if o.numel())
         tol = tolerance(outputs[0].dtype, scale)
         best = float("inf")
-        for plan in CANDIDATES:
-            if signature.unsqueeze is not None and plan.layout != "bhsd":
+        for convention in CANDIDATES:
+            if signature.unsqueeze is not None and convention.layout != "bhsd":
                 continue  # unsqueeze_dim sets the layout: the bshd twins would repeat the bhsd ones
             try:
-                ours = _run_plan(signature, plan, args, kwargs, backend, theirs)
-            except ValueError:  # a table too wide for the head, and the like: not this plan
+                ours = _run_convention(signature, convention, args, kwargs, backend, theirs)
+            except ValueError:  # a table too wide for the head, and the like: not this convention
                 continue
             if ours is None:
                 continue
             diff = _difference(ours, theirs)
             if diff <= tol:
-                return plan, diff, tol
+                return convention, diff, tol
             best = min(best, diff)
     return None, best, tol

@@ -4,7 +4,7 @@ A transformers model computes its tables in a rotary module (``model.rotary_emb`
 position_ids[, layer_type])`` returns the per-token rows every layer of that type rotates with. Gemma 3n /
 Gemma 4 / OLMo 3 call it once per layer type, DeepSeek-V4 with ``main`` or ``compress``. :func:`prove_tables`
 replaces such a module's forward, per layer-type key, by one that returns ropekit's rows for the RoPE that
-``model_rope`` gives the layers reading them, in the form the model's rotation function reads (``Plan.table``:
+``model_rope`` gives the layers reading them, in the form the rotation function reads (``Convention.table``:
 ``cat(freqs, freqs)``, ``repeat_interleave``, one value per pair, or complex), after proving, on the calls the
 probe forward recorded, that ropekit's rows equal the module's own:
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ropekit.config import RopeConfig
-from ropekit.model_plan import LayerRope
+from ropekit.layer_rope import LayerRope
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
 
@@ -42,7 +42,7 @@ __all__ = ["TABLES_ATTR", "RotaryCall", "prove_tables", "record_rotary", "restor
 log = logging.getLogger(__name__)
 
 TABLES_ATTR = "_ropekit_tables"  # on a rotary module patch replaced: {key: RopeConfig}
-# The forms HF's rotary modules hand out, from ropekit's (..., R/2) rows (hf_probe.Plan.table).
+# The forms HF's rotary modules hand out, from ropekit's (..., R/2) rows (hf_probe.Convention.table).
 WIDEN: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]] = {
     "first_half": lambda c, s: (torch.cat((c, c), -1), torch.cat((s, s), -1)),  # (..., R)
     "every_other": lambda c, s: (c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)),  # (..., R)
@@ -227,16 +227,16 @@ def prove_tables(
     rotary_calls: dict[int, list[RotaryCall]],
     served: dict[nn.Module, tuple[list[torch.Tensor], str]],
     layer_of: dict[nn.Module, int | None],
-    plan: list[LayerRope],
+    model_layers: list[LayerRope],
 ) -> tuple[dict[nn.Module, LayerRope], list[str]]:
     """Replace each rotary module's forward, per key proved, by ropekit's rows (module docstring).
 
     Args:
         modules: the rotary modules recorded.
         rotary_calls: their recorded calls, by id(module).
-        served: per patched layer, the table tensors its rotation function received and its plan's table form.
+        served: per patched layer, the table tensors its rotation function received and their form.
         layer_of: per patched layer, its decoder index (None when unknown).
-        plan: ``model_rope(config)``.
+        model_layers: ``model_rope(config)``.
 
     Returns:
         ({layer: its model_rope entry} for each layer now served ropekit's rows, [why a key kept its own]).
@@ -265,7 +265,9 @@ def prove_tables(
         module = by_id[module_id]
         where = f"{type(module).__name__}" + (f" (layer type {key!r})" if key is not None else "")
         entries = [
-            plan[i] for i in (layer_of.get(layer) for layer in layers) if i is not None and i < len(plan)
+            model_layers[i]
+            for i in (layer_of.get(layer) for layer in layers)
+            if i is not None and i < len(model_layers)
         ]
         chosen = {e.rope for e in entries}
         forms = {served[layer][1] for layer in layers}
@@ -287,8 +289,8 @@ def prove_tables(
         proved.setdefault(module, {})[key] = entry
         for layer in layers:
             index = layer_of.get(layer)
-            if index is not None and index < len(plan):
-                ropes[layer] = plan[index]
+            if index is not None and index < len(model_layers):
+                ropes[layer] = model_layers[index]
     for module, keys in proved.items():
         first = rotary_calls[id(module)][0]
         bound = _bind(module, first.args, first.kwargs) or {}

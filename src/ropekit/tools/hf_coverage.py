@@ -401,10 +401,10 @@ def _model_functions_raise(model: torch.nn.Module) -> Iterator[None]:
     swapped = []
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if hf.PLANS_ATTR not in module.__dict__ or forward is None:
+        if hf.CONVENTIONS_ATTR not in module.__dict__ or forward is None:
             continue
         scope = hf._unwrap(forward.__func__).__globals__
-        for name in module.__dict__[hf.PLANS_ATTR]:
+        for name in module.__dict__[hf.CONVENTIONS_ATTR]:
             fn = scope[name].__wrapped_model_function__
             if fn.__code__.co_freevars or any(fn is f for f, _ in swapped):
                 continue
@@ -540,7 +540,7 @@ def _check(model_type: str) -> Row:
         if "nothing to patch" in reason:  # the modeling file defines a rotation its layers never call
             return Row(model_type, "no RoPE applied", reason)
         return Row(model_type, "refused", reason)
-    plans = sorted(
+    conventions = sorted(
         {p.replace(", backend auto", "") for fns in hf.patched_layers(model).values() for p in fns.values()}
     )
     with torch.no_grad(), _model_functions_raise(model):
@@ -554,7 +554,7 @@ def _check(model_type: str) -> Row:
     diff = (got - want).abs().max().item() / max(scale, 1e-12)
     equal_tokens = want_tokens is None or torch.equal(got_tokens, want_tokens)
     generation = "generation not checked" if want_tokens is None else "greedy generation identical"
-    detail = f"{layers} layers; {'; '.join(plans)}; max diff {diff:.1e} of output scale; {generation}"
+    detail = f"{layers} layers; {'; '.join(conventions)}; max diff {diff:.1e} of output scale; {generation}"
     if not math.isfinite(diff) or diff > TOLERANCE or not equal_tokens:
         if not equal_tokens:
             detail += " (generation differs)"

@@ -415,7 +415,7 @@ def layer_plan(config: Any) -> list[dict[str, Any]]:
     """
     import torch
 
-    from ropekit.model_plan import model_rope
+    from ropekit.layer_rope import model_rope
 
     runs: list[dict[str, Any]] = []
     probe = torch.tensor([0, 1 << 20])

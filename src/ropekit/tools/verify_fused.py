@@ -18,10 +18,9 @@ import numpy as np
 import torch
 
 from ropekit import reference as ref
-from ropekit.backends import BACKENDS
+from ropekit.backends import BACKENDS, FUSED_BACKENDS
 from ropekit.config import RopeConfig
 from ropekit.fused import apply_rotary_qk_and_cache, apply_rotary_qk_fp8, shift_cache_
-from ropekit.fused.plan import FUSED_BACKENDS
 
 __all__ = ["fused_checks"]
 

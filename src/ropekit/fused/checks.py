@@ -1,10 +1,9 @@
-"""What the serving fusions share: cache layouts, scales, slots, the backend choice and the run.
+"""The checks the serving fusions share: cache layouts, scales, slots, inference only.
 
-Each public fused op checks its arguments once, here, and builds one
-:class:`~ropekit.backends.fused_launch.FusedLaunch`; :func:`run` hands it to the torch reference, the C loop
-or the Triton kernel and tells autograd which tensors were written (their version counters move, as after a
-PyTorch in-place op). Every check runs before anything is written, so a call that raises leaves the caches
-exactly as they were.
+Each public fused op checks its arguments once, with these, and builds one
+:class:`~ropekit.backends.fused_launch.FusedLaunch`, which the backend chosen by
+:func:`ropekit.backends.select_backend` runs (``launch_fused``). Every check runs before anything is written,
+so a call that raises leaves the caches exactly as they were.
 
 Cache layouts (docs/serving.md draws them); a flat slot s is page ``s // page_size``, index ``s % page_size``:
     "flat": (num_slots, heads, head_dim), one slot per row (pages of one slot);
@@ -20,26 +19,21 @@ import numbers
 import numpy as np
 import torch
 
-from ropekit.backends import select_backend
-from ropekit.backends.fused_launch import FP8_KINDS, MAX_WIDTH, FusedLaunch
+from ropekit.backends.fused_launch import FP8_KINDS
 from ropekit.validation import check_in_place_allowed, check_movable, check_writable, describe, is_compiling
 
 __all__ = [
     "CACHE_LAYOUTS",
-    "FUSED_BACKENDS",
     "cache_view",
     "check_distinct_slots",
     "check_inference",
     "check_scale",
     "check_slots",
     "paged_view",
-    "run",
-    "select",
+    "pages",
 ]
 
 CACHE_LAYOUTS = ("flat", "nhd", "hnd")
-# The backends with a fused serving kernel (a registered third-party backend has none).
-FUSED_BACKENDS = ("torch", "cpu", "triton")
 _LAYOUT_SHAPES = {
     "flat": "(num_slots, heads, head_dim)",
     "nhd": "(num_pages, page_size, heads, head_dim)",
@@ -103,6 +97,11 @@ def paged_view(name: str, cache: object, layout: object) -> torch.Tensor:
     if not isinstance(cache, torch.Tensor) or cache.dim() != (3 if layout == "flat" else 4):
         shape = _LAYOUT_SHAPES[layout]
         raise ValueError(f"{name}: expected a {layout!r} cache {shape}, got {describe(cache)}")
+    return pages(cache, layout)
+
+
+def pages(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """:func:`paged_view` of a cache checked already (a fused op's launch after its public call)."""
     if layout == "flat":
         return cache.unsqueeze(1)  # (num_slots, 1, heads, width)
     if layout == "nhd":
@@ -186,49 +185,3 @@ def check_distinct_slots(name: str, flat: torch.Tensor) -> None:
             f"{name}: slot {slot} is given twice (tokens {first} and {second}); expected distinct slots (-1, "
             f"a skipped token, may repeat): two writes to one slot race on a parallel backend"
         )
-
-
-def select(backend: str, x: torch.Tensor, cos: torch.Tensor, widest: int = 0) -> str:
-    """The backend name that runs a fused op on inputs like x: the dispatch's choice (it raises for an
-    explicit backend that cannot serve x), then whether that backend has a fused kernel here, for heads of
-    ``widest`` features (the C loop and the Triton kernel serve up to MAX_WIDTH; "auto" then takes torch)."""
-    if not isinstance(backend, str):
-        raise ValueError(f"backend: expected a string, got {backend!r}")
-    name = select_backend(backend, x, cos).name
-    if name not in FUSED_BACKENDS:
-        raise ValueError(f"backend: {name!r} has no fused serving kernel (use 'torch', 'cpu' or 'triton')")
-    if name != "torch" and widest > MAX_WIDTH:
-        if backend == "auto":
-            return "torch"
-        raise ValueError(
-            f"backend: {name!r} serves heads of up to {MAX_WIDTH} features, got a head of {widest}; use "
-            f"backend='torch' (or 'auto', which takes it for such heads)"
-        )
-    if name == "cpu":
-        from ropekit.backends import fused_cpu
-
-        reason = fused_cpu.unavailable_reason()
-        if reason is not None:
-            if backend == "auto":
-                return "torch"
-            raise ValueError(f"backend: 'cpu' cannot serve the fused op: {reason}")
-    return name
-
-
-def run(name: str, plan: FusedLaunch, written: list[torch.Tensor], *, checked: bool = True) -> None:
-    """Run plan on the named backend, then bump the version counter of every tensor written (the registered
-    ops pass none: the dispatcher bumps their mutated arguments). checked=False: plan was built from
-    arguments nobody checked (a registered op called by a user), so the launcher checks it."""
-    if name == "torch":
-        from ropekit.backends.fused_eager import launch
-    elif name == "cpu":
-        from ropekit.backends.fused_cpu import launch
-    else:
-        from ropekit.backends.fused_triton import launch
-    if name != "torch" and (plan.cos.dtype != torch.float32 or plan.cos.stride(-1) != 1):
-        plan = plan._replace(cos=plan.cos.float().contiguous(), sin=plan.sin.float().contiguous())
-    launch(plan, checked=checked)
-    if name != "torch":  # the torch reference writes through tensor ops, which bump the counters themselves
-        live = [t for t in written if not t.is_inference()]
-        if live:
-            torch.autograd.graph.increment_version(live)

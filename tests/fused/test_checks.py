@@ -1,12 +1,11 @@
-"""ropekit.fused.plan: cache layouts as one (pages, page_size, heads, D) view, scales, backend choice."""
+"""ropekit.fused.checks: cache layouts as one (pages, page_size, heads, D) view, scales."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ropekit.backends import BACKENDS, clear_backend_cache
-from ropekit.fused.plan import cache_view, check_scale, select
+from ropekit.fused.checks import cache_view, check_scale
 
 
 @pytest.mark.parametrize(
@@ -45,14 +44,3 @@ def test_scales_are_a_float_a_0d_tensor_or_one_per_head_and_positive():
     for bad in (0.0, -1.0, float("inf"), True, torch.tensor([1.0, 2.0]), torch.tensor([1, 2, 3, 4])):
         with pytest.raises(ValueError, match="k_scale"):
             check_scale("k_scale", bad, 4, cpu)
-
-
-def test_a_registered_backend_without_fused_kernels_is_refused_by_name(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "mine", BACKENDS["torch"].__class__())
-    BACKENDS["mine"].name = "mine"
-    clear_backend_cache()
-    try:
-        with pytest.raises(ValueError, match="backend: 'mine' has no fused serving kernel"):
-            select("mine", torch.zeros(1, 1, 1, 2), torch.zeros(1, 1))
-    finally:
-        clear_backend_cache()

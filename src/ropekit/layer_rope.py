@@ -25,7 +25,7 @@ code reads:
 
 Nested configs are unwrapped as :func:`ropekit.hf_config.load_hf_config` does (``text_config``,
 ``thinker_config.text_config``). Vision and audio towers (:data:`NOT_TOKEN_STACKS`) are refused.
-tests/test_model_plan.py proves each entry against the layer transformers builds from the same config
+tests/test_layer_rope.py proves each entry against the layer transformers builds from the same config
 (tests/model_rope_proof.py).
 """
 

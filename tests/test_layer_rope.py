@@ -1,8 +1,9 @@
-"""ropekit.model_rope: a whole model's RoPE, layer by layer, equal to what transformers' own layers apply.
+"""ropekit.layer_rope.model_rope: a whole model's RoPE, layer by layer, equal to what transformers' own
+layers apply.
 
 The proofs build tiny models from transformers 5.24's configs (nothing is downloaded) and compare every
-decoder layer with its plan entry (tests/model_rope_proof.py). The fast set covers each per-layer feature
-once; the sweep over every RoPE model type is in the proof tier.
+decoder layer with its model_rope entry (tests/model_rope_proof.py). The fast set covers each per-layer
+feature once; the sweep over every RoPE model type is in the proof tier.
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ import model_rope_proof as proof
 import ropekit
 from ropekit import LayerRope, RopeConfig, model_rope
 
-# One model type per per-layer feature the plan reads.
+# One model type per per-layer feature model_rope reads.
 FAST = (
     "llama",  # one RoPE, every layer
     "gemma4_text",  # proportional full-attention layers with wider heads, default sliding ones
@@ -41,7 +42,7 @@ def hf_dict(model_type, **changes):
 
 
 @pytest.mark.parametrize("model_type", FAST)
-def test_plan_equals_every_layer_of_the_tiny_model(model_type):
+def test_model_rope_equals_every_layer_of_the_tiny_model(model_type):
     problems, unmeasured = proof.prove(model_type)
     assert problems == []
     assert not [u for u in unmeasured if "temperature" in u or "interface" in u]
@@ -56,7 +57,7 @@ REFUSED = frozenset(
         "zamba", "blt", "clvp",
     }
 )  # fmt: skip
-# Model types whose layers differ from the plan in a way the plan does not describe.
+# Model types whose layers differ from model_rope in a way it does not describe.
 UNDESCRIBED = {
     "qwen4_exp": "indexed attention: its indexer's top-k hides keys the causal mask would show",
     "qwen4_exp_text": "indexed attention: its indexer's top-k hides keys the causal mask would show",
@@ -66,10 +67,10 @@ UNDESCRIBED = {
 
 @pytest.mark.proof
 @pytest.mark.parametrize("model_type", sorted(proof.hf_coverage.rope_model_types()))
-def test_plan_equals_every_layer_for_every_rope_model_type(model_type):
+def test_model_rope_equals_every_layer_for_every_rope_model_type(model_type):
     if model_type in UNDESCRIBED:
         pytest.xfail(UNDESCRIBED[model_type])
-    if model_type in ropekit.model_plan.NOT_TOKEN_STACKS:
+    if model_type in ropekit.layer_rope.NOT_TOKEN_STACKS:
         with pytest.raises(ValueError, match="vision or audio tower"):
             model_rope(AutoConfig.for_model(model_type))
         assert proof.hf_coverage._model_classes(model_type, AutoConfig.for_model(model_type))
@@ -91,11 +92,11 @@ def test_plan_equals_every_layer_for_every_rope_model_type(model_type):
     assert problems == []
 
 
-# -- what the plan says for the published configs (transformers' defaults are the released models') ----------
+# -- what model_rope says for the published configs (transformers' defaults are the released models') -------
 def test_gemma4_full_layers_use_the_wide_proportional_head_and_sliding_layers_the_default():
-    plan = model_rope(AutoConfig.for_model("gemma4"))
-    full = [layer for layer in plan if layer.layer_type == "full_attention"]
-    sliding = [layer for layer in plan if layer.layer_type == "sliding_attention"]
+    layers = model_rope(AutoConfig.for_model("gemma4"))
+    full = [layer for layer in layers if layer.layer_type == "full_attention"]
+    sliding = [layer for layer in layers if layer.layer_type == "sliding_attention"]
     assert [layer.index for layer in full] == [5, 11, 17, 23, 29]
     assert full[0].rope == RopeConfig(
         512, 1e6, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
@@ -116,8 +117,8 @@ def test_gemma4_hub_config_global_head_dim_is_read():
 
 
 def test_deepseek_v4_layers_rotate_the_trailing_64_of_512_features_with_main_or_compress():
-    plan = model_rope(AutoConfig.for_model("deepseek_v4"))
-    for layer in plan:
+    layers = model_rope(AutoConfig.for_model("deepseek_v4"))
+    for layer in layers:
         assert (layer.rope.head_dim, layer.rope.rotary_dim) == (512, 64)
         assert layer.rope.rotary_position == "last" and layer.rope.interleaved
         want = 1e4 if layer.layer_type == "sliding_attention" else 160000.0
@@ -150,8 +151,8 @@ def test_position_temperature_of_ministral3_and_mistral4_is_one_plus_beta_log():
     positions = torch.tensor([0, 16383, 16384, 3 * 16384, 10**6])
     want = 1 + 0.1 * torch.log1p(torch.floor(positions.double() / 16384))
     for model_type in ("ministral3",):
-        plan = model_rope(AutoConfig.for_model(model_type))
-        got = plan[0].attention_temperature(positions)
+        layers = model_rope(AutoConfig.for_model(model_type))
+        got = layers[0].attention_temperature(positions)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want.float())
         assert RopeConfig.from_hf(AutoConfig.for_model(model_type)).scaling["llama_4_scaling_beta"] == 0.1
@@ -171,29 +172,29 @@ def test_position_temperature_matches_transformers_own_function():
 
 
 def test_llama4_nope_layers_carry_the_temperature_and_rope_layers_the_chunk():
-    plan = model_rope(AutoConfig.for_model("llama4_text"))
-    nope = [layer for layer in plan if layer.rope is None]
+    layers = model_rope(AutoConfig.for_model("llama4_text"))
+    nope = [layer for layer in layers if layer.rope is None]
     assert [layer.index for layer in nope] == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
     assert all(layer.attention_chunk_size is None for layer in nope)
-    assert {layer.attention_chunk_size for layer in plan if layer.rope is not None} == {8192}
+    assert {layer.attention_chunk_size for layer in layers if layer.rope is not None} == {8192}
     p = torch.tensor([0, 8190, 8191, 10**6])
     torch.testing.assert_close(
         nope[0].attention_temperature(p), (1 + 0.1 * torch.log1p(torch.floor((p + 1.0) / 8192))).float()
     )
-    assert torch.equal(plan[0].attention_temperature(p), torch.ones(4))
+    assert torch.equal(layers[0].attention_temperature(p), torch.ones(4))
 
 
 def test_no_rope_layers_one_means_the_layer_rotates_in_llama4_and_smollm3():
     for model_type in ("llama4_text", "smollm3"):
         d = hf_dict(model_type, num_hidden_layers=3, layer_types=None)
         d["no_rope_layers"] = [0, 1, 1]
-        plan = model_rope(d)
-        assert [layer.rope is None for layer in plan] == [True, False, False]
+        layers = model_rope(d)
+        assert [layer.rope is None for layer in layers] == [True, False, False]
 
 
 def test_an_empty_no_rope_layers_is_llama4s_default_and_smollm3s_error():
-    plan = model_rope(hf_dict("llama4_text", num_hidden_layers=8, layer_types=None, no_rope_layers=[]))
-    assert [layer.rope is None for layer in plan] == [False, False, False, True] * 2
+    layers = model_rope(hf_dict("llama4_text", num_hidden_layers=8, layer_types=None, no_rope_layers=[]))
+    assert [layer.rope is None for layer in layers] == [False, False, False, True] * 2
     with pytest.raises(ValueError, match="no_rope_layers"):
         model_rope(hf_dict("smollm3", num_hidden_layers=8, layer_types=None, no_rope_layers=[]))
 
@@ -204,10 +205,10 @@ def test_qwen3_omni_reads_the_thinker_text_config():
     text.update(head_dim=128, num_attention_heads=32, num_hidden_layers=4)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20],
                                "mrope_interleaved": True}  # fmt: skip
-    plan = model_rope(d)
-    assert len(plan) == 4
-    assert plan[0].rope.mrope_section == (24, 20, 20) and plan[0].rope.mrope_layout == "interleaved"
-    assert RopeConfig.from_hf(d) == plan[0].rope
+    layers = model_rope(d)
+    assert len(layers) == 4
+    assert layers[0].rope.mrope_section == (24, 20, 20) and layers[0].rope.mrope_layout == "interleaved"
+    assert RopeConfig.from_hf(d) == layers[0].rope
 
 
 def test_layers_that_are_not_attention_get_no_rope():
@@ -217,11 +218,11 @@ def test_layers_that_are_not_attention_get_no_rope():
 
 
 def test_entries_are_frozen_and_shared_between_equal_layers():
-    plan = model_rope(AutoConfig.for_model("olmo3"))
+    layers = model_rope(AutoConfig.for_model("olmo3"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan[0].rope = None
-    assert plan[0].rope is plan[1].rope
-    assert isinstance(plan[0], LayerRope) and ropekit.model_rope is model_rope
+        layers[0].rope = None
+    assert layers[0].rope is layers[1].rope
+    assert isinstance(layers[0], LayerRope) and ropekit.model_rope is model_rope
 
 
 @pytest.mark.parametrize(
@@ -269,13 +270,13 @@ def test_the_proof_sees_a_wrong_window():
 
 def test_rotary_embedding_for_model_serves_each_layer_its_own_table():
     ropes = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("gemma4_text"))
-    plan = model_rope(AutoConfig.for_model("gemma4_text"))
-    assert len(ropes) == len(plan) == 30
+    layers = model_rope(AutoConfig.for_model("gemma4_text"))
+    assert len(ropes) == len(layers) == 30
     assert ropes[0] is ropes[4] and ropes[5] is ropes[11] and ropes[0] is not ropes[5]
-    assert [r.config for r in ropes] == [layer.rope for layer in plan]
+    assert [r.config for r in ropes] == [layer.rope for layer in layers]
     q, k = torch.randn(1, 7, 2, 512, dtype=torch.float64), torch.randn(1, 7, 1, 512, dtype=torch.float64)
     got, _ = ropes[5](q, k)
-    cos, sin = plan[5].rope.cos_sin(7, dtype=torch.float64)
+    cos, sin = layers[5].rope.cos_sin(7, dtype=torch.float64)
     torch.testing.assert_close(got, ropekit.apply_rotary(q, cos, sin))
     smol = ropekit.RotaryEmbedding.for_model(AutoConfig.for_model("smollm3"))
     assert [r is None for r in smol[:4]] == [False, False, False, True]
