@@ -309,6 +309,24 @@ def test_per_sequence_offsets_take_the_launch_plan_and_equal_the_functional_call
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_int_offset_decode_step_is_served_by_the_modules_own_plan(inplace):
+    """Issue 25: the module's steady step is one lookup in its own gate and the plan's run: nothing resolved,
+    no table lookup, and no second lookup through the functional call's gate."""
+    rope = RotaryEmbedding(head_dim=16)
+    q, k = _decode_step()
+    want = apply_rotary_qk(q, k, rope.cos, rope.sin, offsets=7)
+    rope(q.clone(), k.clone(), offsets=3, inplace=inplace)  # checked in full; plans the next call
+
+    def step():
+        return rope(q.clone(), k.clone(), offsets=7, inplace=inplace)
+
+    calls = ropekit_calls(step)
+    assert "resolve" not in calls and "apply_resolved" not in calls and "run" in calls, calls
+    got = step()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_per_sequence_offsets_past_the_table_grow_it_and_rotate_by_the_right_rows(assert_matches_reference):
     """The planned C loop checks every row against the table before it writes: a row the 2048-row table
     does not hold misses the plan, the checked path grows the table, and the rows are the right ones."""

@@ -233,7 +233,7 @@ class RotaryEmbedding(nn.Module):
             elif gated:  # through the gate already: on to the checked path
                 pos = resolve(q_view, offsets=offsets, name="q")
                 out_q, out_k = apply_resolved(
-                    q_view, k_view, cos, self.cache.sin, pos, **kw, plan_key=plan_key
+                    q_view, k_view, cos, self.cache.sin, pos, **kw, gated=True, plan_key=plan_key
                 )
             else:
                 out_q, out_k = apply_rotary_qk(q_view, k_view, cos, self.cache.sin, offsets=offsets, **kw)
