@@ -167,6 +167,44 @@ def test_the_c_loops_specialised_head_shapes_write_the_bytes_of_the_torch_refere
         assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
 
 
+def _aligned(shape: tuple[int, ...], dtype: torch.dtype, aligned: bool) -> torch.Tensor:
+    """Zeros whose first element starts a 64-byte line (aligned) or lies one element past one (a view)."""
+    size = torch.Size(shape).numel()
+    flat = torch.zeros(size + 64, dtype=dtype)
+    skip = (-flat.data_ptr() // flat.element_size()) % (64 // flat.element_size())
+    start = skip if aligned else skip + 1
+    return flat[start : start + size].view(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+@pytest.mark.parametrize(("tokens", "aligned"), [(6, True), (6, False), (2100, True)])
+def test_the_c_loops_three_store_modes_write_the_bytes_of_the_torch_reference(
+    dtype, rotary_dim, tokens, aligned
+):
+    """Small calls store each head straight to its destination, cache rows of whole 64-byte lines with
+    streaming stores (aligned), the rest with plain ones (one element off a line); calls past a million
+    elements through the scratch row. Partial rotary: the tail passes through in every mode."""
+    cos, sin = tables(rotary_dim)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(tokens, h, 128, generator=g).to(dtype) for h in (4, 2, 2))
+    slots = torch.randperm(2 * tokens + 2, generator=g)[:tokens]
+    slots[1] = -1  # a skipped token
+    positions = torch.randint(0, cos.shape[0], (tokens,), generator=g)
+    pages = -(-(2 * tokens + 2) // 4)
+    out = {}
+    for backend in ("torch", "cpu"):
+        k_cache, v_cache = (_aligned((pages, 4, 2, 128), dtype, aligned) for _ in range(2))
+        q_work = q.clone()
+        ropekit.apply_rotary_qk_and_cache(
+            q_work, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, positions=positions,
+            inplace=True, backend=backend,
+        )  # fmt: skip
+        out[backend] = (q_work, k_cache, v_cache)
+    assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+    assert not torch.equal(out["cpu"][1], torch.zeros_like(out["cpu"][1]))
+
+
 @pytest.mark.parametrize("scale", [1e-46, 1e300, torch.tensor(1e-46, dtype=torch.float64)])
 def test_an_fp8_cache_scale_is_checked_after_its_float32_cast(scale):
     """Issue 24, defect 4, for the cache's k_scale / v_scale: > 0 as given but 0 or inf in float32."""
