@@ -40,6 +40,7 @@ _SOURCE = (
    the code is the binade's first code plus that count (a carry into the next binade included). Equal to
    the integer rounding it replaced for all 2^32 inputs of both formats (checked exhaustively), at half the
    instructions. */
+#include <omp.h>
 #define INLINE static inline __attribute__((always_inline))
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
 INLINE uint32_t NAME(float v) { \
@@ -106,7 +107,7 @@ INLINE void prefetch_row(const void *p, int64_t bytes) {
 /* Channel integers, CH_INTS per channel after the GLOBALS: */
 enum { ON, ROTATE, BY_SLOT, KIND, HEADS, WIDTH, SRC_B, SRC_S, SRC_H, PAGE_SIZE, DST_P, DST_I, DST_H,
        SCALE_H, SRC_IS_DST, CH_INTS };
-enum { GLOBALS = 11 };
+enum { GLOBALS = 10 };
 
 #define DEFINE_FUSED(NAME, T, LOAD, STORE) \
 /* One head: buf[0 : 2 half] = its rotation (when rotate), in float32; with load_tail, buf[2 half : width] = \
@@ -223,50 +224,24 @@ static void NAME##_token(const T *src, int64_t src_h, char *dst, int64_t dst_h, 
         NAME##_token_body(src, src_h, dst, dst_h, heads, width, half, rotate, interleaved, c, s, kind, \
                           scale, scale_h, next, mode); \
 } \
-/* p: cos, sin, positions, slots, then (src, dst, scale) per channel. a: GLOBALS, then CH_INTS per channel. \
-   Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
-   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
-   size). Nothing is written when it returns an error. */ \
-int64_t NAME(const uint64_t *p, const int64_t *a) { \
-    const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = a[4]; \
-    const int64_t cos_stride = a[5], sin_stride = a[6], num_slots = a[10]; \
-    const int interleaved = (int)a[7], conjugate = (int)a[8], threads = (int)a[9]; \
+/* One thread's share (tokens [part * tokens / parts, (part + 1) * tokens / parts)) of every channel, each \
+   channel one pass over its tokens: one stream read and one written at a time, which the prefetchers \
+   follow better than three interleaved streams (measured: ~25% faster at prefill). The channels read and \
+   write disjoint memory (the fused ops check it), so a thread moves on to the next channel at once. */ \
+static void NAME##_channels(const uint64_t *p, const int64_t *a, int direct, int64_t part, int64_t parts) { \
+    const int64_t seq = a[1], half = a[2], cos_stride = a[4], sin_stride = a[5], offset = (int64_t)p[13]; \
+    const int interleaved = (int)a[6]; \
     const float *cos = (const float *)p[0], *sin = (const float *)p[1]; \
     const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
-    const float sign = conjugate ? -1.0f : 1.0f; \
-    const int64_t tokens = batch * seq; \
-    if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
-    for (int ch = 0; ch < 3; ++ch) { \
-        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
-        const int64_t w = ca[WIDTH]; \
-        if (ca[ON] && (w < 1 || w > ROPEKIT_MAX_WIDTH || (ca[ROTATE] && 2 * half > w))) return INT64_MIN; \
-    } \
-    { \
-        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
-        if (bad >= 0) return bad; \
-    } \
-    if (slots) \
-        for (int64_t token = 0; token < tokens; ++token) \
-            if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
-    int64_t elements = 0; \
-    for (int ch = 0; ch < 3; ++ch) { \
-        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
-        if (ca[ON]) elements += ca[HEADS] * ca[WIDTH]; \
-    } \
-    const int direct = elements * tokens <= DIRECT_ELEMENTS; \
-    /* Channel by channel, each one pass over the tokens: one stream read and one written at a time, which \
-       the prefetchers follow better than three interleaved streams (measured: ~25% faster at prefill). One \
-       parallel region serves all three (one fork and join per call); the channels read and write disjoint \
-       memory (the fused ops check it), so a thread moves on to the next channel without a barrier. */ \
-    _Pragma("omp parallel num_threads(threads) if(threads > 1)") \
+    const float sign = a[7] ? -1.0f : 1.0f; /* conjugate */ \
+    const int64_t tokens = a[0] * seq, first = part * tokens / parts, end = (part + 1) * tokens / parts; \
     for (int ch = 0; ch < 3; ++ch) { \
         const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
         if (!ca[ON]) continue; \
         const int kind = (int)ca[KIND], rotate = (int)ca[ROTATE]; \
         const size_t esize = kind ? 1 : sizeof(T); \
         const float *scale = (const float *)p[6 + 3 * ch]; \
-        _Pragma("omp for schedule(static) nowait") \
-        for (int64_t token = 0; token < tokens; ++token) { \
+        for (int64_t token = first; token < end; ++token) { \
             int64_t slot = ca[BY_SLOT] ? slots[token] : token; \
             if (slot < 0) continue; \
             int64_t b = token / seq, t = token % seq; \
@@ -291,6 +266,44 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
                          kind, scale, ca[SCALE_H], next, mode); \
         } \
         stream_fence(); /* this thread's streaming stores are ordered before it goes on */ \
+    } \
+} \
+/* p: cos, sin, positions, slots, then (src, dst, scale) per channel, then the int offset (14 words, \
+   what changes from call to call). a: GLOBALS, then CH_INTS per channel (fixed by the launch's layout). \
+   Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
+   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
+   size). Nothing is written when it returns an error. */ \
+int64_t NAME(const uint64_t *p, const int64_t *a) { \
+    const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = (int64_t)p[13]; \
+    const int64_t num_slots = a[9], threads = a[8]; \
+    const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
+    const int64_t tokens = batch * seq; \
+    if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        const int64_t w = ca[WIDTH]; \
+        if (ca[ON] && (w < 1 || w > ROPEKIT_MAX_WIDTH || (ca[ROTATE] && 2 * half > w))) return INT64_MIN; \
+    } \
+    { \
+        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
+        if (bad >= 0) return bad; \
+    } \
+    if (slots) \
+        for (int64_t token = 0; token < tokens; ++token) \
+            if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
+    int64_t elements = 0; \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        if (ca[ON]) elements += ca[HEADS] * ca[WIDTH]; \
+    } \
+    const int direct = elements * tokens <= DIRECT_ELEMENTS; \
+    /* One parallel region serves the three channels (one fork and join per call); one thread never enters \
+       OpenMP (its team set-up was about half of a decode-1 step's C time). */ \
+    if (threads > 1) { \
+        _Pragma("omp parallel num_threads(threads)") \
+        NAME##_channels(p, a, direct, omp_get_thread_num(), omp_get_num_threads()); \
+    } else { \
+        NAME##_channels(p, a, direct, 0, 1); \
     } \
     return -1; \
 }
@@ -334,9 +347,9 @@ DEFINE_ENTRY(fused_bf16)
 )
 
 _ENTRY = {torch.float32: "fused_f32", torch.float16: "fused_f16", torch.bfloat16: "fused_bf16"}
-_GLOBALS = struct.Struct("11q")
+_GLOBALS = struct.Struct("10q")  # batch, seq, half, table_len, strides, flags, threads, num_slots
 _CHANNEL = struct.Struct("15q")
-_POINTERS = struct.Struct("13Q")
+_POINTERS = struct.Struct("13Qq")  # the pointers, then the int offset: what a repeated launch changes
 _OFF = _CHANNEL.pack(*[0] * 15)
 _BAD_WIDTH = -(1 << 63)  # INT64_MIN: the C loop's answer for a width past its bounds
 
@@ -399,7 +412,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
     tokens = plan.batch * plan.seq
     work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in plan.channels if ch is not None) * tokens
     ints = _GLOBALS.pack(
-        plan.batch, plan.seq, half, table_len, plan.offset, plan.cos.stride(0), plan.sin.stride(0),
+        plan.batch, plan.seq, half, table_len, plan.cos.stride(0), plan.sin.stride(0),
         plan.interleaved, plan.conjugate,
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
         num_slots[0] if num_slots else 0,
@@ -410,6 +423,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         0 if plan.positions is None else plan.positions.data_ptr(),
         0 if plan.slots is None or not num_slots else plan.slots.data_ptr(),  # unused: no by-slot channel
         *(ptr for c in chans for ptr in c[1]),
+        plan.offset,
     )
     bad = (_LIBRARY.functions or _LIBRARY.require())[plan.dtype](pointers, ints)
     if bad == _BAD_WIDTH:  # check_bounds ran first: reached only if the two bounds ever disagree
@@ -424,7 +438,8 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
 
 def plan(like: FusedLaunch):
     """The C loop bound to everything of a launch like ``like`` but its data and its int offset: a repeated
-    launch (:mod:`ropekit.fused.planned`) packs 13 pointers and one integer block and calls the loop.
+    launch (:mod:`ropekit.fused.planned`) packs 13 pointers and its offset and calls the loop (the integer
+    block is packed once).
 
     Returns run(pointers, offset) -> the loop's code: -1 done; otherwise a table row or a slot was out of
     range and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
@@ -437,13 +452,19 @@ def plan(like: FusedLaunch):
     channels = b"".join(_channel_ints(ch, num_slots)[0] for ch in like.channels)
     work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in like.channels if ch is not None)
     parallel = work * like.batch * like.seq >= PARALLEL_THRESHOLD
-    head = (like.batch, like.seq, half, table_len)
-    tail = (like.cos.stride(0), like.sin.stride(0), like.interleaved, like.conjugate)
+    ints = (like.batch, like.seq, half, table_len, like.cos.stride(0), like.sin.stride(0), like.interleaved,
+            like.conjugate)  # fmt: skip
     slots = num_slots[0] if num_slots else 0
-    pack_ints, pack_pointers = _GLOBALS.pack, _POINTERS.pack
+    blocks = {1: _GLOBALS.pack(*ints, 1, slots) + channels}  # threads -> the integer block
+    single, pack_pointers = blocks[1], _POINTERS.pack
 
     def run(pointers: tuple[int, ...], offset: int) -> int:
-        threads = torch.get_num_threads() if parallel else 1
-        return function(pack_pointers(*pointers), pack_ints(*head, offset, *tail, threads, slots) + channels)
+        if not parallel:
+            return function(pack_pointers(*pointers, offset), single)
+        threads = torch.get_num_threads()
+        block = blocks.get(threads) or blocks.setdefault(
+            threads, _GLOBALS.pack(*ints, threads, slots) + channels
+        )
+        return function(pack_pointers(*pointers, offset), block)
 
     return run
