@@ -331,6 +331,40 @@ def test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing():
     )
 
 
+@pytest.mark.parametrize("tokens", [64, 65, 300])
+def test_a_planned_step_of_many_tokens_refuses_a_slot_given_twice_wherever_it_lies(tokens):
+    """The plan's C loop checks distinct slots itself: every pair up to 64 tokens, a hash set above. A
+    repeat anywhere (the last two tokens, the first and last) goes to the checked path, which names it."""
+    from call_count import ropekit_calls
+
+    g = torch.Generator().manual_seed(3)
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    q, k, v = (torch.randn(tokens, 1, h, 16, generator=g) for h in (2, 1, 1))
+    caches = [torch.zeros(3 * tokens, 4, 1, 16) for _ in range(2)]  # 12 * tokens slots
+
+    def step(slots):
+        return ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots.view(tokens, 1),
+            cache_layout="nhd", offsets=5, inplace=True, backend="cpu",
+        )  # fmt: skip
+
+    slots = torch.randperm(8 * tokens, generator=g)[:tokens]
+    slots[::7] = -1  # padding may repeat
+    step(slots)
+    assert "run" in ropekit_calls(lambda: step(slots))  # the plan served it
+    before, q_before = [c.clone() for c in caches], q.clone()
+    for first, second in ((tokens - 2, tokens - 1), (1, tokens - 1)):
+        repeated = slots.clone()
+        repeated[first] = repeated[second] = 10 * tokens + 1
+        with pytest.raises(
+            ValueError, match=rf"slot {10 * tokens + 1} is given twice \(tokens {first} and {second}\)"
+        ):
+            step(repeated)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and torch.equal(
+            q, q_before
+        )
+
+
 def test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode():
     """Issue 24: PyTorch refuses an in-place write of an inference tensor outside inference mode; a planned
     step (which writes through pointers) sends it to the checked path, which raises it before writing."""

@@ -42,6 +42,7 @@ _SOURCE = (
    instructions. */
 #include <omp.h>
 #define INLINE static inline __attribute__((always_inline))
+#define REPEATED (INT64_MIN + 1)
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
 INLINE uint32_t NAME(float v) { \
     uint32_t u; memcpy(&u, &v, 4); \
@@ -104,10 +105,41 @@ INLINE void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
+/* The first token whose slot (-1 aside) an earlier token has, -1 if none, -2 if it could not be checked (no
+   memory): a launch plan's check, where two writes to one slot would race (ropekit.fused.plan's
+   check_distinct_slots, in C: a decode-64 step 6 us -> well under 1). Slots lie in [-1, num_slots) here. */
+#include <stdlib.h>
+static int64_t first_repeated_slot(const int64_t *slots, int64_t tokens) {
+    if (tokens <= 64) { /* a decode step: every pair (vectorised) */
+        for (int64_t t = 1; t < tokens; ++t) {
+            int hit = 0;
+            for (int64_t u = 0; u < t; ++u) hit |= slots[u] == slots[t];
+            if (hit && slots[t] >= 0) return t;
+        }
+        return -1;
+    }
+    int bits = 7;
+    while (((int64_t)1 << bits) < 2 * tokens) ++bits;
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    int64_t *seen = malloc(sizeof(int64_t) << bits); /* open addressing, -1 marks a free place */
+    if (!seen) return -2;
+    memset(seen, 0xff, sizeof(int64_t) << bits);
+    int64_t found = -1;
+    for (int64_t t = 0; t < tokens && found < 0; ++t) {
+        if (slots[t] < 0) continue;
+        uint64_t h = ((uint64_t)slots[t] * 0x9e3779b97f4a7c15u) >> (64 - bits);
+        while (seen[h] >= 0 && seen[h] != slots[t]) h = (h + 1) & mask;
+        if (seen[h] == slots[t]) found = t;
+        seen[h] = slots[t];
+    }
+    free(seen);
+    return found;
+}
+
 /* Channel integers, CH_INTS per channel after the GLOBALS: */
 enum { ON, ROTATE, BY_SLOT, KIND, HEADS, WIDTH, SRC_B, SRC_S, SRC_H, PAGE_SIZE, DST_P, DST_I, DST_H,
        SCALE_H, SRC_IS_DST, CH_INTS };
-enum { GLOBALS = 10 };
+enum { GLOBALS = 11 };
 
 #define DEFINE_FUSED(NAME, T, LOAD, STORE) \
 /* One head: buf[0 : 2 half] = its rotation (when rotate), in float32; with load_tail, buf[2 half : width] = \
@@ -272,7 +304,8 @@ static void NAME##_channels(const uint64_t *p, const int64_t *a, int direct, int
    what changes from call to call). a: GLOBALS, then CH_INTS per channel (fixed by the launch's layout). \
    Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
    outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
-   size). Nothing is written when it returns an error. */ \
+   size); REPEATED (with a[10] set): a slot is given twice, or that could not be checked. Nothing is written \
+   when it returns an error. */ \
 int64_t NAME(const uint64_t *p, const int64_t *a) { \
     const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = (int64_t)p[13]; \
     const int64_t num_slots = a[9], threads = a[8]; \
@@ -291,6 +324,7 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     if (slots) \
         for (int64_t token = 0; token < tokens; ++token) \
             if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
+    if (slots && a[10] && first_repeated_slot(slots, tokens) != -1) return REPEATED; \
     int64_t elements = 0; \
     for (int ch = 0; ch < 3; ++ch) { \
         const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
@@ -347,7 +381,7 @@ DEFINE_ENTRY(fused_bf16)
 )
 
 _ENTRY = {torch.float32: "fused_f32", torch.float16: "fused_f16", torch.bfloat16: "fused_bf16"}
-_GLOBALS = struct.Struct("10q")  # batch, seq, half, table_len, strides, flags, threads, num_slots
+_GLOBALS = struct.Struct("11q")  # batch, seq, half, table_len, strides, flags, threads, num_slots, distinct
 _CHANNEL = struct.Struct("15q")
 _POINTERS = struct.Struct("13Qq")  # the pointers, then the int offset: what a repeated launch changes
 _OFF = _CHANNEL.pack(*[0] * 15)
@@ -416,6 +450,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         plan.interleaved, plan.conjugate,
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
         num_slots[0] if num_slots else 0,
+        0,  # distinct slots: the fused ops check them before they launch
     ) + b"".join(c[0] for c in chans)  # fmt: skip
     pointers = _POINTERS.pack(
         plan.cos.data_ptr(),
@@ -442,7 +477,8 @@ def plan(like: FusedLaunch):
     block is packed once).
 
     Returns run(pointers, offset) -> the loop's code: -1 done; otherwise a table row or a slot was out of
-    range and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
+    range, or a slot was given twice (-1 aside; the loop checks it here, where the checked path checks it
+    itself), and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
     positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0 where
     absent), laid out exactly as ``like``'s tensors (same shapes and strides).
     """
@@ -455,7 +491,7 @@ def plan(like: FusedLaunch):
     ints = (like.batch, like.seq, half, table_len, like.cos.stride(0), like.sin.stride(0), like.interleaved,
             like.conjugate)  # fmt: skip
     slots = num_slots[0] if num_slots else 0
-    blocks = {1: _GLOBALS.pack(*ints, 1, slots) + channels}  # threads -> the integer block
+    blocks = {1: _GLOBALS.pack(*ints, 1, slots, 1) + channels}  # threads -> the integer block
     single, pack_pointers = blocks[1], _POINTERS.pack
 
     def run(pointers: tuple[int, ...], offset: int) -> int:
@@ -463,7 +499,7 @@ def plan(like: FusedLaunch):
             return function(pack_pointers(*pointers, offset), single)
         threads = torch.get_num_threads()
         block = blocks.get(threads) or blocks.setdefault(
-            threads, _GLOBALS.pack(*ints, threads, slots) + channels
+            threads, _GLOBALS.pack(*ints, threads, slots, 1) + channels
         )
         return function(pack_pointers(*pointers, offset), block)
 
