@@ -40,7 +40,12 @@ _SOURCE = (
    the code is the binade's first code plus that count (a carry into the next binade included). Equal to
    the integer rounding it replaced for all 2^32 inputs of both formats (checked exhaustively), at half the
    instructions. */
+#ifdef _OPENMP
 #include <omp.h>
+#else /* a build without OpenMP: the pragma is ignored and one thread takes every token */
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #define REPEATED (INT64_MIN + 1)
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
