@@ -319,9 +319,7 @@ MUTATIONS += [
 
 
 _NO_CALL = "(lambda *args, **kwargs: None)("  # a call removed, its arguments still evaluated
-_PLANNED_SLOTS = (
-    '        check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path\'s check and error\n'
-)
+_PLANNED_SLOTS = "    if (slots && a[10] && first_repeated_slot(slots, tokens) != -1) return REPEATED; \\\n"
 _DISTINCT = "    check_distinct_slots(name, flat)\n    return flat\n"
 _WIDE = '        if op == "fused" and widest > MAX_WIDTH:\n'
 
@@ -391,8 +389,8 @@ MUTATIONS += [
         ("tests/fused/test_shift.py::test_a_slot_given_twice_is_refused_before_anything_rotates",),
     ),
     Mutation(
-        "fused, planned: no distinct-slots check",
-        "ropekit/fused/planned.py",
+        "fused, planned: no distinct-slots check (the C loop's)",
+        "ropekit/backends/fused_cpu.py",
         _PLANNED_SLOTS,
         "",
         (

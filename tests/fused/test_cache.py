@@ -171,6 +171,44 @@ def test_the_c_loops_specialised_head_shapes_write_the_bytes_of_the_torch_refere
         assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
 
 
+def _aligned(shape: tuple[int, ...], dtype: torch.dtype, aligned: bool) -> torch.Tensor:
+    """Zeros whose first element starts a 64-byte line (aligned) or lies one element past one (a view)."""
+    size = torch.Size(shape).numel()
+    flat = torch.zeros(size + 64, dtype=dtype)
+    skip = (-flat.data_ptr() // flat.element_size()) % (64 // flat.element_size())
+    start = skip if aligned else skip + 1
+    return flat[start : start + size].view(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+@pytest.mark.parametrize(("tokens", "aligned"), [(6, True), (6, False), (2100, True)])
+def test_the_c_loops_three_store_modes_write_the_bytes_of_the_torch_reference(
+    dtype, rotary_dim, tokens, aligned
+):
+    """Small calls store each head straight to its destination, cache rows of whole 64-byte lines with
+    streaming stores (aligned), the rest with plain ones (one element off a line); calls past a million
+    elements through the scratch row. Partial rotary: the tail passes through in every mode."""
+    cos, sin = tables(rotary_dim)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(tokens, h, 128, generator=g).to(dtype) for h in (4, 2, 2))
+    slots = torch.randperm(2 * tokens + 2, generator=g)[:tokens]
+    slots[1] = -1  # a skipped token
+    positions = torch.randint(0, cos.shape[0], (tokens,), generator=g)
+    pages = -(-(2 * tokens + 2) // 4)
+    out = {}
+    for backend in ("torch", "cpu"):
+        k_cache, v_cache = (_aligned((pages, 4, 2, 128), dtype, aligned) for _ in range(2))
+        q_work = q.clone()
+        ropekit.apply_rotary_qk_and_cache(
+            q_work, k, v, cos, sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, positions=positions,
+            inplace=True, backend=backend,
+        )  # fmt: skip
+        out[backend] = (q_work, k_cache, v_cache)
+    assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["cpu"], strict=True))
+    assert not torch.equal(out["cpu"][1], torch.zeros_like(out["cpu"][1]))
+
+
 @pytest.mark.parametrize("scale", [1e-46, 1e300, torch.tensor(1e-46, dtype=torch.float64)])
 def test_an_fp8_cache_scale_is_checked_after_its_float32_cast(scale):
     """Issue 24, defect 4, for the cache's k_scale / v_scale: > 0 as given but 0 or inf in float32."""
@@ -297,6 +335,40 @@ def test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing():
     )
 
 
+@pytest.mark.parametrize("tokens", [64, 65, 300])
+def test_a_planned_step_of_many_tokens_refuses_a_slot_given_twice_wherever_it_lies(tokens):
+    """The plan's C loop checks distinct slots itself: every pair up to 64 tokens, a hash set above. A
+    repeat anywhere (the last two tokens, the first and last) goes to the checked path, which names it."""
+    from call_count import ropekit_calls
+
+    g = torch.Generator().manual_seed(3)
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    q, k, v = (torch.randn(tokens, 1, h, 16, generator=g) for h in (2, 1, 1))
+    caches = [torch.zeros(3 * tokens, 4, 1, 16) for _ in range(2)]  # 12 * tokens slots
+
+    def step(slots):
+        return ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots.view(tokens, 1),
+            cache_layout="nhd", offsets=5, inplace=True, backend="cpu",
+        )  # fmt: skip
+
+    slots = torch.randperm(8 * tokens, generator=g)[:tokens]
+    slots[::7] = -1  # padding may repeat
+    step(slots)
+    assert "run" in ropekit_calls(lambda: step(slots))  # the plan served it
+    before, q_before = [c.clone() for c in caches], q.clone()
+    for first, second in ((tokens - 2, tokens - 1), (1, tokens - 1)):
+        repeated = slots.clone()
+        repeated[first] = repeated[second] = 10 * tokens + 1
+        with pytest.raises(
+            ValueError, match=rf"slot {10 * tokens + 1} is given twice \(tokens {first} and {second}\)"
+        ):
+            step(repeated)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and torch.equal(
+            q, q_before
+        )
+
+
 def test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode():
     """Issue 24: PyTorch refuses an in-place write of an inference tensor outside inference mode; a planned
     step (which writes through pointers) sends it to the checked path, which raises it before writing."""
@@ -378,8 +450,9 @@ def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_o
     assert with_q == {"resolve": 1, "check_x": 1, "check_in_place_allowed": 1, "check_writable": 1,
                       "check_no_alias": 1, "check_inference": 1}, with_q  # fmt: skip
     assert ("backends/fused_cpu.py", "launch", True) in first  # q reached the C loop's launcher
-    assert not [name for _, name, _ in steady if name in CHECKS and name != "check_distinct_slots"], steady
-    assert [name for _, name, _ in steady].count("check_distinct_slots") == 1
+    # A planned step enters no argument check: its slots' distinctness is the C loop's (fused_cpu), which
+    # hands a repeat back to the checked path and its error.
+    assert not [name for _, name, _ in steady if name in CHECKS], steady
     assert [(f, n) for f, n, held in steady if held] == [
         ("fused/cache.py", "apply_rotary_qk_and_cache"),
         ("backends/plan.py (the gate of apply_rotary_qk_and_cache)", "launch_planned"),

@@ -40,7 +40,14 @@ _SOURCE = (
    the code is the binade's first code plus that count (a carry into the next binade included). Equal to
    the integer rounding it replaced for all 2^32 inputs of both formats (checked exhaustively), at half the
    instructions. */
+#ifdef _OPENMP
+#include <omp.h>
+#else /* a build without OpenMP: the pragma is ignored and one thread takes every token */
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 #define INLINE static inline __attribute__((always_inline))
+#define REPEATED (INT64_MIN + 1)
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
 INLINE uint32_t NAME(float v) { \
     uint32_t u; memcpy(&u, &v, 4); \
@@ -72,8 +79,66 @@ INLINE void fp8_row(const float *x, uint8_t *o, int64_t n, float scale, int kind
    copy of its bytes, one thread). A prefetch is a hint: it never faults and writes nothing; the addresses
    are heads of this channel's source (this token's, or the next token's), never past them. */
 #define PREFETCH_BYTES 2048
+/* How a token's heads are stored (kind 0: the source dtype). Up to DIRECT_ELEMENTS, all channels together (a
+   64-sequence decode step's 0.4M fits the caches), each head is rotated straight to its destination (DIRECT;
+   decode-64 rope + cache 52 -> 48 us of C), and a cache row (a by-slot channel) with whole 64-byte lines is
+   written with streaming stores (STREAM): the attention that reads it next reads the whole cache from memory
+   anyway, and the lines it would have kept evict the step's q and the caller's own data (rope + cache
+   decode-64, whole call, one thread: ~94 -> ~87 us). Above, the prefetched scratch-row loop (SCRATCH). */
+#define DIRECT_ELEMENTS ((int64_t)1 << 20)
+#define STREAM_BYTES 2048
+enum { SCRATCH, DIRECT, STREAM };
+#ifdef __AVX__
+#include <immintrin.h>
+static inline int streamable(const void *dst, int64_t row, int64_t head_stride) {
+    return row <= STREAM_BYTES && row % 64 == 0 && head_stride % 64 == 0 && (uintptr_t)dst % 64 == 0;
+}
+/* o: 64-byte aligned, bytes a multiple of 64 (streamable); x: any alignment. */
+static inline void stream_row(void *o, const void *x, int64_t bytes) {
+    for (int64_t j = 0; j < bytes; j += 32)
+        _mm256_stream_si256((__m256i *)((char *)o + j),
+                            _mm256_loadu_si256((const __m256i *)((const char *)x + j)));
+}
+/* Streaming stores are weakly ordered: fenced before the loop returns (another thread may read the cache). */
+static inline void stream_fence(void) { _mm_sfence(); }
+#else
+static inline int streamable(const void *dst, int64_t row, int64_t head_stride) { return 0; }
+static inline void stream_row(void *o, const void *x, int64_t bytes) { memcpy(o, x, (size_t)bytes); }
+static inline void stream_fence(void) {}
+#endif
 INLINE void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
+/* The first token whose slot (-1 aside) an earlier token has, -1 if none, -2 if it could not be checked (no
+   memory): a launch plan's check, where two writes to one slot would race (ropekit.fused.plan's
+   check_distinct_slots, in C: a decode-64 step 6 us -> well under 1). Slots lie in [-1, num_slots) here. */
+#include <stdlib.h>
+static int64_t first_repeated_slot(const int64_t *slots, int64_t tokens) {
+    if (tokens <= 64) { /* a decode step: every pair (vectorised) */
+        for (int64_t t = 1; t < tokens; ++t) {
+            int hit = 0;
+            for (int64_t u = 0; u < t; ++u) hit |= slots[u] == slots[t];
+            if (hit && slots[t] >= 0) return t;
+        }
+        return -1;
+    }
+    int bits = 7;
+    while (((int64_t)1 << bits) < 2 * tokens) ++bits;
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    int64_t *seen = malloc(sizeof(int64_t) << bits); /* open addressing, -1 marks a free place */
+    if (!seen) return -2;
+    memset(seen, 0xff, sizeof(int64_t) << bits);
+    int64_t found = -1;
+    for (int64_t t = 0; t < tokens && found < 0; ++t) {
+        if (slots[t] < 0) continue;
+        uint64_t h = ((uint64_t)slots[t] * 0x9e3779b97f4a7c15u) >> (64 - bits);
+        while (seen[h] >= 0 && seen[h] != slots[t]) h = (h + 1) & mask;
+        if (seen[h] == slots[t]) found = t;
+        seen[h] = slots[t];
+    }
+    free(seen);
+    return found;
 }
 
 /* Channel integers, CH_INTS per channel after the GLOBALS: */
@@ -116,10 +181,41 @@ INLINE void NAME##_prefetch(const T *src, const T *next, int64_t later, int64_t 
 INLINE void NAME##_token_body(const T *src, int64_t src_h, \
                          char *dst, int64_t dst_h, int64_t heads, \
                          int64_t width, int64_t half, int rotate, int interleaved, const float *c, \
-                         const float *s, int kind, const float *scale, int64_t scale_h, const T *next) { \
+                         const float *s, int kind, const float *scale, int64_t scale_h, const T *next, \
+                         int mode) { \
     int64_t rot = rotate ? 2 * half : 0; \
     float buf[ROPEKIT_MAX_WIDTH]; /* a head of float32: width <= the bound (checked by the caller) */ \
     const int64_t row = width * (int64_t)sizeof(T), ahead = (PREFETCH_BYTES + row - 1) / row; \
+    if (kind == 0 && mode != SCRATCH) { /* DIRECT or STREAM: no scratch row of float32, no prefetches */ \
+        T row_out[STREAM_BYTES / sizeof(T)] __attribute__((aligned(64))); /* STREAM: a rotated head */ \
+        for (int64_t h = 0; h < heads; ++h) { \
+            const T *x = src + h * src_h; \
+            T *o = (T *)dst + h * dst_h, *to = mode == STREAM && rotate ? row_out : o; \
+            if (rotate && interleaved) { \
+                for (int64_t i = 0; i < half; ++i) { \
+                    float a = LOAD(x[2 * i]), b = LOAD(x[2 * i + 1]); \
+                    to[2 * i] = STORE(a * c[i] - b * s[i]); \
+                    to[2 * i + 1] = STORE(b * c[i] + a * s[i]); \
+                } \
+            } else if (rotate) { \
+                /* iteration i reads x[i], x[i + half], writes those two alone, in place (to == x) or into \
+                   memory no source meets (the memory rule): no store reaches another iteration's load */ \
+                _Pragma("GCC ivdep") \
+                for (int64_t i = 0; i < half; ++i) { \
+                    float a = LOAD(x[i]), b = LOAD(x[i + half]); \
+                    to[i] = STORE(a * c[i] - b * s[i]); \
+                    to[i + half] = STORE(b * c[i] + a * s[i]); \
+                } \
+            } \
+            if (mode == STREAM) { \
+                if (rotate) memcpy(to + rot, x + rot, (size_t)(width - rot) * sizeof(T)); \
+                stream_row(o, rotate ? row_out : x, row); \
+            } else if ((const void *)x != (void *)o) { \
+                memcpy(o + rot, x + rot, (size_t)(width - rot) * sizeof(T)); \
+            } \
+        } \
+        return; \
+    } \
     if (kind == 0) { \
         for (int64_t h = 0; h < heads; ++h) { \
             const T *x = src + h * src_h; \
@@ -141,61 +237,48 @@ INLINE void NAME##_token_body(const T *src, int64_t src_h, \
    which is most of the cost of the FP8 stores (measured: prefill-4k FP8 6.4 -> 4.5 ms on one thread). */ \
 static void NAME##_token(const T *src, int64_t src_h, char *dst, int64_t dst_h, int64_t heads, \
                          int64_t width, int64_t half, int rotate, int interleaved, const float *c, \
-                         const float *s, int kind, const float *scale, int64_t scale_h, const T *next) { \
+                         const float *s, int kind, const float *scale, int64_t scale_h, const T *next, \
+                         int mode) { \
     if (rotate && width == 128 && half == 64 && !interleaved) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, 64, 1, 0, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, 64, 1, 0, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else if (rotate && width == 128 && half == 64) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, 64, 1, 1, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, 64, 1, 1, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else if (rotate && width == 64 && half == 32 && !interleaved) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 64, 32, 1, 0, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 64, 32, 1, 0, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else if (rotate && width == 64 && half == 32) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 64, 32, 1, 1, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 64, 32, 1, 1, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else if (!rotate && width == 128) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, half, 0, 0, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 128, half, 0, 0, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else if (!rotate && width == 512) \
-        NAME##_token_body(src, src_h, dst, dst_h, heads, 512, half, 0, 0, c, s, kind, scale, scale_h, next); \
+        NAME##_token_body(src, src_h, dst, dst_h, heads, 512, half, 0, 0, c, s, kind, scale, scale_h, next, \
+                          mode); \
     else \
         NAME##_token_body(src, src_h, dst, dst_h, heads, width, half, rotate, interleaved, c, s, kind, \
-                          scale, scale_h, next); \
+                          scale, scale_h, next, mode); \
 } \
-/* p: cos, sin, positions, slots, then (src, dst, scale) per channel. a: GLOBALS, then CH_INTS per channel. \
-   Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
-   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
-   size). Nothing is written when it returns an error. */ \
-int64_t NAME(const uint64_t *p, const int64_t *a) { \
-    const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = a[4]; \
-    const int64_t cos_stride = a[5], sin_stride = a[6], num_slots = a[10]; \
-    const int interleaved = (int)a[7], conjugate = (int)a[8], threads = (int)a[9]; \
+/* One thread's share (tokens [part * tokens / parts, (part + 1) * tokens / parts)) of every channel, each \
+   channel one pass over its tokens: one stream read and one written at a time, which the prefetchers \
+   follow better than three interleaved streams (measured: ~25% faster at prefill). The channels read and \
+   write disjoint memory (the fused ops check it), so a thread moves on to the next channel at once. */ \
+static void NAME##_channels(const uint64_t *p, const int64_t *a, int direct, int64_t part, int64_t parts) { \
+    const int64_t seq = a[1], half = a[2], cos_stride = a[4], sin_stride = a[5], offset = (int64_t)p[13]; \
+    const int interleaved = (int)a[6]; \
     const float *cos = (const float *)p[0], *sin = (const float *)p[1]; \
     const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
-    const float sign = conjugate ? -1.0f : 1.0f; \
-    const int64_t tokens = batch * seq; \
-    if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
-    for (int ch = 0; ch < 3; ++ch) { \
-        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
-        const int64_t w = ca[WIDTH]; \
-        if (ca[ON] && (w < 1 || w > ROPEKIT_MAX_WIDTH || (ca[ROTATE] && 2 * half > w))) return INT64_MIN; \
-    } \
-    { \
-        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
-        if (bad >= 0) return bad; \
-    } \
-    if (slots) \
-        for (int64_t token = 0; token < tokens; ++token) \
-            if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
-    /* Channel by channel, each one pass over the tokens: one stream read and one written at a time, which \
-       the prefetchers follow better than three interleaved streams (measured: ~25% faster at prefill). One \
-       parallel region serves all three (one fork and join per call); the channels read and write disjoint \
-       memory (the fused ops check it), so a thread moves on to the next channel without a barrier. */ \
-    _Pragma("omp parallel num_threads(threads) if(threads > 1)") \
+    const float sign = a[7] ? -1.0f : 1.0f; /* conjugate */ \
+    const int64_t tokens = a[0] * seq, first = part * tokens / parts, end = (part + 1) * tokens / parts; \
     for (int ch = 0; ch < 3; ++ch) { \
         const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
         if (!ca[ON]) continue; \
         const int kind = (int)ca[KIND], rotate = (int)ca[ROTATE]; \
         const size_t esize = kind ? 1 : sizeof(T); \
         const float *scale = (const float *)p[6 + 3 * ch]; \
-        _Pragma("omp for schedule(static) nowait") \
-        for (int64_t token = 0; token < tokens; ++token) { \
+        for (int64_t token = first; token < end; ++token) { \
             int64_t slot = ca[BY_SLOT] ? slots[token] : token; \
             if (slot < 0) continue; \
             int64_t b = token / seq, t = token % seq; \
@@ -213,9 +296,53 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
             if (!ca[SRC_IS_DST] && token + 1 < tokens) \
                 next = (const T *)p[4 + 3 * ch] + ((token + 1) / seq) * ca[SRC_B] \
                        + ((token + 1) % seq) * ca[SRC_S]; \
+            const int mode = !direct ? SCRATCH \
+                             : ca[BY_SLOT] && streamable(dst, ca[WIDTH] * sizeof(T), ca[DST_H] * sizeof(T)) \
+                             ? STREAM : DIRECT; \
             NAME##_token(src, src_h, dst, ca[DST_H], ca[HEADS], ca[WIDTH], half, rotate, interleaved, c, s, \
-                         kind, scale, ca[SCALE_H], next); \
+                         kind, scale, ca[SCALE_H], next, mode); \
         } \
+        stream_fence(); /* this thread's streaming stores are ordered before it goes on */ \
+    } \
+} \
+/* p: cos, sin, positions, slots, then (src, dst, scale) per channel, then the int offset (14 words, \
+   what changes from call to call). a: GLOBALS, then CH_INTS per channel (fixed by the launch's layout). \
+   Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
+   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
+   size); REPEATED (with a[10] set): a slot is given twice, or that could not be checked. Nothing is written \
+   when it returns an error. */ \
+int64_t NAME(const uint64_t *p, const int64_t *a) { \
+    const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = (int64_t)p[13]; \
+    const int64_t num_slots = a[9], threads = a[8]; \
+    const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
+    const int64_t tokens = batch * seq; \
+    if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        const int64_t w = ca[WIDTH]; \
+        if (ca[ON] && (w < 1 || w > ROPEKIT_MAX_WIDTH || (ca[ROTATE] && 2 * half > w))) return INT64_MIN; \
+    } \
+    { \
+        int64_t bad = first_bad_row(pos, tokens, offset, seq, table_len); \
+        if (bad >= 0) return bad; \
+    } \
+    if (slots) \
+        for (int64_t token = 0; token < tokens; ++token) \
+            if (slots[token] < -1 || slots[token] >= num_slots) return -2 - token; \
+    if (slots && a[10] && first_repeated_slot(slots, tokens) != -1) return REPEATED; \
+    int64_t elements = 0; \
+    for (int ch = 0; ch < 3; ++ch) { \
+        const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
+        if (ca[ON]) elements += ca[HEADS] * ca[WIDTH]; \
+    } \
+    const int direct = elements * tokens <= DIRECT_ELEMENTS; \
+    /* One parallel region serves the three channels (one fork and join per call); one thread never enters \
+       OpenMP (its team set-up was about half of a decode-1 step's C time). */ \
+    if (threads > 1) { \
+        _Pragma("omp parallel num_threads(threads)") \
+        NAME##_channels(p, a, direct, omp_get_thread_num(), omp_get_num_threads()); \
+    } else { \
+        NAME##_channels(p, a, direct, 0, 1); \
     } \
     return -1; \
 }
@@ -259,9 +386,9 @@ DEFINE_ENTRY(fused_bf16)
 )
 
 _ENTRY = {torch.float32: "fused_f32", torch.float16: "fused_f16", torch.bfloat16: "fused_bf16"}
-_GLOBALS = struct.Struct("11q")
+_GLOBALS = struct.Struct("11q")  # batch, seq, half, table_len, strides, flags, threads, num_slots, distinct
 _CHANNEL = struct.Struct("15q")
-_POINTERS = struct.Struct("13Q")
+_POINTERS = struct.Struct("13Qq")  # the pointers, then the int offset: what a repeated launch changes
 _OFF = _CHANNEL.pack(*[0] * 15)
 _BAD_WIDTH = -(1 << 63)  # INT64_MIN: the C loop's answer for a width past its bounds
 
@@ -324,10 +451,11 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
     tokens = plan.batch * plan.seq
     work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in plan.channels if ch is not None) * tokens
     ints = _GLOBALS.pack(
-        plan.batch, plan.seq, half, table_len, plan.offset, plan.cos.stride(0), plan.sin.stride(0),
+        plan.batch, plan.seq, half, table_len, plan.cos.stride(0), plan.sin.stride(0),
         plan.interleaved, plan.conjugate,
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
         num_slots[0] if num_slots else 0,
+        0,  # distinct slots: the fused ops check them before they launch
     ) + b"".join(c[0] for c in chans)  # fmt: skip
     pointers = _POINTERS.pack(
         plan.cos.data_ptr(),
@@ -335,6 +463,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         0 if plan.positions is None else plan.positions.data_ptr(),
         0 if plan.slots is None or not num_slots else plan.slots.data_ptr(),  # unused: no by-slot channel
         *(ptr for c in chans for ptr in c[1]),
+        plan.offset,
     )
     bad = (_LIBRARY.functions or _LIBRARY.require())[plan.dtype](pointers, ints)
     if bad == _BAD_WIDTH:  # check_bounds ran first: reached only if the two bounds ever disagree
@@ -349,10 +478,12 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
 
 def plan(like: FusedLaunch):
     """The C loop bound to everything of a launch like ``like`` but its data and its int offset: a repeated
-    launch (:mod:`ropekit.fused.planned`) packs 13 pointers and one integer block and calls the loop.
+    launch (:mod:`ropekit.fused.planned`) packs 13 pointers and its offset and calls the loop (the integer
+    block is packed once).
 
     Returns run(pointers, offset) -> the loop's code: -1 done; otherwise a table row or a slot was out of
-    range and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
+    range, or a slot was given twice (-1 aside; the loop checks it here, where the checked path checks it
+    itself), and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
     positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0 where
     absent), laid out exactly as ``like``'s tensors (same shapes and strides).
     """
@@ -362,13 +493,19 @@ def plan(like: FusedLaunch):
     channels = b"".join(_channel_ints(ch, num_slots)[0] for ch in like.channels)
     work = sum(ch.dst.shape[2] * ch.dst.shape[3] for ch in like.channels if ch is not None)
     parallel = work * like.batch * like.seq >= PARALLEL_THRESHOLD
-    head = (like.batch, like.seq, half, table_len)
-    tail = (like.cos.stride(0), like.sin.stride(0), like.interleaved, like.conjugate)
+    ints = (like.batch, like.seq, half, table_len, like.cos.stride(0), like.sin.stride(0), like.interleaved,
+            like.conjugate)  # fmt: skip
     slots = num_slots[0] if num_slots else 0
-    pack_ints, pack_pointers = _GLOBALS.pack, _POINTERS.pack
+    blocks = {1: _GLOBALS.pack(*ints, 1, slots, 1) + channels}  # threads -> the integer block
+    single, pack_pointers = blocks[1], _POINTERS.pack
 
     def run(pointers: tuple[int, ...], offset: int) -> int:
-        threads = torch.get_num_threads() if parallel else 1
-        return function(pack_pointers(*pointers), pack_ints(*head, offset, *tail, threads, slots) + channels)
+        if not parallel:
+            return function(pack_pointers(*pointers, offset), single)
+        threads = torch.get_num_threads()
+        block = blocks.get(threads) or blocks.setdefault(
+            threads, _GLOBALS.pack(*ints, threads, slots, 1) + channels
+        )
+        return function(pack_pointers(*pointers, offset), block)
 
     return run

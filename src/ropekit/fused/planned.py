@@ -10,7 +10,7 @@ The first call of a kind takes the checked path (every argument checked, the bac
 A later call with the same key runs the plan after the checks that depend on values:
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
-  table and the cache by the C loop itself, before it writes anything;
+  table and the cache, and slots given twice, by the C loop itself, before it writes anything;
 * memory: every written tensor (the caches, and q in place) against the others, by their byte ranges, and
   exactly (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose
   own layout the key holds).
@@ -29,7 +29,6 @@ import torch
 from ropekit.backends import fused_cpu, qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, span
-from ropekit.fused.checks import check_distinct_slots
 from ropekit.validation import shares_memory
 
 __all__ = ["cache_plan", "qk_norm_plan"]
@@ -98,7 +97,6 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
         if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
-        check_distinct_slots("slot_mapping", slots.view(-1))  # the checked path's check and error
         if per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
             positions, offset = rows.data_ptr(), 0
