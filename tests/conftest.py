@@ -1,7 +1,7 @@
 """Shared test settings, the two tiers, and the reference comparison as a fixture.
 
 The reference and the tolerances themselves live in ``tests/rotary_reference.py`` (one home; the backend cases
-in ``tests/backends/rotary_cases.py`` use it too).
+in ``tests/rotary_cases.py`` use it too).
 
 Tiers (CONTRIBUTING.md): ``make test`` runs every test not marked ``proof`` or ``engine``, and fails when one
 of them takes longer than ``FAST_TEST_BOUND_S`` (setup, call and teardown together): a heavy test in the fast

@@ -4,7 +4,7 @@ Tolerances follow the dtype: a rotated feature carries one rounding of the outpu
 plus float32 arithmetic on table rows that are themselves rounded to float32, so the error bound is a few ulps
 of the output dtype relative to the output, plus a few float32 ulps of the input's scale.
 
-``tests/conftest.py`` serves these as fixtures and ``tests/backends/rotary_cases.py`` builds the backend cases
+``tests/conftest.py`` serves these as fixtures and ``tests/rotary_cases.py`` builds the backend cases
 on them; import from here (``from rotary_reference import ...``: pytest puts tests/ on sys.path).
 """
 

@@ -12,8 +12,10 @@ def test_list_names_every_preset(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in PRESETS)
-    # the name column is as wide as the longest name (deepseek-v3.2-indexer), rope_type as proportional
-    assert "gpt-j-6b                   256     64     10000 default      interleaved    2048" in out
+    # the name column is as wide as the longest name, then head_dim right-aligned in its 9 columns; rope_type
+    # as wide as proportional
+    width = max(len(name) for name in PRESETS)
+    assert "gpt-j-6b".ljust(width) + "      256     64     10000 default      interleaved    2048" in out
 
 
 def test_one_preset_in_json_carries_its_source(capsys):
