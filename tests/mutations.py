@@ -400,8 +400,18 @@ MUTATIONS += [
     Mutation(
         "fused, planned: no memory check",
         "ropekit/fused/planned.py",
-        "                if meet:\n                    return None\n",
-        "                if False:\n                    return None\n",
+        "                    if meet:\n                        return None\n",
+        "                    if False:\n                        return None\n",
+        (
+            "tests/fused/test_planned.py::test_shared_memory_still_raises_after_a_plan",
+            "tests/fused/test_cache.py::test_a_planned_step_still_refuses_caches_that_share_memory",
+        ),
+    ),
+    Mutation(
+        "fused, planned: no byte-range check (the C loop's)",
+        "ropekit/backends/fused_cpu.py",
+        "    if (ranges_meet(p, a + GLOBALS + 3 * CH_INTS)) return MEETS; \\\n",
+        "",
         (
             "tests/fused/test_planned.py::test_shared_memory_still_raises_after_a_plan",
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_caches_that_share_memory",
