@@ -420,7 +420,7 @@ MUTATIONS += [
     Mutation(
         "fused, planned: an inference q written in place outside inference mode",
         "ropekit/fused/planned.py",
-        "        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():\n",
+        "        if q_inference and not torch.is_inference_mode_enabled():\n",
         "        if False:\n",
         (
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode",

@@ -107,7 +107,8 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
         nonlocal ranges_met
-        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
+        q_inference = inplace and q.is_inference()  # q is the tensor written (q_out) in place
+        if q_inference and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
         if per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
@@ -143,7 +144,8 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
         if code != -1:  # a row or slot out of range, nothing written: the checked path says which
             return None
         written = (q_out, k_cache, v_cache)
-        if not (q_out.is_inference() or k_cache.is_inference() or v_cache.is_inference()):
+        if not ((q_inference if inplace else q_out.is_inference()) or k_cache.is_inference()
+                or v_cache.is_inference()):  # fmt: skip
             increment_version(written)
         else:
             increment_version(tuple(t for t in written if not t.is_inference()))
