@@ -11,9 +11,10 @@ A later call with the same key runs the plan after the checks that depend on val
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
   table and the cache, and slots given twice, by the C loop itself, before it writes anything;
-* memory: every written tensor (the caches, and q in place) against the others, by their byte ranges, and
-  exactly (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose
-  own layout the key holds).
+* memory: every written tensor (the caches, and q in place) against the others, by their byte ranges (for
+  the cache write, by the C loop itself before it writes), and exactly
+  (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose own
+  layout the key holds).
 
 A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
 each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
