@@ -405,8 +405,18 @@ MUTATIONS += [
     Mutation(
         "fused, planned: no memory check",
         "ropekit/fused/planned.py",
-        "                if meet:\n                    return None\n",
-        "                if False:\n                    return None\n",
+        "                    if meet:\n                        return None\n",
+        "                    if False:\n                        return None\n",
+        (
+            "tests/fused/test_planned.py::test_shared_memory_still_raises_after_a_plan",
+            "tests/fused/test_cache.py::test_a_planned_step_still_refuses_caches_that_share_memory",
+        ),
+    ),
+    Mutation(
+        "fused, planned: no byte-range check (the C loop's)",
+        "ropekit/backends/fused_cpu.py",
+        "    if (ranges_meet(p, a + GLOBALS + 3 * CH_INTS)) return MEETS; \\\n",
+        "",
         (
             "tests/fused/test_planned.py::test_shared_memory_still_raises_after_a_plan",
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_caches_that_share_memory",
@@ -415,7 +425,7 @@ MUTATIONS += [
     Mutation(
         "fused, planned: an inference q written in place outside inference mode",
         "ropekit/fused/planned.py",
-        "        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():\n",
+        "        if q_inference and not torch.is_inference_mode_enabled():\n",
         "        if False:\n",
         (
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode",

@@ -43,6 +43,10 @@ _FLAG_CHECKS = {
 }
 
 Tensor = torch.Tensor
+# The gates' questions of torch, bound once (a decode step cannot spare the attribute look-ups).
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_grad_enabled = torch.is_grad_enabled
 _plans: dict[tuple, Callable | None] = {}  # None: the key's kind has no plan (the checked path serves it)
 _MISSING = object()
 
@@ -103,9 +107,9 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
     source = f"""
 def launch_planned({params}):
     if (
-        torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+        _is_compiling() or _dispatch_depth()
         or not ({" and ".join(plain)})
-        or (torch.is_grad_enabled() and ({" or ".join(grads)}))
+        or (_grad_enabled() and ({" or ".join(grads)}))
     ):
         return None, None
     _gate_key = ({op!r}, {", ".join(facts)})
@@ -116,7 +120,7 @@ def launch_planned({params}):
         return None, None
     return _gate_run({call}), None
 """
-    scope: dict = {}  # the gate reads this module's globals (_plans, _MISSING) when it is called
+    scope: dict = {}  # the gate reads this module's globals (_plans, _MISSING, ...) when it is called
     exec(compile(source, f"{__file__} (the gate of {op})", "exec"), globals(), scope)
     return scope["launch_planned"]
 

@@ -99,12 +99,13 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
-    args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
-            v_scale)  # fmt: skip
-    out, key = _launch_planned(*args, cache_layout=cache_layout, interleaved=interleaved, inplace=inplace,
-                               backend=backend)  # fmt: skip
+    out, key = _launch_planned(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets,
+                               cu_seqlens, k_scale, v_scale, cache_layout=cache_layout,
+                               interleaved=interleaved, inplace=inplace, backend=backend)  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
+    args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
+            v_scale)  # fmt: skip
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)

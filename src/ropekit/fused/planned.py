@@ -11,9 +11,10 @@ A later call with the same key runs the plan after the checks that depend on val
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
   table and the cache, and slots given twice, by the C loop itself, before it writes anything;
-* memory: every written tensor (the caches, and q in place) against the others, by their byte ranges, and
-  exactly (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose
-  own layout the key holds).
+* memory: every written tensor (the caches, and q in place) against the others, by their byte ranges (for
+  the cache write, by the C loop itself before it writes), and exactly
+  (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose own
+  layout the key holds).
 
 A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
 each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
@@ -82,8 +83,12 @@ def cache_plan(backend: str, like: FusedLaunch, q, k, v, cos, sin, k_cache, v_ca
 
 
 def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: bool):
-    """The run of one key: the value checks that cannot be planned, then the C loop (see the module doc)."""
-    c_loop = fused_cpu.plan(like)
+    """The run of one key: the value checks that cannot be planned, then the C loop (see the module doc).
+
+    The memory rule's byte ranges are checked by the C loop itself, before anything else (its spans and pairs
+    are this key's constants); where two ranges meet it writes nothing and answers MEETS, and the run decides
+    exactly here, then launches again without the range check. A key whose ranges met once (views of one
+    packed qkv buffer) decides here first from then on."""
     seq = q.shape[1]
     last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
@@ -92,45 +97,57 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
     per_sequence = type(offsets) is not int
     spans += (span(offsets),) if per_sequence else ()
     pairs = _pairs((0, 3, 4) if inplace else (3, 4), len(spans))
+    # Each tensor's pointer word in the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches,
+    # cos, sin, the slots, and the offsets (word 14, which the loop reads for this check alone).
+    words = (4, 7, 10, 8, 11, 0, 1, 3, 14)
+    memory = tuple((words[a], words[b]) for a, b in pairs), {words[a]: spans[a] for a in range(len(spans))}
+    c_loop = fused_cpu.plan(like, memory)
     shared: dict[tuple[int, int, int], bool] = {}  # (written, other, byte distance) -> share an element
+    meets = fused_cpu.MEETS
+    ranges_met = False  # whether this key's ranges have met (then they are decided here first)
     increment_version = torch._C._increment_version
 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
-        if inplace and q.is_inference() and not torch.is_inference_mode_enabled():
+        nonlocal ranges_met
+        q_inference = inplace and q.is_inference()  # q is the tensor written (q_out) in place
+        if q_inference and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
         if per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
-            positions, offset = rows.data_ptr(), 0
+            offsets_start = offsets.data_ptr()
+            positions, offset = offsets_start if steps is None else rows.data_ptr(), 0
         elif 0 <= offsets <= last_offset:
-            positions, offset = 0, offsets
+            positions, offset, offsets_start = 0, offsets, 0
         else:
             return None
-        starts = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  cos.data_ptr(), sin.data_ptr(), slots.data_ptr())  # fmt: skip
-        if per_sequence:
-            starts += (offsets.data_ptr(),)
-        for a, b in pairs:
-            if starts[a] < starts[b] + spans[b] and starts[b] < starts[a] + spans[a]:
-                # The spans meet (views of one buffer, as q, k and v of a packed projection): exactly, once
-                # per distance (the key fixes everything else shares_memory reads).
-                meet = shared.get((a, b, starts[b] - starts[a]))
-                if meet is None:
-                    tensors = (q, k, v, k_cache, v_cache, cos, sin, slots, offsets)
-                    meet = shares_memory(tensors[a], tensors[b])
-                    if len(shared) < MAX_PLANS:
-                        shared[(a, b, starts[b] - starts[a])] = meet
-                if meet:
-                    return None
+        q_start = q.data_ptr()
         q_out = q if inplace else torch.empty_like(q)
-        code = c_loop(
-            (cos.data_ptr(), sin.data_ptr(), positions, slots.data_ptr(), starts[0], q_out.data_ptr(), 0,
-             starts[1], starts[3], 0, starts[2], starts[4], 0),
-            offset,
-        )  # fmt: skip
+        pointers = (cos.data_ptr(), sin.data_ptr(), positions, slots.data_ptr(), q_start,
+                    q_start if inplace else q_out.data_ptr(), 0, k.data_ptr(), k_cache.data_ptr(), 0,
+                    v.data_ptr(), v_cache.data_ptr(), 0)  # fmt: skip
+        code = meets if ranges_met else c_loop(pointers, offset, offsets_start)
+        if code == meets:
+            # Two spans meet (views of one buffer, as q, k and v of a packed projection): decided exactly,
+            # once per distance (the key fixes everything else shares_memory reads).
+            ranges_met = True
+            p = pointers  # each tensor's start, in the order of spans (words)
+            starts = (p[4], p[7], p[10], p[8], p[11], p[0], p[1], p[3], offsets_start)
+            for a, b in pairs:
+                if starts[a] < starts[b] + spans[b] and starts[b] < starts[a] + spans[a]:
+                    meet = shared.get((a, b, starts[b] - starts[a]))
+                    if meet is None:
+                        tensors = (q, k, v, k_cache, v_cache, cos, sin, slots, offsets)
+                        meet = shares_memory(tensors[a], tensors[b])
+                        if len(shared) < MAX_PLANS:
+                            shared[(a, b, starts[b] - starts[a])] = meet
+                    if meet:
+                        return None
+            code = c_loop(pointers, offset, offsets_start, False)
         if code != -1:  # a row or slot out of range, nothing written: the checked path says which
             return None
         written = (q_out, k_cache, v_cache)
-        if not (q_out.is_inference() or k_cache.is_inference() or v_cache.is_inference()):
+        if not ((q_inference if inplace else q_out.is_inference()) or k_cache.is_inference()
+                or v_cache.is_inference()):  # fmt: skip
             increment_version(written)
         else:
             increment_version(tuple(t for t in written if not t.is_inference()))

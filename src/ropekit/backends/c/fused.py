@@ -49,6 +49,7 @@ static inline int omp_get_num_threads(void) { return 1; }
 #endif
 #define INLINE static inline __attribute__((always_inline))
 #define REPEATED (INT64_MIN + 1)
+#define MEETS (INT64_MIN + 2)
 #define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
 INLINE uint32_t NAME(float v) { \
     uint32_t u; memcpy(&u, &v, 4); \
@@ -145,7 +146,20 @@ static int64_t first_repeated_slot(const int64_t *slots, int64_t tokens) {
 /* Channel integers, CH_INTS per channel after the GLOBALS: */
 enum { ON, ROTATE, BY_SLOT, KIND, HEADS, WIDTH, SRC_B, SRC_S, SRC_H, PAGE_SIZE, DST_P, DST_I, DST_H,
        SCALE_H, SRC_IS_DST, CH_INTS };
-enum { GLOBALS = 11 };
+enum { GLOBALS = 11, POINTER_WORDS = 15 };
+
+/* A launch plan's memory rule by byte ranges (ropekit.fused.planned): m = the count of pairs n, then n pairs
+   of pointer words (i, j), then the span in bytes of each of the POINTER_WORDS words (first element to one
+   past the last). 1 when some pair's ranges meet (the caller then decides exactly), 0 when none does. */
+static int ranges_meet(const uint64_t *p, const int64_t *m) {
+    const int64_t pairs = m[0];
+    const int64_t *spans = m + 1 + 2 * pairs;
+    for (int64_t n = 0; n < pairs; ++n) {
+        const int64_t i = m[1 + 2 * n], j = m[2 + 2 * n];
+        if (p[i] < p[j] + (uint64_t)spans[j] && p[j] < p[i] + (uint64_t)spans[i]) return 1;
+    }
+    return 0;
+}
 
 #define DEFINE_FUSED(NAME, T, LOAD, STORE) \
 /* One head: buf[0 : 2 half] = its rotation (when rotate), in float32; with load_tail, buf[2 half : width] = \
@@ -306,18 +320,21 @@ static void NAME##_channels(const uint64_t *p, const int64_t *a, int direct, int
         stream_fence(); /* this thread's streaming stores are ordered before it goes on */ \
     } \
 } \
-/* p: cos, sin, positions, slots, then (src, dst, scale) per channel, then the int offset (14 words, \
-   what changes from call to call). a: GLOBALS, then CH_INTS per channel (fixed by the launch's layout). \
-   Returns -1 when done; t >= 0: token t's table row is outside [0, table_len); -2 - t: token t's slot is \
-   outside [-1, num_slots); INT64_MIN: half or a channel's width is past its bound (the scratch rows' fixed \
-   size); REPEATED (with a[10] set): a slot is given twice, or that could not be checked. Nothing is written \
-   when it returns an error. */ \
+/* p: cos, sin, positions, slots, then (src, dst, scale) per channel, then the int offset, then a pointer \
+   read by the memory rule alone (per-sequence offsets; 15 words, what changes from call to call). a: \
+   GLOBALS, then CH_INTS per channel (fixed by the launch's layout), then the memory rule's pairs and spans \
+   (ranges_meet; a count of 0: none). Returns -1 when done; t >= 0: token t's table row is outside \
+   [0, table_len); -2 - t: token t's slot is outside [-1, num_slots); INT64_MIN: half or a channel's \
+   width is past its bound (the scratch rows' fixed size); REPEATED (with a[10] set): a slot is given \
+   twice, or that could not be checked; MEETS: the byte ranges of a written tensor and another meet. \
+   Nothing is written when it returns an error. */ \
 int64_t NAME(const uint64_t *p, const int64_t *a) { \
     const int64_t batch = a[0], seq = a[1], half = a[2], table_len = a[3], offset = (int64_t)p[13]; \
     const int64_t num_slots = a[9], threads = a[8]; \
     const int64_t *pos = (const int64_t *)p[2], *slots = (const int64_t *)p[3]; \
     const int64_t tokens = batch * seq; \
     if (half < 1 || half > ROPEKIT_MAX_HALF) return INT64_MIN; \
+    if (ranges_meet(p, a + GLOBALS + 3 * CH_INTS)) return MEETS; \
     for (int ch = 0; ch < 3; ++ch) { \
         const int64_t *ca = a + GLOBALS + ch * CH_INTS; \
         const int64_t w = ca[WIDTH]; \
@@ -389,9 +406,13 @@ DEFINE_ENTRY(fused_bf16)
 _ENTRY = {torch.float32: "fused_f32", torch.float16: "fused_f16", torch.bfloat16: "fused_bf16"}
 _GLOBALS = struct.Struct("11q")  # batch, seq, half, table_len, strides, flags, threads, num_slots, distinct
 _CHANNEL = struct.Struct("15q")
-_POINTERS = struct.Struct("13Qq")  # the pointers, then the int offset: what a repeated launch changes
+# The pointers, the int offset, then a pointer the memory rule alone reads: what a repeated launch changes.
+_POINTERS = struct.Struct("13QqQ")
+_POINTER_WORDS = 15
 _OFF = _CHANNEL.pack(*[0] * 15)
+_NO_MEMORY_CHECK = struct.pack("q", 0)  # the memory rule's block with no pairs: the loop checks none
 _BAD_WIDTH = -(1 << 63)  # INT64_MIN: the C loop's answer for a width past its bounds
+MEETS = _BAD_WIDTH + 2  # the loop's answer when a pair's byte ranges meet (nothing written)
 
 _LIBRARY = CLibrary(
     stem="fused_cpu",
@@ -457,7 +478,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         torch.get_num_threads() if work >= PARALLEL_THRESHOLD else 1,
         num_slots[0] if num_slots else 0,
         0,  # distinct slots: the fused ops check them before they launch
-    ) + b"".join(c[0] for c in chans)  # fmt: skip
+    ) + b"".join(c[0] for c in chans) + _NO_MEMORY_CHECK  # fmt: skip
     pointers = _POINTERS.pack(
         plan.cos.data_ptr(),
         plan.sin.data_ptr(),
@@ -465,6 +486,7 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         0 if plan.slots is None or not num_slots else plan.slots.data_ptr(),  # unused: no by-slot channel
         *(ptr for c in chans for ptr in c[1]),
         plan.offset,
+        0,
     )
     bad = (_LIBRARY.functions or _LIBRARY.require())[plan.dtype](pointers, ints)
     if bad == _BAD_WIDTH:  # check_bounds ran first: reached only if the two bounds ever disagree
@@ -477,16 +499,20 @@ def launch(plan: FusedLaunch, *, checked: bool = False) -> None:
         raise slot_error(int(plan.slots[token]), num_slots[0], token)
 
 
-def plan(like: FusedLaunch):
+def plan(like: FusedLaunch, memory: tuple[tuple[tuple[int, int], ...], dict[int, int]] | None = None):
     """The C loop bound to everything of a launch like ``like`` but its data and its int offset: a repeated
     launch (:mod:`ropekit.fused.planned`) packs 13 pointers and its offset and calls the loop (the integer
     block is packed once).
 
-    Returns run(pointers, offset) -> the loop's code: -1 done; otherwise a table row or a slot was out of
-    range, or a slot was given twice (-1 aside; the loop checks it here, where the checked path checks it
-    itself), and nothing was written (the caller's checked path then reports it). pointers: cos, sin,
-    positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0 where
-    absent), laid out exactly as ``like``'s tensors (same shapes and strides).
+    memory: the memory rule the loop checks first, by byte ranges: (pairs of pointer words, {pointer word:
+    its span in bytes}); word 14 is the ``extra`` pointer of run, read by this check alone. None: no check.
+
+    Returns run(pointers, offset, extra=0, check_memory=True) -> the loop's code: -1 done; :data:`MEETS`: the
+    byte ranges of a pair met (check_memory); otherwise a table row or a slot was out of range, or a slot was
+    given twice (-1 aside; the loop checks it here, where the checked path checks it itself); in every case
+    but -1 nothing was written (the caller decides exactly, or its checked path reports it). pointers: cos,
+    sin, positions (0: rows offset + arange(seq)), slots, then (source, destination, scale) per channel (0
+    where absent), laid out exactly as ``like``'s tensors (same shapes and strides).
     """
     function = (_LIBRARY.functions or _LIBRARY.require())[like.dtype]
     table_len, half = like.cos.shape
@@ -497,16 +523,34 @@ def plan(like: FusedLaunch):
     ints = (like.batch, like.seq, half, table_len, like.cos.stride(0), like.sin.stride(0), like.interleaved,
             like.conjugate)  # fmt: skip
     slots = num_slots[0] if num_slots else 0
-    blocks = {1: _GLOBALS.pack(*ints, 1, slots, 1) + channels}  # threads -> the integer block
-    single, pack_pointers = blocks[1], _POINTERS.pack
+    if memory is None:
+        checks = _NO_MEMORY_CHECK
+    else:
+        pairs, spans = memory
+        words = [len(pairs), *(w for pair in pairs for w in pair)]
+        words += [spans.get(w, 0) for w in range(_POINTER_WORDS)]
+        checks = struct.pack(f"{len(words)}q", *words)
+    # (threads, check_memory) -> the integer block
+    blocks = {
+        (threads, check): _GLOBALS.pack(*ints, threads, slots, 1) + channels
+        + (checks if check else _NO_MEMORY_CHECK)
+        for threads in (1,)
+        for check in (True, False)
+    }  # fmt: skip
+    single, single_unchecked, pack_pointers = blocks[1, True], blocks[1, False], _POINTERS.pack
 
-    def run(pointers: tuple[int, ...], offset: int) -> int:
+    def run(pointers: tuple[int, ...], offset: int, extra: int = 0, check_memory: bool = True) -> int:
         if not parallel:
-            return function(pack_pointers(*pointers, offset), single)
+            return function(
+                pack_pointers(*pointers, offset, extra), single if check_memory else single_unchecked
+            )
         threads = torch.get_num_threads()
-        block = blocks.get(threads) or blocks.setdefault(
-            threads, _GLOBALS.pack(*ints, threads, slots, 1) + channels
+        block = blocks.get((threads, check_memory)) or blocks.setdefault(
+            (threads, check_memory),
+            _GLOBALS.pack(*ints, threads, slots, 1)
+            + channels
+            + (checks if check_memory else _NO_MEMORY_CHECK),
         )
-        return function(pack_pointers(*pointers, offset), block)
+        return function(pack_pointers(*pointers, offset, extra), block)
 
     return run
