@@ -414,7 +414,7 @@ MUTATIONS += [
     ),
     Mutation(
         "fused, planned: no byte-range check (the C loop's)",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         "    if (ranges_meet(p, a + GLOBALS + 3 * CH_INTS)) return MEETS; \\\n",
         "",
         (
