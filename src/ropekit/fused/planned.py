@@ -194,15 +194,15 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
         if q_scale is None:
             q_ptr = made[0].data_ptr()
         else:
-            values = q_scale.tolist() if per_head[0] else (q_scale.item(),)
-            if not (0 < min(values) and sum(values) < inf):
+            q_values = q_scale.tolist() if per_head[0] else (q_scale.item(),)
+            if not (0 < min(q_values) and sum(q_values) < inf):
                 return None
             q_ptr = q_scale.data_ptr()
         if k_scale is None:
             k_ptr = made[1].data_ptr()
         else:
-            values = k_scale.tolist() if per_head[1] else (k_scale.item(),)
-            if not (0 < min(values) and sum(values) < inf):
+            k_values = k_scale.tolist() if per_head[1] else (k_scale.item(),)
+            if not (0 < min(k_values) and sum(k_values) < inf):
                 return None
             k_ptr = k_scale.data_ptr()
         q_out = empty(q.shape, dtype=fp8_dtype, device=q.device)
