@@ -1,12 +1,12 @@
-"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
-:func:`~ropekit.qk_norm_rotary_` decode step goes through the one gate
-(:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
-and one call of the C loop.
+"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache`,
+:func:`~ropekit.apply_rotary_qk_fp8` or :func:`~ropekit.qk_norm_rotary_` decode step goes through the one
+gate (:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
+and one call of the C loop (two in the FP8 op's MLA form).
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
 :class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`cache_plan` (or
-:func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of the launch packed
-(:func:`ropekit.backends.fused_cpu.plan`), or None when no plan serves that kind.
+:func:`fp8_plan`, :func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of
+the launch packed (:func:`ropekit.backends.fused_cpu.plan`), or None when no plan serves that kind.
 A later call with the same key runs the plan after the checks that depend on values:
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
