@@ -460,3 +460,46 @@ def test_other_backends_keep_no_fp8_plan():
     assert "check_scale" in ropekit_calls(
         lambda: fp8_call(q, k, cos, sin, offsets, SCALES["numbers"], "torch")
     )
+
+
+def packed_fp8_step(nope_width: int = 0):
+    """vLLM's / FlashInfer's packed form: q (T, Hq, D) with a position per token, and nope parts of
+    nope_width (FlashInfer passes width-0 nope parts for a plain rope)."""
+    plan.clear_plans()
+    g = torch.Generator().manual_seed(1)
+    cos, sin = ropekit.RopeConfig(head_dim=64).cos_sin(2048)
+    q, k = torch.randn(5, 16, 64, generator=g), torch.randn(5, 2, 64, generator=g)
+    nope = dict(
+        q_nope=torch.randn(5, 16, nope_width, generator=g), k_nope=torch.randn(5, 2, nope_width, generator=g)
+    )
+    positions = torch.tensor([0, 7, 100, 2047, 3])
+    return q, k, cos, sin, positions, nope
+
+
+@pytest.mark.parametrize("nope_width", [0, 32])
+def test_a_planned_step_with_positions_per_token_equals_the_checked_path(nope_width):
+    q, k, cos, sin, positions, nope = packed_fp8_step(nope_width)
+    scales = SCALES["numbers"]
+    step = lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope)  # noqa: E731
+    checked = step()
+    got = []
+    calls = ropekit_calls(lambda: got.append(step()))
+    assert "run" in calls and "check_scale" not in calls and len(calls) <= CALL_BUDGET, calls
+    assert len(got[0]) == 4 and same_bytes(got[0], checked)
+    assert same_bytes(
+        got[0], fp8_call(q, k, cos, sin, 0, scales, positions=positions, backend="torch", **nope)
+    )
+
+
+def test_planned_positions_past_the_table_negative_or_with_an_offset_raise_the_checked_error():
+    q, k, cos, sin, positions, nope = packed_fp8_step()
+    scales = SCALES["numbers"]
+    fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope)  # plans the key
+    for bad, offset, match in (
+        (torch.tensor([0, 7, 2048, 1, 3]), 0, "positions: largest position 2048 is past the cos/sin table"),
+        (torch.tensor([0, 7, -1, 1, 3]), 0, "positions: expected values >= 0, got a minimum of -1"),
+        (positions, 5, "offsets: expected 0 when positions is given"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fp8_call(q, k, cos, sin, offset, scales, positions=bad, **nope)
+    assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope))

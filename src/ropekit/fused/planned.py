@@ -146,43 +146,51 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     (its rope launch, then its nope launch in the MLA form) on backend: ``run(q, k, cos, sin, q_scale,
     k_scale, q_nope, k_nope, positions, offsets, cu_seqlens)`` (the gate's arguments; a scale given as a
     number is None there, its value is in the key) -> the FP8 outputs, or None. None when no plan serves its
-    kind: another backend than the C loop, positions or cu_seqlens, an input the launch copied or converted
-    (a strided last axis, a table not float32, a scale tensor not float32 and contiguous), an empty part.
+    kind: another backend than the C loop, cu_seqlens, an input the launch copied or converted (a strided
+    last axis, a table not float32, positions or a scale tensor not contiguous, positions not int64, a scale
+    not float32), an empty q or k.
 
     The outputs are new tensors, so the memory rule has nothing to check (nothing the caller passed is
-    written); the run checks the values a key cannot hold: an int offset against the table (per-sequence
-    offsets: the C loop, before it writes), and a scale tensor's values, finite and > 0 (float32, as the
-    checked path's :func:`~ropekit.fused.checks.check_scale`)."""
-    parts = (q, k) if q_nope is None else (q, k, q_nope, k_nope)
+    written); the run checks the values a key cannot hold: an int offset against the table (positions and
+    per-sequence offsets: the C loop, before it writes), and a scale tensor's values, finite and > 0
+    (float32, as the checked path's :func:`~ropekit.fused.checks.check_scale`)."""
+    nopes = () if q_nope is None else tuple(t for t in (q_nope, k_nope) if t.numel())  # the parts written
     tensor_scales = tuple(s for s in (q_scale, k_scale) if s is not None)
     q4 = q if q.dim() == 4 else q[None]
     if (
         backend != "cpu"
-        or positions is not None
         or cu_seqlens is not None
         or q.dim() not in (3, 4)
-        or len(launches) != (1 if q_nope is None else 2)
-        or not all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in parts)
+        or len(launches) != 1 + bool(nopes)
+        or not all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, *nopes))
         or not all(s.dtype == torch.float32 and s.is_contiguous() for s in tensor_scales)
-        or not _plannable(q4, (*parts[1:], *tensor_scales), cos, sin, offsets, q4.shape[:1])
-    ):
+        or not _plannable(q4, (k, *nopes, *tensor_scales), cos, sin, 0 if positions is not None else offsets,
+                          q4.shape[:1])
+        or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
+                                           and positions.device == q.device))
+    ):  # fmt: skip
         return None
     like = launches[0]
-    c_loops = [fused_cpu.plan(launch) for launch in launches]
+    rope_loop = fused_cpu.plan(like)
+    nope_loop = fused_cpu.plan(launches[1]) if nopes else None
     # The scales the checked path made of numbers ((1,) float32 tensors, kept alive here), by channel.
     made = [
         ch.scale if s is None else None for ch, s in zip(like.channels[:2], (q_scale, k_scale), strict=True)
     ]
     per_head = tuple(s is not None and s.numel() > 1 for s in (q_scale, k_scale))
     seq = like.seq
-    per_sequence = type(offsets) is not int
+    given = positions is not None  # positions: the rows themselves (offsets must be 0)
+    per_sequence = not given and type(offsets) is not int
     last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    nope = q_nope is not None
     empty, inf = torch.empty, math.inf
 
     def run(q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens):
-        if per_sequence:
+        if given:
+            if type(offsets) is not int or offsets != 0:
+                return None  # positions with offsets: the checked path refuses them
+            row_pointer, offset = positions.data_ptr(), 0
+        elif per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
             row_pointer, offset = rows.data_ptr(), 0
         elif 0 <= offsets <= last_offset:
@@ -208,27 +216,18 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
         q_out = empty(q.shape, dtype=fp8_dtype, device=q.device)
         k_out = empty(k.shape, dtype=fp8_dtype, device=k.device)
         table = (cos.data_ptr(), sin.data_ptr(), row_pointer, 0)
-        pointers = (
-            *table,
-            q.data_ptr(),
-            q_out.data_ptr(),
-            q_ptr,
-            k.data_ptr(),
-            k_out.data_ptr(),
-            k_ptr,
-            0,
-            0,
-            0,
-        )
-        if c_loops[0](pointers, offset) != -1:  # a row outside the table, nothing written: the checked path
+        pointers = (*table, q.data_ptr(), q_out.data_ptr(), q_ptr, k.data_ptr(), k_out.data_ptr(), k_ptr,
+                    0, 0, 0)  # fmt: skip
+        if rope_loop(pointers, offset) != -1:  # a row outside the table, nothing written: the checked path
             return None
-        if not nope:
+        if q_nope is None:
             return q_out, k_out
         q_nope_out = empty(q_nope.shape, dtype=fp8_dtype, device=q.device)
         k_nope_out = empty(k_nope.shape, dtype=fp8_dtype, device=q.device)
-        pointers = (*table, q_nope.data_ptr(), q_nope_out.data_ptr(), q_ptr, k_nope.data_ptr(),
-                    k_nope_out.data_ptr(), k_ptr, 0, 0, 0)  # fmt: skip
-        c_loops[1](pointers, offset)  # the same rows, checked by the first launch
+        if nope_loop is not None:  # an empty part's channel is off: its pointers are not read
+            pointers = (*table, q_nope.data_ptr(), q_nope_out.data_ptr(), q_ptr, k_nope.data_ptr(),
+                        k_nope_out.data_ptr(), k_ptr, 0, 0, 0)  # fmt: skip
+            nope_loop(pointers, offset)  # the same rows, checked by the first launch
         return q_out, k_out, q_nope_out, k_nope_out
 
     return run
