@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 from serving_fuzz import FAMILIES, fused_calls, run_call, shift_calls
 
 pytestmark = pytest.mark.skipif(

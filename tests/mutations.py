@@ -52,7 +52,8 @@ _BOUNDARY = "tests/test_boundary.py::test_in_place_write_bumps_the_version_count
 _COMPAT_BOUNDARY = "tests/test_boundary.py::test_compat_in_place_write_bumps_the_version_counter"
 _FUZZ = "tests/test_fuzz.py::test_any_serving_call_is_right_or_a_value_error_and_writes_only_its_outputs"
 
-# The C launch plan's run (cpu.py), shared by the functional API, the module and compat.vllm's steady step.
+# The C launch plan's run (backends/c/rotary.py), shared by the functional API, the module and compat.vllm's
+# steady step.
 _C_PLAN_BUMP = (
     "            if inplace:  # what the dispatcher would do: tell autograd that q and k changed\n"
     "                torch._C._increment_version((q,) if k is None else (q, k))\n"
@@ -84,10 +85,10 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "functional: no version bump in the C launch plan's run",
-        "ropekit/backends/cpu.py",
+        "ropekit/backends/c/rotary.py",
         _C_PLAN_BUMP,
         "            return q_out, k_out\n",
-        (_BOUNDARY, "tests/backends/test_plan.py", "tests/backends/test_cpu.py"),
+        (_BOUNDARY, "tests/backends/test_plan.py", "tests/backends/c/test_c_rotary.py"),
     ),
     Mutation(
         "functional: no q / k overlap check",
@@ -108,15 +109,19 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "functional: no row bound in the C rotary loop",
-        "ropekit/backends/cpu.py",
+        "ropekit/backends/c/rotary.py",
         _C_ROW_BOUND,
         "        int64_t bad = -1; \\\n",
-        ("tests/backends/test_cpu.py", "tests/backends/test_kernel_op.py", "tests/backends/test_plan.py"),
+        (
+            "tests/backends/c/test_c_rotary.py",
+            "tests/backends/test_kernel_op.py",
+            "tests/backends/test_plan.py",
+        ),
     ),
     # ---- module: RotaryEmbedding.forward(inplace=True), whose steady step is the launch plan ----
     Mutation(
         "module: no version bump in the C launch plan's run (the module's steady step)",
-        "ropekit/backends/cpu.py",
+        "ropekit/backends/c/rotary.py",
         _C_PLAN_BUMP,
         "            return q_out, k_out\n",
         (
@@ -158,7 +163,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "fused: no slot bound in the C loop",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         _FUSED_SLOT_BOUND,
         "            if (0) return -2 - token; \\\n",
         (
@@ -168,7 +173,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "fused: no slot bound in the torch reference",
-        "ropekit/backends/fused_eager.py",
+        "ropekit/backends/eager/fused.py",
         "            if lo < -1 or hi >= num_slots:\n",
         "            if False:\n",
         (
@@ -186,7 +191,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "shift: no slot bound in the C loop",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         _FUSED_SLOT_BOUND,
         "            if (0) return -2 - token; \\\n",
         (
@@ -248,7 +253,7 @@ MUTATIONS: list[Mutation] = [
         ),
         also=(
             (
-                "ropekit/backends/fused_cpu.py",
+                "ropekit/backends/c/fused.py",
                 _FUSED_SLOT_BOUND,
                 "            if (0) return -2 - token; \\\n",
             ),
@@ -266,11 +271,11 @@ MUTATIONS += [
         "        if type(offset) is int and not 0 <= offset <= last_offset:\n",
         "        if False:\n",
         ("tests/backends/test_plan.py::test_a_planned_call_still_refuses_an_offset_past_the_table",),
-        also=(("ropekit/backends/cpu.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
+        also=(("ropekit/backends/c/rotary.py", _C_ROW_BOUND, "        int64_t bad = -1; \\\n"),),
     ),
     Mutation(
         "fused: no row bound in the C fused loop nor in the op's host check",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         _C_ROW_BOUND,
         "        int64_t bad = -1; \\\n",
         (
@@ -281,7 +286,7 @@ MUTATIONS += [
     ),
     Mutation(
         "qk_norm: no row bound in the C loop nor in the op's host check",
-        "ropekit/backends/qk_norm_cpu.py",
+        "ropekit/backends/c/qk_norm.py",
         _C_ROW_BOUND,
         "        int64_t bad = -1; \\\n",
         ("tests/fused/test_qk_norm.py::test_a_position_past_the_table_writes_nothing", f"{_FUZZ}[qk_norm]"),
@@ -301,7 +306,7 @@ MUTATIONS += [
     ),
     Mutation(
         "fuzzer alone: fused, no slot bound in the C loop",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         _FUSED_SLOT_BOUND,
         "            if (0) return -2 - token; \\\n",
         (f"{_FUZZ}[fused]", f"{_FUZZ}[shift]", f"{_FUZZ}[paged]"),
@@ -390,7 +395,7 @@ MUTATIONS += [
     ),
     Mutation(
         "fused, planned: no distinct-slots check (the C loop's)",
-        "ropekit/backends/fused_cpu.py",
+        "ropekit/backends/c/fused.py",
         _PLANNED_SLOTS,
         "",
         (
@@ -514,8 +519,9 @@ _PROBE = """
 import sys, torch
 import ropekit
 assert ropekit.__file__.startswith(sys.argv[1]), f"ropekit imported from {ropekit.__file__}, not the copy"
-from ropekit.backends import BACKENDS, fused_cpu
-from ropekit.backends.qk_norm_cpu import NormSpec, unavailable_reason
+from ropekit.backends import BACKENDS
+from ropekit.backends.c import fused as fused_cpu
+from ropekit.backends.c.qk_norm import NormSpec, unavailable_reason
 spec = NormSpec(1, 1, 2, 1e-6, 0.0, False, True, False)
 reasons = [BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)),
            fused_cpu.unavailable_reason(), unavailable_reason(spec)]

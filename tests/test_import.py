@@ -35,9 +35,9 @@ def test_the_probe_sees_a_module_that_is_imported():
 
 
 def test_cpu_backend_constant_marker_is_what_torch_compiler_sets():
-    """backends.cpu marks _build_failure constant for torch.compile without importing torch._dynamo; the
+    """backends.c.rotary marks _build_failure constant for torch.compile without importing torch._dynamo; the
     marker must stay what torch.compiler.assume_constant_result sets, or compiled calls would break graphs."""
-    from ropekit.backends.cpu import _assume_constant_result
+    from ropekit.backends.c.rotary import _assume_constant_result
 
     def ours():
         return None

@@ -1,6 +1,7 @@
 """Shared checks for the fused backends (cpu, triton): every layout and position mode vs ropekit.reference.
 
-Not collected by pytest on its own (no ``test_`` prefix); test_cpu.py and the Triton interpreter cases use it.
+Not collected by pytest on its own (no ``test_`` prefix); c/test_c_rotary.py and the Triton interpreter cases
+use it.
 The reference rotation and the dtype tolerances come from the one home, ``tests/rotary_reference.py``; the
 names below are re-exported for the files that import them from here.
 """

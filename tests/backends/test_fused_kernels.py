@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.backends import fused_cpu, fused_eager
+from ropekit.backends.c import fused as fused_cpu
+from ropekit.backends.eager import fused as fused_eager
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch, check_launch
 
 LAUNCHERS = {"cpu": fused_cpu.launch, "torch": fused_eager.launch}

@@ -13,7 +13,7 @@ import torch
 from rotary_cases import tables
 
 from ropekit import apply_rotary, apply_rotary_qk, backends
-from ropekit.backends import cpu
+from ropekit.backends.c import rotary as cpu
 
 pytestmark = pytest.mark.skipif(
     backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,

@@ -17,7 +17,7 @@ from boundary_checks import (
     check_table_aliasing_the_input_is_refused,
     check_view_of_a_leaf_is_refused_before_writing,
 )
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
 

@@ -1,6 +1,7 @@
 """Triton kernel cases run on CPU tensors through Triton's interpreter.
 
-Run only by test_triton.py, in a subprocess with TRITON_INTERPRET=1 (Triton reads it when the kernel module
+Run only by triton/test_triton_rotary.py, in a subprocess with TRITON_INTERPRET=1 (Triton reads it when the
+kernel module
 is imported, so it cannot be switched on inside a pytest worker that has already imported Triton). The
 interpreter is slow, so the shapes are tiny and the grid touches each feature rather than every product.
 """
@@ -19,10 +20,12 @@ from rotary_cases import (
 )
 
 from ropekit import apply_rotary, apply_rotary_qk
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_reference import reference_tables
 
-pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_triton.py)")
+pytestmark = pytest.mark.skipif(
+    not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (triton/test_triton_rotary.py)"
+)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -115,7 +118,7 @@ def test_triton_device_side_row_check_never_reads_past_the_table_and_fails(monke
     """The kernel's own row check, reached with the host check off: bad rows are clamped (read row 0), the
     interpreter's kernel clears the flag, and the launcher raises when the kernel returns (compiled, the
     kernel traps: triton_kernel.flag_bad)."""
-    from ropekit.backends import triton as triton_backend
+    from ropekit.backends.triton import rotary as triton_backend
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
     cos, sin = tables(8)
@@ -146,7 +149,7 @@ def test_triton_int_offset_past_the_table_fails_on_the_device_even_if_the_host_b
     off by one (it lets offset + seq == table_len + 1 through), offset 3, seq 2 on a 4-row table must fail,
     not rotate the last token by row 0."""
     from ropekit.backends import kernel_op
-    from ropekit.backends import triton as triton_backend
+    from ropekit.backends.triton import rotary as triton_backend
 
     def off_by_one(offset, batch, seq, table_len):
         if batch and seq and offset + seq > table_len + 1:
@@ -165,7 +168,7 @@ def test_triton_int_offset_past_the_table_fails_on_the_device_even_if_the_host_b
 def test_triton_launch_passes_the_kernel_config_and_the_explicit_compile_options(monkeypatch):
     """The launch uses kernel_config (the function the ahead-of-time tests enumerate) and passes
     COMPILE_OPTIONS, so FP fusion is never left to Triton's default."""
-    from ropekit.backends import triton_kernel
+    from ropekit.backends.triton import rotary_kernel as triton_kernel
 
     seen = {}
     real = triton_kernel.rotary_kernel
@@ -241,7 +244,7 @@ def test_triton_kernel_checks_per_sequence_offset_rows_itself(monkeypatch):
     """With the host check off, the kernel's own check: a batch row whose offset runs past the table is
     clamped to row 0 (the identity: nothing read past the table) and the launch fails; the good row
     rotates."""
-    from ropekit.backends import triton as triton_backend
+    from ropekit.backends.triton import rotary as triton_backend
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
     cos, sin = tables(16)
@@ -283,7 +286,7 @@ def test_triton_per_sequence_decode_step_takes_no_more_ropekit_calls_than_an_int
 def test_triton_prefill_tiles_tokens_and_heads_and_matches_reference(interleaved, dtype):
     """A prefill (PREFILL_TOKENS tokens or more) runs BLOCK_T tokens a program on a (token blocks, head
     blocks) grid; a token count that is not a multiple of BLOCK_T leaves a ragged last block."""
-    from ropekit.backends.triton_kernel import PREFILL_TOKENS, grid, kernel_config
+    from ropekit.backends.triton.rotary_kernel import PREFILL_TOKENS, grid, kernel_config
 
     seq = PREFILL_TOKENS + 3
     cos, sin = reference_tables(8, seq + 5)

@@ -96,7 +96,7 @@ NO_DEFAULT = __import__("inspect").Parameter.empty
 
 def spy_cpu_kernel(monkeypatch) -> dict[str, int]:
     """Record the data pointers the C loop is called with (q, k, cos, sin): what it reads, where it lies."""
-    import ropekit.backends.cpu as cpu
+    import ropekit.backends.c.rotary as cpu
 
     seen: dict[str, int] = {}
 

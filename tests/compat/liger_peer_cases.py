@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 from ropekit.compat import liger as ropekit_liger
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (see the runner)")

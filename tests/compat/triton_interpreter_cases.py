@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 
 from . import test_flash_attn as flash_attn_cases
 from . import test_hf as hf_cases

@@ -22,7 +22,7 @@ from fused_cases import (
     check_wide_heads,
 )
 
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 
 pytestmark = pytest.mark.skipif(
     not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_fused_triton.py)"
@@ -83,9 +83,9 @@ def test_triton_kernel_fails_a_launch_with_a_row_or_slot_out_of_range_itself(mon
     or a slot past the cache (its writes skipped) fails the launch with no separate assert kernel (under the
     interpreter the launcher raises when the kernel returns; compiled, the kernel traps); the other token's
     slot is written, and nothing is written past the cache."""
-    from ropekit.backends import fused_triton
-    from ropekit.backends import triton as triton_backend
     from ropekit.backends.fused_launch import Channel, FusedLaunch
+    from ropekit.backends.triton import fused as fused_triton
+    from ropekit.backends.triton import rotary as triton_backend
     from rotary_reference import reference_tables
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)

@@ -17,7 +17,7 @@ from qk_norm_cases import (
     check_matches_reference,
 )
 
-from ropekit.backends.triton import interpreter_enabled
+from ropekit.backends.triton.rotary import interpreter_enabled
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (the runner)")
 
@@ -52,9 +52,9 @@ def test_triton_kernel_fails_a_launch_with_a_row_outside_the_table_itself(monkey
     """With the host check off, the QK-norm kernel's own check: a row past the table reads row 0 instead and
     fails the launch (the interpreter's launcher raises when the kernel returns; compiled, the kernel
     traps)."""
-    from ropekit.backends import qk_norm_triton
-    from ropekit.backends import triton as triton_backend
-    from ropekit.backends.qk_norm_cpu import NormSpec
+    from ropekit.backends.c.qk_norm import NormSpec
+    from ropekit.backends.triton import qk_norm as qk_norm_triton
+    from ropekit.backends.triton import rotary as triton_backend
     from rotary_reference import reference_tables
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)

@@ -286,7 +286,7 @@ print("auto exact:", torch.equal(vc[:2], v))
 def test_the_c_loop_checks_its_own_width_bound_before_writing(monkeypatch):
     """Defence in depth for defect 8: even if the Python bound were skipped, the C loop refuses a head wider
     than its fixed scratch row (it returns before writing; the launcher raises)."""
-    from ropekit.backends import fused_cpu
+    from ropekit.backends.c import fused as fused_cpu
     from ropekit.backends.fused_launch import Channel, FusedLaunch
 
     monkeypatch.setattr(fused_cpu, "check_bounds", lambda plan: None)
@@ -449,7 +449,7 @@ def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_o
     with_q = Counter(name for _, name, held in first if held and name in CHECKS)
     assert with_q == {"resolve": 1, "check_x": 1, "check_in_place_allowed": 1, "check_writable": 1,
                       "check_no_alias": 1, "check_inference": 1}, with_q  # fmt: skip
-    assert ("backends/fused_cpu.py", "launch", True) in first  # q reached the C loop's launcher
+    assert ("backends/c/fused.py", "launch", True) in first  # q reached the C loop's launcher
     # A planned step enters no argument check: its slots' distinctness is the C loop's (fused_cpu), which
     # hands a repeat back to the checked path and its error.
     assert not [name for _, name, _ in steady if name in CHECKS], steady

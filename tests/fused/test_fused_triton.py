@@ -20,7 +20,7 @@ def test_fused_triton_kernel_passes_the_interpreter_suite(tier):
 
 def test_aot_specializations_name_every_argument_of_the_kernel():
     pytest.importorskip("triton")
-    from ropekit.backends import fused_triton
+    from ropekit.backends.triton import fused as fused_triton
 
     specs = list(fused_triton.aot_specializations())
     params = list(inspect.signature(fused_triton.fused_kernel.fn).parameters)
@@ -41,7 +41,7 @@ def test_an_fp8_specialization_compiles_for_sm90_without_fma_and_with_exact_divi
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ropekit.backends import fused_triton
+    from ropekit.backends.triton import fused as fused_triton
 
     spec = next(s for s in fused_triton.aot_specializations() if s[2]["Q_KIND"] == 1 and s[2]["Q_ROTATE"])
     kernel, signature, constexprs, num_warps = spec

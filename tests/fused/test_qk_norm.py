@@ -23,8 +23,8 @@ from qk_norm_cases import (
 )
 
 import ropekit
-from ropekit.backends.qk_norm_cpu import NormSpec
-from ropekit.backends.qk_norm_eager import rms_norm
+from ropekit.backends.c.qk_norm import NormSpec
+from ropekit.backends.eager.qk_norm import rms_norm
 from ropekit.fused.qk_norm import qk_norm_rotary_
 from triton_interpreter import TIERS, run_interpreter_cases
 
@@ -324,7 +324,7 @@ def test_public_name_is_exported():
 
 def test_aot_specializations_name_every_kernel_argument():
     pytest.importorskip("triton")
-    from ropekit.backends.qk_norm_triton_kernel import aot_specializations, qk_norm_rotary_kernel
+    from ropekit.backends.triton.qk_norm_kernel import aot_specializations, qk_norm_rotary_kernel
 
     specs = list(aot_specializations())
     assert len(specs) == 3 * 3 * 16
@@ -342,7 +342,7 @@ def test_a_bfloat16_olmo2_specialization_compiles_for_sm90_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, aot_specializations
+    from ropekit.backends.triton.qk_norm_kernel import COMPILE_OPTIONS, aot_specializations
 
     spec = next(
         s
@@ -364,7 +364,7 @@ def test_triton_kernel_cases_pass_under_the_interpreter(tier):
 
 
 def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():
-    from ropekit.backends.qk_norm_cpu import MAX_HEAD_DIM
+    from ropekit.backends.c.qk_norm import MAX_HEAD_DIM
 
     head_dim = MAX_HEAD_DIM + 2
     qkv = torch.randn(2, 3 * head_dim)

@@ -40,9 +40,10 @@ EXPECTED = {
 
 
 def _kernel_copy(tmp_path: Path, name: str):
-    """A copy of ropekit/backends/triton_kernel.py with the plant's replacements, imported as a new module."""
+    """A copy of ropekit/backends/triton/rotary_kernel.py with the plant's replacements, imported as a new
+    module."""
     pytest.importorskip("triton")
-    from ropekit.backends import triton_kernel
+    from ropekit.backends.triton import rotary_kernel as triton_kernel
 
     source = Path(triton_kernel.__file__).read_text()
     for old, new in PLANTS[name]:
@@ -65,7 +66,7 @@ def test_a_planted_defect_in_a_copy_of_the_kernel_is_flagged(plant, tmp_path, mo
     # bf16, half pairing, head_dim 128, int offset: a specialization the launcher picks for Llama decode.
     spec = next(
         s
-        for s in triton_aot.specs("ropekit.backends.triton_kernel")
+        for s in triton_aot.specs("ropekit.backends.triton.rotary_kernel")
         if dict(s.signature)["q_ptr"] == "*bf16:16"
         and dict(s.constexprs)["HALF"] == 64
         and not dict(s.constexprs)["INTERLEAVED"]
@@ -130,7 +131,7 @@ def test_a_head_that_is_not_16_byte_aligned_is_reported_as_narrower_not_passed(t
     aligned and falls back to 16-bit accesses; the check must say so (the 128-bit result is measured, not
     assumed). Such a head also spills at the register cap (8 bytes a thread on sm_90)."""
     pytest.importorskip("triton")
-    from ropekit.backends import triton_kernel
+    from ropekit.backends.triton import rotary_kernel as triton_kernel
     from ropekit.tools import triton_aot
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 from ropekit.tools import triton_aot  # noqa: E402
 
-KERNEL = "ropekit.backends.triton_kernel"
+KERNEL = "ropekit.backends.triton.rotary_kernel"
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def _specs_for(dtype: str):
     return [s for s in triton_aot.specs(KERNEL) if dict(s.signature)["q_ptr"].startswith(f"*{dtype}")]
 
 
-FUSED = "ropekit.backends.fused_triton"
-QK_NORM = "ropekit.backends.qk_norm_triton_kernel"
+FUSED = "ropekit.backends.triton.fused"
+QK_NORM = "ropekit.backends.triton.qk_norm_kernel"
 
 
 def _assert_fused_vectorised(r) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ropekit.backends import fused_eager
+from ropekit.backends.eager import fused as fused_eager
 from ropekit.config import RopeConfig
 from ropekit.tools.verify import Check, backend_device, backend_error_bound
 from ropekit.tools.verify_fused import fused_checks

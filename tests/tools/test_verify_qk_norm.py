@@ -7,7 +7,7 @@ from ropekit.tools.verify import run_checks
 
 
 def test_rows_pass_in_every_form_and_a_norm_dropping_gemmas_offset_fails_only_its_rows(monkeypatch):
-    import ropekit.backends.qk_norm_eager as qk_norm
+    import ropekit.backends.eager.qk_norm as qk_norm
 
     config = RopeConfig(32, rotary_dim=16)
     rows = {c.name: c for c in run_checks(config, backends=["cpu", "torch"]) if c.name.startswith("qk_norm")}

@@ -16,10 +16,10 @@ import os
 import torch
 
 from ropekit.backends.base import Backend
-from ropekit.backends.cpu import CpuBackend
-from ropekit.backends.eager import EagerBackend
+from ropekit.backends.c.rotary import CpuBackend
+from ropekit.backends.eager.rotary import EagerBackend
 from ropekit.backends.plan import clear_plans
-from ropekit.backends.triton import TritonBackend
+from ropekit.backends.triton.rotary import TritonBackend
 
 __all__ = [
     "AUTO_ORDER",

@@ -31,7 +31,7 @@ from torch._C import _increment_version
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
-from ropekit.backends.cpu import pointer_launch
+from ropekit.backends.c.rotary import pointer_launch
 from ropekit.backends.plan import MAX_PLANS, gate, keep, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig

@@ -6,7 +6,7 @@ and one call of the C loop (two in the FP8 op's MLA form).
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
 :class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`cache_plan` (or
 :func:`fp8_plan`, :func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of
-the launch packed (:func:`ropekit.backends.fused_cpu.plan`), or None when no plan serves that kind.
+the launch packed (:func:`ropekit.backends.c.fused.plan`), or None when no plan serves that kind.
 A later call with the same key runs the plan after the checks that depend on values:
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
@@ -28,7 +28,8 @@ import math
 
 import torch
 
-from ropekit.backends import fused_cpu, qk_norm_cpu
+from ropekit.backends.c import fused as fused_cpu
+from ropekit.backends.c import qk_norm as qk_norm_cpu
 from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, span
 from ropekit.validation import shares_memory

@@ -32,11 +32,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ropekit.backends import named_backend, select_backend
-from ropekit.backends.eager import rotate, table_rows
+from ropekit.backends.c.qk_norm import SUPPORTED_DTYPES, NormSpec
+from ropekit.backends.eager.qk_norm import heads as _heads
+from ropekit.backends.eager.rotary import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
-from ropekit.backends.qk_norm_cpu import SUPPORTED_DTYPES, NormSpec
-from ropekit.backends.qk_norm_eager import heads as _heads
 from ropekit.fused.planned import qk_norm_plan
 from ropekit.positions import resolve
 from ropekit.validation import (

@@ -208,7 +208,7 @@ def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from ropekit.backends.c_build import default_cache_dir, private_dir
+    from ropekit.backends.c.build import default_cache_dir, private_dir
 
     return private_dir(default_cache_dir() / "triton-aot")
 

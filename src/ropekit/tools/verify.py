@@ -330,7 +330,7 @@ def triton_mode(compile_only: bool) -> str:
 def triton_compile_checks(config: RopeConfig) -> list[Check]:
     """One check a (target, dtype, direction, position kind): the number of machine-code findings of the
     kernel the launcher picks for this configuration (tolerance 0), compiled ahead of time with no GPU."""
-    from ropekit.backends import triton_kernel
+    from ropekit.backends.triton import rotary_kernel as triton_kernel
     from ropekit.tools import triton_aot
 
     half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim

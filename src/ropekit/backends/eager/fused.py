@@ -2,7 +2,7 @@
 
 It runs a :class:`~ropekit.backends.fused_launch.FusedLaunch` one channel at a time with ordinary tensor ops:
 rotate the channel's source in float32 (float64 stays float64) with the torch backend's
-:func:`~ropekit.backends.eager.rotate`, store it as the destination's dtype or as FP8
+:func:`~ropekit.backends.eager.rotary.rotate`, store it as the destination's dtype or as FP8
 (``(r / scale).clamp(-fmax, fmax).to(fp8)``, the rounding contract), and scatter it to the destination at
 the token's slot. Every value is computed before anything is written, so in-place channels read their inputs
 intact. Works on any device and traces under torch.compile.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.backends.eager import rotate, table_rows
+from ropekit.backends.eager.rotary import rotate, table_rows
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch, slot_error
 
 __all__ = ["fp8_quantize", "launch"]

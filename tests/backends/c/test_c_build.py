@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from ropekit import apply_rotary, apply_rotary_qk_fp8, backends, qk_norm_rotary_
-from ropekit.backends import c_build, cpu, fused_cpu, qk_norm_cpu
+from ropekit.backends.c import build as c_build
+from ropekit.backends.c import fused as fused_cpu
+from ropekit.backends.c import qk_norm as qk_norm_cpu
+from ropekit.backends.c import rotary as cpu
 
 HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler here")

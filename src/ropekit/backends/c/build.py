@@ -1,7 +1,7 @@
 """ropekit's C kernels as libraries: the C they share, how one is built and cached, and whether it is loaded.
 
-Each C kernel (the rotary loop of :mod:`~ropekit.backends.cpu`, the fused serving loop of
-:mod:`~ropekit.backends.fused_cpu`, the QK-norm loop of :mod:`~ropekit.backends.qk_norm_cpu`) is one
+Each C kernel (the rotary loop of :mod:`~ropekit.backends.c.rotary`, the fused serving loop of
+:mod:`~ropekit.backends.c.fused`, the QK-norm loop of :mod:`~ropekit.backends.c.qk_norm`) is one
 :class:`CLibrary`: its source and entry points, built at first use and once per process. ``.functions`` holds
 the loaded entry points (empty until then), ``.reason`` why it could not be built (None until then).
 
@@ -43,8 +43,8 @@ log = logging.getLogger("ropekit.backends")
 
 # -ffp-contract=off: no fused multiply-adds, so the float32 math rounds after each product and sum exactly
 # as the torch backend's separate ops do; with the round-to-nearest-even stores, fp16/bf16/fp32 outputs then
-# equal the torch backend's bit for bit (tests/backends/test_cpu.py). The loops are memory-bound: FMA buys
-# nothing.
+# equal the torch backend's bit for bit (tests/backends/c/test_c_rotary.py). The loops are memory-bound:
+# FMA buys nothing.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The compiler gets this long; a hung or pathologically slow build then fails (and auto falls back to torch)
 # instead of blocking the first call forever. A normal build takes about a second.

@@ -13,7 +13,7 @@ from ropekit import apply_rotary
 from ropekit.backends import BACKENDS
 from triton_interpreter import TIERS, run_interpreter_cases
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # tests/backends: the shared interpreter cases
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -57,7 +57,7 @@ def test_triton_reports_unsupported_dtype_and_auto_refuses_the_interpreter(monke
     os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiles need Triton's JIT"
 )
 @pytest.mark.parametrize(
-    "module", ["triton_kernel", "fused_triton", "qk_norm_triton_kernel"], ids=["rotary", "fused", "qk_norm"]
+    "module", ["rotary_kernel", "fused", "qk_norm_kernel"], ids=["rotary", "fused", "qk_norm"]
 )
 def test_compiled_kernels_fail_a_bad_row_with_a_predicated_trap_not_an_assert_kernel(module):
     """Issue 25: a launch checks its rows without a torch._assert_async launch: the compiled kernel itself
@@ -69,7 +69,7 @@ def test_compiled_kernels_fail_a_bad_row_with_a_predicated_trap_not_an_assert_ke
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    mod = importlib.import_module(f"ropekit.backends.{module}")
+    mod = importlib.import_module(f"ropekit.backends.triton.{module}")
     kernel, signature, constexprs, num_warps = next(iter(mod.aot_specializations()))
     assert constexprs["TRAP_BAD_ROWS"] is True
     compiled = triton.compile(

@@ -11,7 +11,8 @@ and every launch passes :data:`COMPILE_OPTIONS` (``enable_fp_fusion=False``), so
 sums round separately (no FMA), which the FP8 rounding contract needs bit for bit.
 
 Values are checked without a host sync: a table row or slot outside its range is clamped into the table (the
-slot's writes skipped) and fails the launch (:func:`ropekit.backends.triton_kernel.flag_bad`: compiled, the
+slot's writes skipped) and fails the launch (:func:`ropekit.backends.triton.rotary_kernel.flag_bad`:
+compiled, the
 kernel traps; under the interpreter the launcher raises when the kernel returns).
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run the interpreter.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even, flag_bad
+from ropekit.backends.triton.rotary_kernel import _bf16_round_to_nearest_even, flag_bad
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -65,7 +66,7 @@ _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr, TRAP: tl.constexpr):
     """One token a program (this kernel's grid and the QK-norm kernel's): this program's token, its batch row
     b and index t in the sequence, and its table row: ``positions[token]`` (HAS_POS) or ``offset + t``. A
-    row outside [0, table_len) reads row 0 instead and fails the launch (``triton_kernel.flag_bad``): no
+    row outside [0, table_len) reads row 0 instead and fails the launch (``rotary_kernel.flag_bad``): no
     kernel reads outside the table, and none returns a result."""
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -514,9 +515,9 @@ def launch(plan, *, checked: bool = False) -> None:
 
     import torch
 
-    from ropekit.backends import triton as triton_backend
     from ropekit.backends.fused_launch import check_bounds, check_launch, slot_error
     from ropekit.backends.kernel_op import check_offset_rows, row_error
+    from ropekit.backends.triton import rotary as triton_backend
 
     if not checked:  # see fused_cpu.launch
         check_launch(plan)

@@ -2,7 +2,8 @@
 
 It runs a :class:`~ropekit.backends.fused_launch.FusedLaunch` channel by channel, each channel one pass over
 the tokens (an OpenMP chunk of tokens per thread, one parallel region per call): each head is rotated into a
-float32 scratch row and stored once, to its own dtype (round to nearest even, as :mod:`ropekit.backends.cpu`)
+float32 scratch row and stored once, to its own dtype (round to nearest even, as
+:mod:`ropekit.backends.c.rotary`)
 or to FP8 bytes. Table rows and slots are all checked before the first write. The common head shapes (128 and
 64 wide) run compile-time specialisations of the per-head loops.
 
@@ -11,7 +12,7 @@ rotation r (each product and sum rounded, no FMA: ``-ffp-contract=off``), then t
 ``r / scale`` (a division, never a multiplication by a reciprocal), clamped to the format's largest finite
 value (NaN stays NaN), then rounded to nearest even into the format's bits (by one float32 addition onto the
 FP8 grid: the C source says how; equal to an integer rounding for all 2^32 inputs). Built with
-:mod:`ropekit.backends.c_build` (shared cache, checks and lock).
+:mod:`ropekit.backends.c.build` (shared cache, checks and lock).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import struct
 
 import torch
 
-from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
+from ropekit.backends.c.build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.fused_launch import MAX_WIDTH, FusedLaunch, check_bounds, check_launch, slot_error
 from ropekit.backends.kernel_op import row_error
 

@@ -1,4 +1,5 @@
-"""The Triton backend: the fused kernel of :mod:`ropekit.backends.triton_kernel` behind the backend contract.
+"""The Triton backend: the fused kernel of :mod:`ropekit.backends.triton.rotary_kernel` behind the backend
+contract.
 
 It serves CUDA tensors in float32, float16 and bfloat16 (math in float32). With ``TRITON_INTERPRET=1`` set
 before the first import of Triton, it also accepts CPU tensors and runs the same kernel through Triton's
@@ -65,12 +66,14 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     Table rows are checked twice. First on the host, without a sync: an int offset with integer arithmetic;
     a positions or offsets tensor when it is a CPU tensor (the interpreter). Then in the kernel, for every
     call: a row outside the table is clamped into it (the kernel never reads outside the table) and fails the
-    launch (:func:`ropekit.backends.triton_kernel.flag_bad`), whatever the host check let through. Where it
+    launch (:func:`ropekit.backends.triton.rotary_kernel.flag_bad`), whatever the host check let through.
+    Where it
     fails: compiled, the kernel traps, and the CUDA error surfaces at the next synchronising call on the
     device (as a device-side assert), with no separate assert kernel per launch; under the interpreter, this
     function raises RuntimeError when the kernel returns.
 
-    The specialization (constexprs, ``num_warps``) is :func:`ropekit.backends.triton_kernel.kernel_config`,
+    The specialization (constexprs, ``num_warps``) is
+    :func:`ropekit.backends.triton.rotary_kernel.kernel_config`,
     the same function the ahead-of-time compile tests enumerate; the compile options
     (``COMPILE_OPTIONS``: no FP contraction, the register cap) are passed explicitly at every launch.
 
@@ -79,7 +82,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             rows) a table row outside the table.
         RuntimeError: under the interpreter, a row outside the table that the host did not check.
     """
-    from ropekit.backends.triton_kernel import (
+    from ropekit.backends.triton.rotary_kernel import (
         COMPILE_OPTIONS,
         INTERPRETED,
         PREFILL_TOKENS,
@@ -218,7 +221,8 @@ class TritonBackend(KernelBackend):
         return None
 
     def kernels(self):
-        from ropekit.backends import fused_triton, qk_norm_triton  # imported at first use: they import triton
+        from ropekit.backends.triton import fused as fused_triton  # imported at first use: they import triton
+        from ropekit.backends.triton import qk_norm as qk_norm_triton
 
         return fused_triton.launch, qk_norm_triton.launch
 

@@ -18,8 +18,8 @@ import itertools
 import triton
 import triton.language as tl
 
-from ropekit.backends.fused_triton import _token_row
-from ropekit.backends.triton_kernel import _bf16_round_to_nearest_even
+from ropekit.backends.triton.fused import _token_row
+from ropekit.backends.triton.rotary_kernel import _bf16_round_to_nearest_even
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -29,7 +29,7 @@ __all__ = [
     "qk_norm_rotary_kernel",
 ]
 
-# Passed at every launch (ropekit.backends.qk_norm_triton.launch) and every ahead-of-time compile.
+# Passed at every launch (ropekit.backends.triton.qk_norm.launch) and every ahead-of-time compile.
 # enable_fp_fusion: no x * c - y * s (nor a * a + b * b) contracted into an FMA, so each product and sum
 #   rounds as in the C loop and torch.
 # maxnreg: see OCCUPANCY_TARGET.
@@ -224,7 +224,7 @@ def qk_norm_rotary_kernel(
     """Token ``program_id(0)`` of qkv (batch, seq, width): q then k normalised and rotated in place.
 
     The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
-    reads row 0 instead and fails the launch (``triton_kernel.flag_bad``).
+    reads row 0 instead and fails the launch (``rotary_kernel.flag_bad``).
     """
     _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
 
@@ -247,7 +247,7 @@ def qk_norm_rotary_kernel(
 
 
 # The shapes the AOT check compiles: (head_dim, rotary_dim, q_heads, k_heads) of Qwen3, Gemma 3, OLMo 2 and a
-# partial-rotary head. Block sizes follow ropekit.backends.qk_norm_triton.block_sizes.
+# partial-rotary head. Block sizes follow ropekit.backends.triton.qk_norm.block_sizes.
 AOT_SHAPES = ((128, 128, 32, 8), (256, 256, 8, 4), (128, 64, 16, 16))
 
 
@@ -257,7 +257,7 @@ def aot_specializations():
     The signature names every parameter in order ("constexpr" for the compile-time ones), as Triton's
     ``ASTSource`` takes it.
     """
-    from ropekit.backends.qk_norm_triton import NUM_WARPS, block_sizes
+    from ropekit.backends.triton.qk_norm import NUM_WARPS, block_sizes
 
     pointers = {"pos_ptr": "*i64", "flag_ptr": "*i32"}
     ints = {"offset", "table_len", "seq_len", "stride_b", "stride_s"}

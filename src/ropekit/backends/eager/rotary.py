@@ -95,16 +95,16 @@ class EagerBackend:
     def launch_fused(self, launch, *, checked: bool, written=()) -> None:
         """A fused serving launch (:class:`~ropekit.backends.fused_launch.FusedLaunch`) with tensor ops, which
         tell autograd what they wrote themselves (``written`` is not needed)."""
-        from ropekit.backends import fused_eager  # it builds on this file's rotation
+        from ropekit.backends.eager import fused as fused_eager  # it builds on this file's rotation
 
         fused_eager.launch(launch, checked=checked)
 
     def launch_qk_norm(
         self, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, *, written=()
     ) -> None:
-        """QK-RMSNorm + RoPE on qkv (B, S, W) in place (:mod:`ropekit.backends.qk_norm_eager`); tensor ops
+        """QK-RMSNorm + RoPE on qkv (B, S, W) in place (:mod:`ropekit.backends.eager.qk_norm`); tensor ops
         bump the version counters themselves."""
-        from ropekit.backends import qk_norm_eager
+        from ropekit.backends.eager import qk_norm as qk_norm_eager
 
         qk_norm_eager.launch(qkv, q_weight.detach(), k_weight.detach(), cos, sin, positions, offset, spec)
 

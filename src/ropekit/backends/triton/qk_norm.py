@@ -1,7 +1,8 @@
-"""Launching the QK-RMSNorm + RoPE Triton kernel (:mod:`ropekit.backends.qk_norm_triton_kernel`).
+"""Launching the QK-RMSNorm + RoPE Triton kernel (:mod:`ropekit.backends.triton.qk_norm_kernel`).
 
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Table rows are checked without a host
-sync, as in :mod:`ropekit.backends.triton`: with integers for an int offset, on the host for CPU positions,
+sync, as in :mod:`ropekit.backends.triton.rotary`: with integers for an int offset, on the host for CPU
+positions,
 and in the kernel always (it clamps a bad row and fails the launch: compiled, it traps, and the CUDA error
 surfaces at the next synchronising call; under the interpreter, the launcher raises when it returns), so a
 bad call fails instead of returning a result.
@@ -51,14 +52,14 @@ def block_sizes(
 
 def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
     """Normalise and rotate q and k of qkv (batch, seq, width) in place; arguments as
-    :func:`ropekit.backends.qk_norm_cpu.launch` (checked by the public call).
+    :func:`ropekit.backends.c.qk_norm.launch` (checked by the public call).
 
     Raises:
         ValueError: a host-checked table row outside the table.
         RuntimeError: under the interpreter, a row outside the table that the host did not check.
     """
-    from ropekit.backends import triton as triton_backend
-    from ropekit.backends.qk_norm_triton_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
+    from ropekit.backends.triton import rotary as triton_backend
+    from ropekit.backends.triton.qk_norm_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
 
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape

@@ -5,7 +5,7 @@ multiplied by their weight, rounded to the storage dtype where Hugging Face roun
 cos/sin row and written back; v is never touched. The unfused sequence (an RMSNorm, then a rotation) reads
 and writes q and k twice.
 
-Built by :mod:`ropekit.backends.c_build` (the same flags: no FMA contraction, nearest-even
+Built by :mod:`ropekit.backends.c.build` (the same flags: no FMA contraction, nearest-even
 rounding stores), so the rotation of a given normalised value is bit for bit the torch backend's. The sum of
 squares runs in eight float32 lanes (a fixed order, so results do not depend on threads); its rounding differs
 from ``torch.mean`` by an ulp or so of float32.
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
+from ropekit.backends.c.build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.kernel_op import row_error
 
 __all__ = ["MAX_HEAD_DIM", "MAX_PART_FEATURES", "NormSpec", "launch", "plan", "unavailable_reason"]

@@ -1,7 +1,7 @@
 """QK-RMSNorm + RoPE in plain PyTorch: the torch backend's launch and the readable reference of the kernels.
 
 The three norm forms (Qwen3, Gemma 3, OLMo 2) are described once, in :mod:`ropekit.fused.qk_norm`; a
-:class:`~ropekit.backends.qk_norm_cpu.NormSpec` names the form. The C loop and the Triton kernel are tested
+:class:`~ropekit.backends.c.qk_norm.NormSpec` names the form. The C loop and the Triton kernel are tested
 against :func:`rms_norm` followed by the torch backend's rotation.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.backends.eager import rotate, table_rows
-from ropekit.backends.qk_norm_cpu import NormSpec
+from ropekit.backends.c.qk_norm import NormSpec
+from ropekit.backends.eager.rotary import rotate, table_rows
 
 __all__ = ["heads", "launch", "rms_norm"]
 
@@ -40,7 +40,7 @@ def heads(qkv: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor
 
 def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec: NormSpec) -> None:
     """RMSNorm, then the torch backend's rotation, written back into qkv (B, S, W); arguments as
-    :func:`ropekit.backends.qk_norm_cpu.launch` takes them (weights and tables in any float dtype)."""
+    :func:`ropekit.backends.c.qk_norm.launch` takes them (weights and tables in any float dtype)."""
     batch, seq, _ = qkv.shape
     rows = table_rows(None if positions is None else positions.view(batch, seq), offset, qkv, cos.shape[0])
     for x, weight in zip(heads(qkv, spec), (q_weight, k_weight), strict=True):

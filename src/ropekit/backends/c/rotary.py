@@ -6,7 +6,7 @@ a full pass over memory; inductor in-place was ~7x. This loop makes one pass: fo
 chunk) it reads the cos/sin row once, rotates each head into a stack scratch, and writes it back, which keeps
 the in-place case vectorised (no possible aliasing between the loads and the stores).
 
-The library is built at first use by :mod:`ropekit.backends.c_build` (a private, file-locked cache keyed on
+The library is built at first use by :mod:`ropekit.backends.c.build` (a private, file-locked cache keyed on
 the source, flags, compiler and CPU). No compiler, a failed or timed-out build, or an unsafe cache makes this
 backend unavailable with a logged reason, and ``backend="auto"`` falls back to the torch backend.
 
@@ -21,7 +21,7 @@ import struct
 
 import torch
 
-from ropekit.backends.c_build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
+from ropekit.backends.c.build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
 
 __all__ = ["CpuBackend", "launch"]
@@ -281,7 +281,8 @@ class CpuBackend(KernelBackend):
         return _build_failure()
 
     def kernels(self):
-        from ropekit.backends import fused_cpu, qk_norm_cpu  # C loops built by this file's machinery
+        from ropekit.backends.c import fused as fused_cpu  # C loops built by this file's machinery
+        from ropekit.backends.c import qk_norm as qk_norm_cpu
 
         return fused_cpu.launch, qk_norm_cpu.launch
 
@@ -289,7 +290,8 @@ class CpuBackend(KernelBackend):
         reason = super().fused_unavailable_reason(op, widest=widest, spec=spec)
         if reason is not None:
             return reason
-        from ropekit.backends import fused_cpu, qk_norm_cpu
+        from ropekit.backends.c import fused as fused_cpu
+        from ropekit.backends.c import qk_norm as qk_norm_cpu
 
         if op == "qk_norm":
             reason = qk_norm_cpu.unavailable_reason(spec)
