@@ -432,6 +432,22 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "fp8, planned: no check of a scale tensor's values",
+        "ropekit/fused/planned.py",
+        "            if not (0 < min(q_values) and sum(q_values) < inf):\n",
+        "            if False:\n",
+        (
+            "tests/fused/test_planned.py::test_a_planned_fp8_step_with_an_invalid_scale_tensor_raises_the_checked_error",
+        ),
+        also=(
+            (
+                "ropekit/fused/planned.py",
+                "            if not (0 < min(k_values) and sum(k_values) < inf):\n",
+                "            if False:\n",
+            ),
+        ),
+    ),
+    Mutation(
         "qk_norm, planned: no memory check",
         "ropekit/fused/planned.py",
         "                if start < hi and lo < start + (size or t.numel() * t.element_size()):\n",

@@ -264,3 +264,21 @@ def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_tak
     plan.keep(key, None)  # the kind has no plan: no key is handed out again
     assert launch(x, None, 4, None, flag=True) == (None, None)
     plan.clear_plans()
+
+
+def test_a_number_or_none_flag_and_a_dtype_flag_are_keyed_by_value_and_exact_kind():
+    """The FP8 op's flags: a scale given as a number (number?: an int, a float or None) and its FP8 dtype
+    (dtype: a torch.dtype) are in the key by value; a bool, a string or a tensor in their place never reach a
+    plan (the checked path decides)."""
+    plan.clear_plans()
+    launch = plan.gate("test_kinds", "x", "scale:number? dtype:dtype")
+    x = torch.zeros(2)
+    keys = [launch(x, scale=s, dtype=torch.float8_e4m3fn)[1] for s in (0.5, 2, None)]
+    keys.append(launch(x, scale=0.5, dtype=torch.float8_e5m2)[1])
+    assert None not in keys and len(set(keys)) == 4
+    plan.keep(keys[0], lambda x: "ran")
+    assert launch(x, scale=0.5, dtype=torch.float8_e4m3fn) == ("ran", None)
+    fp8 = torch.float8_e4m3fn
+    for scale, dtype in ((True, fp8), ("0.5", fp8), (torch.tensor(0.5), fp8), (0.5, "float8_e4m3fn")):
+        assert launch(x, scale=scale, dtype=dtype) == (None, None)
+    plan.clear_plans()

@@ -12,7 +12,9 @@ import re
 import pytest
 import torch
 
+from call_count import ropekit_calls
 from ropekit.backends import BACKENDS
+from ropekit.backends.plan import clear_plans
 from ropekit.compat import flashinfer, vllm
 
 FP8 = torch.float8_e4m3fn
@@ -72,6 +74,26 @@ def test_mla_keys_are_2d_and_preallocated_outputs_are_filled():
     assert torch.equal(k_out.view(torch.uint8), _fp8(_rotated(k_rope[:, None], cache, pos, True), 1.0)[:, 0])
     with pytest.raises(ValueError, match="k_rope: expected the MLA layout"):
         flashinfer.mla_rope_quantize_fp8(q_rope, k_rope[:, None], q_nope, k_nope, cache, pos)
+
+
+def test_a_steady_mla_step_takes_the_fp8_plan_and_equals_its_first_call():
+    """Issue 25: FlashInfer's call reaches apply_rotary_qk_fp8's gate (positions per token, the MLA nope
+    parts): a repeated step is the plan's run, byte for byte the checked path's answer."""
+    g = torch.Generator().manual_seed(3)
+    q_rope, k_rope = torch.randn(3, 4, 8, generator=g), torch.randn(3, 8, generator=g)
+    q_nope, k_nope = torch.randn(3, 4, 16, generator=g), torch.randn(3, 16, generator=g)
+    cache, pos = _cache(), torch.tensor([1, 2, 30])
+    step = lambda: flashinfer.mla_rope_quantize_fp8(  # noqa: E731
+        q_rope, k_rope, q_nope, k_nope, cache, pos, quant_scale_q=0.5, quant_scale_kv=2.0, backend="cpu"
+    )
+    clear_plans()
+    first = step()  # the checked path, which keeps the plan
+    got = []
+    calls = ropekit_calls(lambda: got.append(step()))
+    assert "run" in calls and "check_scale" not in calls and "resolve" not in calls, calls
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[0], first, strict=True)
+    )
 
 
 def test_none_nope_parts_are_empty_and_bad_scales_are_refused():

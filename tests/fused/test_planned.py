@@ -308,3 +308,198 @@ def test_qk_norm_of_an_inference_qkv_outside_inference_mode_after_a_plan_raises_
     with pytest.raises(ValueError, match=r"qkv: an inference tensor \(made under torch.inference_mode\(\)\)"):
         qk_norm_call(qkv_inference, weights, cos, sin, kw)
     assert torch.equal(qkv_inference, qkv)
+
+
+def fp8_inputs(batch: int, per_sequence: bool, mla: bool = False, seed: int = 0):
+    """A decode step of apply_rotary_qk_fp8: Llama-3-8B heads (32 q, 8 kv, head_dim 128), one token per
+    sequence; mla: DeepSeek's form (16 heads, rope 64, nope 128)."""
+    g = torch.Generator().manual_seed(seed)
+    width = 64 if mla else 128
+    cos, sin = ropekit.RopeConfig(head_dim=width).cos_sin(2048)
+    heads = (16, 16) if mla else (32, 8)
+    q, k = (torch.randn(batch, 1, h, width, generator=g) for h in heads)
+    nope = dict(
+        q_nope=torch.randn(batch, 1, 16, 128, generator=g), k_nope=torch.randn(batch, 1, 16, 128, generator=g)
+    )
+    offsets = torch.randint(0, 2000, (batch,), generator=g) if per_sequence else 1000
+    return q, k, cos, sin, offsets, nope if mla else {}
+
+
+def fp8_call(q, k, cos, sin, offsets, scales, backend="cpu", **kw):
+    return ropekit.apply_rotary_qk_fp8(q, k, cos, sin, **scales, offsets=offsets, backend=backend, **kw)
+
+
+SCALES = {
+    "numbers": dict(q_scale=0.5, k_scale=3.0),
+    "0-d tensors": dict(q_scale=torch.tensor(0.5), k_scale=torch.tensor(3.0)),
+    "per head": dict(q_scale=torch.linspace(0.25, 2.0, 32), k_scale=torch.linspace(1.0, 4.0, 8)),
+}
+
+
+def same_bytes(got, want) -> bool:
+    return len(got) == len(want) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("scales", list(SCALES))
+def test_steady_fp8_decode_step_makes_at_most_8_ropekit_calls_and_equals_the_checked_path(
+    scales, per_sequence, fp8_dtype
+):
+    plan.clear_plans()
+    q, k, cos, sin, offsets, _ = fp8_inputs(4, per_sequence)
+    kw = dict(fp8_dtype=fp8_dtype)
+    checked = fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)  # the checked path; plans the key
+    want = fp8_call(q, k, cos, sin, offsets, SCALES[scales], backend="torch", **kw)
+    assert same_bytes(checked, want)  # the C loop's checked path meets the contract (tests/fused/test_fp8.py)
+    got = []
+    calls = ropekit_calls(lambda: got.append(fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "check_scale" not in calls and "resolve" not in calls  # the plan served it
+    assert same_bytes(got[0], checked)
+    assert all(t.is_contiguous() for t in got[0])
+
+
+def test_a_planned_mla_step_equals_the_checked_path():
+    plan.clear_plans()
+    q, k, cos, sin, offsets, nope = fp8_inputs(2, False, mla=True)
+    scales = dict(q_scale=torch.tensor(0.5), k_scale=2.0)
+    checked = fp8_call(q, k, cos, sin, offsets, scales, **nope)
+    got = []
+    calls = ropekit_calls(lambda: got.append(fp8_call(q, k, cos, sin, offsets, scales, **nope)))
+    assert "run" in calls and "check_scale" not in calls and len(calls) <= CALL_BUDGET, calls
+    assert len(got[0]) == 4 and same_bytes(got[0], checked)
+    assert same_bytes(got[0], fp8_call(q, k, cos, sin, offsets, scales, backend="torch", **nope))
+
+
+def planned_fp8_step(scales="0-d tensors", per_sequence=False):
+    """Inputs whose apply_rotary_qk_fp8 key has a plan (one call made), to call again with a changed value."""
+    plan.clear_plans()
+    q, k, cos, sin, offsets, _ = fp8_inputs(2, per_sequence)
+    fp8_call(q, k, cos, sin, offsets, SCALES[scales])
+    assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, SCALES[scales]))
+    return q, k, cos, sin, offsets
+
+
+def test_a_planned_fp8_step_past_the_table_raises_the_checked_error_and_leaves_its_inputs():
+    q, k, cos, sin, _ = planned_fp8_step()
+    before = q.clone(), k.clone()
+    with pytest.raises(ValueError, match="positions: largest position 2048 is past the cos/sin table"):
+        fp8_call(q, k, cos, sin, 2048, SCALES["0-d tensors"])
+    with pytest.raises(ValueError, match="offsets: expected a non-negative int or an integer tensor, got -1"):
+        fp8_call(q, k, cos, sin, -1, SCALES["0-d tensors"])
+    q, k, cos, sin, _ = planned_fp8_step(per_sequence=True)
+    with pytest.raises(ValueError, match="positions: largest position 5000 is past the cos/sin table"):
+        fp8_call(q, k, cos, sin, torch.tensor([3, 5000]), SCALES["0-d tensors"])
+    with pytest.raises(ValueError, match="offsets: expected values >= 0, got a minimum of -1"):
+        fp8_call(q, k, cos, sin, torch.tensor([-1, 4]), SCALES["0-d tensors"])
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs are never written
+
+
+@pytest.mark.parametrize("scales", ["0-d tensors", "per head"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("name", ["q_scale", "k_scale"])
+def test_a_planned_fp8_step_with_an_invalid_scale_tensor_raises_the_checked_error(name, bad, scales):
+    """A scale tensor's values are not in the key: the plan's run checks them as check_scale does."""
+    q, k, cos, sin, offsets = planned_fp8_step(scales)
+    given = {key: value.clone() for key, value in SCALES[scales].items()}
+    given[name].view(-1)[-1] = bad  # the one value of a 0-d tensor; the last head's of a per-head one
+    with pytest.raises(
+        ValueError, match=rf"^{name}: expected every value a finite scale > 0 in float32"
+    ) as e:
+        fp8_call(q, k, cos, sin, offsets, given)
+    plan.clear_plans()  # the checked path alone says the same, word for word
+    with pytest.raises(ValueError) as checked:
+        fp8_call(q, k, cos, sin, offsets, given)
+    assert str(e.value) == str(checked.value)
+
+
+def test_anything_the_fp8_checks_relied_on_misses_its_plan():
+    q, k, cos, sin, offsets = planned_fp8_step()
+    scales = SCALES["0-d tensors"]
+    for changed, match in (
+        (dict(k=k.double()), "k: expected q's dtype torch.float32"),
+        (dict(k=k[:, :, :4]), None),  # fewer heads: a new key, served by the checked path
+        (dict(scales=dict(q_scale=torch.tensor(0.5, dtype=torch.float64), k_scale=scales["k_scale"])), None),
+        (
+            dict(scales=dict(q_scale=torch.ones(3), k_scale=scales["k_scale"])),
+            r"q_scale: expected a 0-d tensor",
+        ),
+        (dict(scales=dict(q_scale=0.0, k_scale=scales["k_scale"])), r"q_scale: expected a finite scale > 0"),
+        (dict(scales=dict(q_scale=True, k_scale=scales["k_scale"])), r"q_scale: expected a float"),
+        (dict(fp8_dtype=torch.float16), "fp8_dtype: expected one of"),
+    ):
+        args = dict(q=q, k=k, cos=cos, sin=sin, offsets=offsets, scales=scales) | changed
+        fp8_dtype = args.pop("fp8_dtype", torch.float8_e4m3fn)
+        step = lambda: fp8_call(**args, fp8_dtype=fp8_dtype)  # noqa: E731, B023
+        if match is None:  # its first call misses (the checked path serves it)
+            assert "check_scale" in ropekit_calls(step)
+        else:
+            with pytest.raises(ValueError, match=match):
+                step()
+    float64_scale = dict(q_scale=torch.tensor(0.5, dtype=torch.float64), k_scale=scales["k_scale"])
+    assert "check_scale" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, float64_scale))  # no plan
+
+
+def test_a_planned_fp8_number_scale_is_in_its_key():
+    q, k, cos, sin, offsets = planned_fp8_step("numbers")
+    other = dict(q_scale=0.25, k_scale=3.0)  # another value: another key, the checked path, then its plan
+    assert "check_scale" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, other))
+    got = fp8_call(q, k, cos, sin, offsets, other)
+    assert same_bytes(got, fp8_call(q, k, cos, sin, offsets, other, backend="torch"))
+
+
+def test_other_backends_keep_no_fp8_plan():
+    plan.clear_plans()
+    q, k, cos, sin, offsets, _ = fp8_inputs(2, False)
+    for _ in range(2):
+        fp8_call(q, k, cos, sin, offsets, SCALES["numbers"], backend="torch")
+    assert "check_scale" in ropekit_calls(
+        lambda: fp8_call(q, k, cos, sin, offsets, SCALES["numbers"], "torch")
+    )
+
+
+def packed_fp8_step(nope_width: int = 0):
+    """vLLM's / FlashInfer's packed form: q (T, Hq, D) with a position per token, and nope parts of
+    nope_width (FlashInfer passes width-0 nope parts for a plain rope)."""
+    plan.clear_plans()
+    g = torch.Generator().manual_seed(1)
+    cos, sin = ropekit.RopeConfig(head_dim=64).cos_sin(2048)
+    q, k = torch.randn(5, 16, 64, generator=g), torch.randn(5, 2, 64, generator=g)
+    nope = dict(
+        q_nope=torch.randn(5, 16, nope_width, generator=g), k_nope=torch.randn(5, 2, nope_width, generator=g)
+    )
+    positions = torch.tensor([0, 7, 100, 2047, 3])
+    return q, k, cos, sin, positions, nope
+
+
+@pytest.mark.parametrize("nope_width", [0, 32])
+def test_a_planned_step_with_positions_per_token_equals_the_checked_path(nope_width):
+    q, k, cos, sin, positions, nope = packed_fp8_step(nope_width)
+    scales = SCALES["numbers"]
+    step = lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope)  # noqa: E731
+    checked = step()
+    got = []
+    calls = ropekit_calls(lambda: got.append(step()))
+    assert "run" in calls and "check_scale" not in calls and len(calls) <= CALL_BUDGET, calls
+    assert len(got[0]) == 4 and same_bytes(got[0], checked)
+    assert same_bytes(
+        got[0], fp8_call(q, k, cos, sin, 0, scales, positions=positions, backend="torch", **nope)
+    )
+
+
+def test_planned_positions_past_the_table_negative_or_with_an_offset_raise_the_checked_error():
+    q, k, cos, sin, positions, nope = packed_fp8_step()
+    scales = SCALES["numbers"]
+    fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope)  # plans the key
+    for bad, offset, match in (
+        (torch.tensor([0, 7, 2048, 1, 3]), 0, "positions: largest position 2048 is past the cos/sin table"),
+        (torch.tensor([0, 7, -1, 1, 3]), 0, "positions: expected values >= 0, got a minimum of -1"),
+        (positions, 5, "offsets: expected 0 when positions is given"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fp8_call(q, k, cos, sin, offset, scales, positions=bad, **nope)
+    assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope))

@@ -39,6 +39,8 @@ _FLAG_CHECKS = {
     "bool?": "({0} is None or {0} is True or {0} is False)",
     "int": "type({0}) is int",
     "number": "(type({0}) is float or type({0}) is int)",
+    "number?": "({0} is None or type({0}) is float or type({0}) is int)",
+    "dtype": "type({0}) is torch.dtype",
     "str": "type({0}) is str",
 }
 
@@ -75,7 +77,7 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
             ``name?`` a tensor or None, ``name#`` a tensor or an int, ``name!`` None (no plan serves a call
             that gives it).
         flags: the keyword-only arguments, ``name:kind`` with kind bool, bool? (or None), int, number (int or
-            float) or str; any other type takes the checked path.
+            float), number? (or None), dtype (a torch.dtype) or str; any other type takes the checked path.
     """
     names, plain, facts, grads = [], [], [], []  # pieces of the source; its own names start with _gate_
     for token in args.split():

@@ -18,11 +18,22 @@ import torch
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.backends.plan import gate, keep
 from ropekit.fused.checks import check_inference, check_scale
+from ropekit.fused.planned import fp8_plan
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_movable, check_tables, describe
 
 __all__ = ["apply_rotary_qk_fp8"]
+
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
+# scale is a tensor (q_scale / k_scale, its values checked by the plan's run) or a number (q_number /
+# k_number, its value in the key: the checked path proved it).
+_launch_planned = gate(
+    "apply_rotary_qk_fp8",
+    "q k cos sin q_scale? k_scale? q_nope? k_nope? positions? offsets# cu_seqlens!",
+    "q_number:number? k_number:number? fp8_dtype:dtype interleaved:bool backend:str",
+)
 
 
 def apply_rotary_qk_fp8(
@@ -67,6 +78,16 @@ def apply_rotary_qk_fp8(
             that is not one of the two, a scale of the wrong shape or not > 0, or a backend that cannot serve
             the inputs.
     """
+    q_tensor = q_scale if type(q_scale) is torch.Tensor else None
+    k_tensor = k_scale if type(k_scale) is torch.Tensor else None
+    planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
+    out, key = _launch_planned(
+        *planned, q_number=None if q_tensor is not None else q_scale,
+        k_number=None if k_tensor is not None else k_scale, fp8_dtype=fp8_dtype, interleaved=interleaved,
+        backend=backend,
+    )  # fmt: skip
+    if out is not None:  # a call seen before: its launch plan (ropekit.fused.planned.fp8_plan)
+        return out
     check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
     check_bool("interleaved", interleaved)
     if fp8_dtype not in FP8_KINDS:
@@ -124,13 +145,18 @@ def apply_rotary_qk_fp8(
         interleaved,
         name,
     )
-    return tuple(_launch(*args, checked=True) if plain_eager(q) else _OP(*args))
+    if not plain_eager(q):  # traced: the registered op, one node of a compiled graph
+        return tuple(_OP(*args))
+    outs, launches = _launch(*args, checked=True)
+    if key is not None:  # plan the next call like this one
+        keep(key, fp8_plan(name, launches, *planned, fp8_dtype))
+    return tuple(outs)
 
 
 def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope, k_nope, interleaved,
-            backend, *, checked: bool) -> list[torch.Tensor]:  # fmt: skip
-    """The FP8 outputs, shaped like q, k (and q_nope, k_nope). checked=True: the public call checked
-    everything; False (the registered op): the launcher checks the kernel wall."""
+            backend, *, checked: bool) -> tuple[list[torch.Tensor], list[FusedLaunch]]:  # fmt: skip
+    """The FP8 outputs, shaped like q, k (and q_nope, k_nope), and the launches run. checked=True: the public
+    call checked everything; False (the registered op): the launcher checks the kernel wall."""
     impl = named_backend(backend, "fused")
     kind = FP8_KINDS.get(fp8_dtype)
     if kind is None:
@@ -150,13 +176,16 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
     channels = (channel(q, q_scale, True), channel(k, k_scale, True), None)
     launch = FusedLaunch(q4.shape[0], q4.shape[1], cos, sin, positions, offset, None, interleaved, False,
                          channels)  # fmt: skip
+    launches = []
     if channels != (None, None, None):  # no token (or no head): nothing to write, on every backend
         impl.launch_fused(launch, checked=checked)
+        launches.append(launch)
     if q_nope is not None:  # the nope parts: scaled and cast only (one more pass over bytes not yet read)
         channels = (channel(q_nope, q_scale, False), channel(k_nope, k_scale, False), None)
         if channels != (None, None, None):
-            impl.launch_fused(launch._replace(channels=channels), checked=checked)
-    return outs
+            launches.append(launch._replace(channels=channels))
+            impl.launch_fused(launches[-1], checked=checked)
+    return outs, launches
 
 
 def _fake(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope, k_nope, *flags):
@@ -167,7 +196,7 @@ def _fake(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope
 # torch.ops.ropekit.rotary_qk_fp8: new FP8 tensors, nothing written in place.
 _OP = register_op(
     "rotary_qk_fp8",
-    lambda *args: _launch(*args, checked=False),
+    lambda *args: _launch(*args, checked=False)[0],
     _fake,
     mutates_args=(),
     schema=(

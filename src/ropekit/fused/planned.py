@@ -1,12 +1,12 @@
-"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache` or
-:func:`~ropekit.qk_norm_rotary_` decode step goes through the one gate
-(:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
-and one call of the C loop.
+"""Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache`,
+:func:`~ropekit.apply_rotary_qk_fp8` or :func:`~ropekit.qk_norm_rotary_` decode step goes through the one
+gate (:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
+and one call of the C loop (two in the FP8 op's MLA form).
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
 :class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`cache_plan` (or
-:func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of the launch packed
-(:func:`ropekit.backends.c.fused.plan`), or None when no plan serves that kind.
+:func:`fp8_plan`, :func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of
+the launch packed (:func:`ropekit.backends.c.fused.plan`), or None when no plan serves that kind.
 A later call with the same key runs the plan after the checks that depend on values:
 
 * rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
@@ -25,6 +25,8 @@ positions, cu_seqlens or FP8 scales, or write the caches only, never use a plan.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ropekit.backends.c import fused as fused_cpu
@@ -33,7 +35,7 @@ from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, span
 from ropekit.validation import shares_memory
 
-__all__ = ["cache_plan", "qk_norm_plan"]
+__all__ = ["cache_plan", "fp8_plan", "qk_norm_plan"]
 
 
 def _pairs(written: tuple[int, ...], count: int) -> tuple[tuple[int, int], ...]:
@@ -152,6 +154,99 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: 
         else:
             increment_version(tuple(t for t in written if not t.is_inference()))
         return q_out
+
+    return run
+
+
+def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale, k_scale, q_nope, k_nope,
+             positions, offsets, cu_seqlens, fp8_dtype: torch.dtype):  # fmt: skip
+    """The plan of an :func:`~ropekit.apply_rotary_qk_fp8` call the checked path served with ``launches``
+    (its rope launch, then its nope launch in the MLA form) on backend: ``run(q, k, cos, sin, q_scale,
+    k_scale, q_nope, k_nope, positions, offsets, cu_seqlens)`` (the gate's arguments; a scale given as a
+    number is None there, its value is in the key) -> the FP8 outputs, or None. None when no plan serves its
+    kind: another backend than the C loop, cu_seqlens, an input the launch copied or converted (a strided
+    last axis, a table not float32, positions or a scale tensor not contiguous, positions not int64, a scale
+    not float32), an empty q or k.
+
+    The outputs are new tensors, so the memory rule has nothing to check (nothing the caller passed is
+    written); the run checks the values a key cannot hold: an int offset against the table (positions and
+    per-sequence offsets: the C loop, before it writes), and a scale tensor's values, finite and > 0
+    (float32, as the checked path's :func:`~ropekit.fused.checks.check_scale`)."""
+    nopes = () if q_nope is None else tuple(t for t in (q_nope, k_nope) if t.numel())  # the parts written
+    tensor_scales = tuple(s for s in (q_scale, k_scale) if s is not None)
+    q4 = q if q.dim() == 4 else q[None]
+    if (
+        backend != "cpu"
+        or cu_seqlens is not None
+        or q.dim() not in (3, 4)
+        or len(launches) != 1 + bool(nopes)
+        or not all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, *nopes))
+        or not all(s.dtype == torch.float32 and s.is_contiguous() for s in tensor_scales)
+        or not _plannable(q4, (k, *nopes, *tensor_scales), cos, sin, 0 if positions is not None else offsets,
+                          q4.shape[:1])
+        or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
+                                           and positions.device == q.device))
+    ):  # fmt: skip
+        return None
+    like = launches[0]
+    rope_loop = fused_cpu.plan(like)
+    nope_loop = fused_cpu.plan(launches[1]) if nopes else None
+    # The scales the checked path made of numbers ((1,) float32 tensors, kept alive here), by channel.
+    made = [
+        ch.scale if s is None else None for ch, s in zip(like.channels[:2], (q_scale, k_scale), strict=True)
+    ]
+    per_head = tuple(s is not None and s.numel() > 1 for s in (q_scale, k_scale))
+    seq = like.seq
+    given = positions is not None  # positions: the rows themselves (offsets must be 0)
+    per_sequence = not given and type(offsets) is not int
+    last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
+    empty, inf = torch.empty, math.inf
+
+    def run(q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens):
+        if given:
+            if type(offsets) is not int or offsets != 0:
+                return None  # positions with offsets: the checked path refuses them
+            row_pointer, offset = positions.data_ptr(), 0
+        elif per_sequence:
+            rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
+            row_pointer, offset = rows.data_ptr(), 0
+        elif 0 <= offsets <= last_offset:
+            row_pointer, offset = 0, offsets
+        else:
+            return None  # a row past the table: the checked path says which
+        # A scale tensor's values, as check_scale checks them (float32 here): finite and > 0. min() sees a
+        # value <= 0 (or -inf); sum() is nan or inf when any value is (float64: no overflow of float32s).
+        if q_scale is None:
+            q_ptr = made[0].data_ptr()
+        else:
+            q_values = q_scale.tolist() if per_head[0] else (q_scale.item(),)
+            if not (0 < min(q_values) and sum(q_values) < inf):
+                return None
+            q_ptr = q_scale.data_ptr()
+        if k_scale is None:
+            k_ptr = made[1].data_ptr()
+        else:
+            k_values = k_scale.tolist() if per_head[1] else (k_scale.item(),)
+            if not (0 < min(k_values) and sum(k_values) < inf):
+                return None
+            k_ptr = k_scale.data_ptr()
+        q_out = empty(q.shape, dtype=fp8_dtype, device=q.device)
+        k_out = empty(k.shape, dtype=fp8_dtype, device=k.device)
+        table = (cos.data_ptr(), sin.data_ptr(), row_pointer, 0)
+        pointers = (*table, q.data_ptr(), q_out.data_ptr(), q_ptr, k.data_ptr(), k_out.data_ptr(), k_ptr,
+                    0, 0, 0)  # fmt: skip
+        if rope_loop(pointers, offset) != -1:  # a row outside the table, nothing written: the checked path
+            return None
+        if q_nope is None:
+            return q_out, k_out
+        q_nope_out = empty(q_nope.shape, dtype=fp8_dtype, device=q.device)
+        k_nope_out = empty(k_nope.shape, dtype=fp8_dtype, device=q.device)
+        if nope_loop is not None:  # an empty part's channel is off: its pointers are not read
+            pointers = (*table, q_nope.data_ptr(), q_nope_out.data_ptr(), q_ptr, k_nope.data_ptr(),
+                        k_nope_out.data_ptr(), k_ptr, 0, 0, 0)  # fmt: skip
+            nope_loop(pointers, offset)  # the same rows, checked by the first launch
+        return q_out, k_out, q_nope_out, k_nope_out
 
     return run
 
