@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rotary_cases import tables
 
 import ropekit
 from boundary_checks import (
@@ -17,6 +16,7 @@ from boundary_checks import (
 from call_count import ropekit_calls
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS, clear_backend_cache, plan
+from rotary_cases import tables
 
 # The issue-17 budgets: Python calls inside ropekit per steady-state decode step.
 CALL_BUDGET = 12
