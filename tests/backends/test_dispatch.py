@@ -6,11 +6,11 @@ import logging
 
 import pytest
 import torch
-from rotary_cases import tables
 
 import ropekit
 from ropekit import apply_rotary
 from ropekit.backends import AUTO_ORDER, BACKENDS, clear_backend_cache, register_backend, select_backend
+from rotary_cases import tables
 
 
 def test_auto_order_is_triton_then_cpu_then_torch():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rotary_cases import tables
 
 from ropekit import apply_rotary, apply_rotary_qk, backends
 from ropekit.backends.c import rotary as cpu
+from rotary_cases import tables
 
 pytestmark = pytest.mark.skipif(
     backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,

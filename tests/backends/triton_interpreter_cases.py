@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from ropekit import apply_rotary, apply_rotary_qk
+from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_cases import (
     MODES,
     assert_matches_reference,
@@ -18,9 +21,6 @@ from rotary_cases import (
     check_single_tensor,
     tables,
 )
-
-from ropekit import apply_rotary, apply_rotary_qk
-from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_reference import reference_tables
 
 pytestmark = pytest.mark.skipif(

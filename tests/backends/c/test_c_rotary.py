@@ -7,10 +7,10 @@ import logging
 
 import pytest
 import torch
-from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
 
 from ropekit import apply_rotary, backends
 from ropekit.backends.c import rotary as cpu
+from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
 
 pytestmark = pytest.mark.skipif(
     backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,

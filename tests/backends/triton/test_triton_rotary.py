@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from rotary_cases import tables
 
 from ropekit import apply_rotary
 from ropekit.backends import BACKENDS
+from rotary_cases import tables
 from triton_interpreter import TIERS, run_interpreter_cases
 
 HERE = Path(__file__).parent.parent  # tests/backends: the shared interpreter cases
