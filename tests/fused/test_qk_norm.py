@@ -327,7 +327,8 @@ def test_aot_specializations_name_every_kernel_argument():
     from ropekit.backends.qk_norm_triton_kernel import aot_specializations, qk_norm_rotary_kernel
 
     specs = list(aot_specializations())
-    assert len(specs) == 3 * 3 * 16
+    assert len(specs) == 3 * 3 * 32  # shapes x dtypes x 5 switches (the last: decode or prefill grid)
+    assert {s[2]["BLOCK_T"] for s in specs} == {1, 4}  # one token a program, and PREFILL_BLOCK_T
     for kernel, signature, constexprs, num_warps in specs:
         assert kernel is qk_norm_rotary_kernel and num_warps > 0
         assert list(signature) == list(kernel.arg_names)
