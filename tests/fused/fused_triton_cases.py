@@ -128,6 +128,10 @@ def test_a_prefill_launch_takes_several_tokens_a_program_and_decode_one():
             4, False, True, False, False, False, channels, prefill=prefill
         )
         assert constexprs["BLOCK_T"] == block_t
+    # An FP8 cache write keeps one token a program (its token loop spilled on sm_80: fused_triton._fp8_cache).
+    fp8_cache = {"k": channels["k"] | dict(kind=1)}
+    constexprs, _ = fused_triton.launch_config(4, False, True, False, False, False, fp8_cache, prefill=True)
+    assert constexprs["BLOCK_T"] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
