@@ -128,10 +128,10 @@ def test_a_prefill_launch_takes_several_tokens_a_program_and_decode_one():
             4, False, True, False, False, False, channels, prefill=prefill
         )
         assert constexprs["BLOCK_T"] == block_t
-    # An FP8 cache write keeps one token a program (its token loop spilled on sm_80: fused_triton._fp8_cache).
-    fp8_cache = {"k": channels["k"] | dict(kind=1)}
-    constexprs, _ = fused_triton.launch_config(4, False, True, False, False, False, fp8_cache, prefill=True)
-    assert constexprs["BLOCK_T"] == 1
+    # A launch that stores FP8 keeps one token a program (its token loop spilled: fused_triton._fp8).
+    for fp8 in ({"k": channels["k"] | dict(kind=1)}, {"q": channels["k"] | dict(kind=2, by_slot=False)}):
+        constexprs, _ = fused_triton.launch_config(4, False, True, False, False, False, fp8, prefill=True)
+        assert constexprs["BLOCK_T"] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,8 +177,8 @@ def test_triton_prefill_cache_write_equals_the_torch_backend(dtype, interleaved)
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_triton_prefill_fp8_contract_bit_for_bit(fp8_dtype):
-    """The FP8 quantisation over a prefill grid (int offset per batch row: 2 x 131 tokens): the contract's
-    bytes exactly, in every block including the short last one."""
+    """The FP8 quantisation at prefill size (int offset, 2 x 131 tokens; one token a program: see
+    fused_triton._fp8): the contract's bytes exactly."""
     from fused_cases import contract_bytes, float32_rotation
 
     head_dim = 16

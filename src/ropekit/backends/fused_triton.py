@@ -422,11 +422,11 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
     ``interpret``: Triton's interpreter runs the kernel: a bad row or slot clears the flag instead of
     trapping. ``element_bytes``: the source's storage size (the tiles hold one 16-byte vector a thread).
     ``prefill``: the launch has at least PREFILL_TOKENS tokens: PREFILL_BLOCK_T tokens a program (except
-    an FP8 cache write: :func:`_fp8_cache`)."""
+    a launch that stores FP8: :func:`_fp8`)."""
     constexprs: dict[str, object] = {
         "HALF": half,
         "BLOCK_HALF": _next_pow2(half),
-        "BLOCK_T": PREFILL_BLOCK_T if prefill and not _fp8_cache(channels) else 1,
+        "BLOCK_T": PREFILL_BLOCK_T if prefill and not _fp8(channels) else 1,
         "HAS_POS": has_pos,
         "HAS_SLOTS": has_slots,
         "INTERLEAVED": interleaved,
@@ -440,12 +440,13 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
     return constexprs, NUM_WARPS
 
 
-def _fp8_cache(channels: dict) -> bool:
-    """Whether a channel writes FP8 into a cache by slot: that launch keeps one token a program. With the
-    token loop its specializations spilled 8-16 bytes a thread on sm_80 under the 80-register cap (fp16 /
-    bf16 sources, head_dim 64-256: the loop keeps the slot, the FP8 scale and the three channels' addresses
-    live across the tokens); every other form's prefill grid compiles with no spill (the AOT check)."""
-    return any(spec is not None and spec["by_slot"] and spec["kind"] for spec in channels.values())
+def _fp8(channels: dict) -> bool:
+    """Whether a channel stores FP8 (a cache by slot, or quantised q / k): that launch keeps one token a
+    program. With the token loop, FP8 specializations spilled under the 80-register cap: 8-16 bytes a thread
+    on sm_80 (an FP8 cache, fp16 / bf16, head_dim 64-256: the slot, the scale and the three channels'
+    addresses live across the tokens), 32 on sm_100 (FP8 q and k, bf16, head_dim 80). The native cache
+    write and the shift take the prefill grid with no spill (the AOT check)."""
+    return any(spec is not None and spec["kind"] for spec in channels.values())
 
 
 def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object]) -> dict[str, str]:
@@ -491,7 +492,7 @@ def aot_specializations():
                             half, has_pos, has_slots, interleaved, conjugate, False, channels,
                             element_bytes=_ELEMENT_BYTES[dtype], prefill=prefill,
                         )  # fmt: skip
-                        if prefill and constexprs["BLOCK_T"] == 1:  # an FP8 cache: decode's grid, listed
+                        if prefill and constexprs["BLOCK_T"] == 1:  # FP8: decode's grid, listed
                             continue
                         specs.append((fused_kernel, _signature(dtype, kinds, constexprs), constexprs, warps))
     return specs
