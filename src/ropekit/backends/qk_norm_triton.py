@@ -20,6 +20,9 @@ __all__ = ["NUM_WARPS", "block_sizes", "launch"]
 NUM_WARPS = 4
 # Bytes of one vectorised global load or store: a tile gives each thread one such vector of a run.
 VECTOR_BYTES = 16
+# The widest rotary half (BLOCK_HALF) that takes the prefill grid: head_dim 256 in fp16 / bf16 spilled 8
+# bytes a thread on sm_90 under the 80-register cap with the token loop, so it keeps one token a program.
+MAX_PREFILL_BLOCK_HALF = 64
 
 
 def _next_pow2(n: int) -> int:
@@ -41,7 +44,7 @@ def block_sizes(
     of it a thread (``element_bytes``: qkv's storage size): BLOCK_H x run = NUM_WARPS * 32 threads x vector.
     Heads past the count are masked (idle lanes, never a narrower access); q and k take the same blocks.
     ``prefill`` (at least PREFILL_TOKENS tokens): a program takes PREFILL_BLOCK_T tokens (BLOCK_T), else
-    one."""
+    one; a head wider than MAX_PREFILL_BLOCK_HALF pairs keeps one."""
     from ropekit.backends.fused_triton import PREFILL_BLOCK_T
 
     tail = head_dim - 2 * half
@@ -56,7 +59,7 @@ def block_sizes(
         "TAIL_CHUNK": min(block_tail, run),  # the tail in runs of the tile's width
         "BLOCK_HQ": heads,
         "BLOCK_HK": heads,
-        "BLOCK_T": PREFILL_BLOCK_T if prefill else 1,
+        "BLOCK_T": PREFILL_BLOCK_T if prefill and block_half <= MAX_PREFILL_BLOCK_HALF else 1,
     }
 
 

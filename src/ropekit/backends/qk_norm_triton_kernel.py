@@ -281,6 +281,8 @@ def aot_specializations():
         constexprs = block_sizes(
             head_dim, rotary_dim // 2, q_heads, k_heads, _ELEMENT_BYTES[dtype], interleaved, prefill
         )
+        if prefill and constexprs["BLOCK_T"] == 1:  # a wide head keeps decode's grid: listed already
+            continue
         constexprs.update(
             HAS_POS=has_pos,
             INTERLEAVED=interleaved,
