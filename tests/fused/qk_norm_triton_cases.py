@@ -7,6 +7,7 @@ position form, both pair layouts with partial rotary, the gradients, and a bad r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from qk_norm_cases import (
@@ -65,3 +66,41 @@ def test_triton_kernel_fails_a_launch_with_a_row_outside_the_table_itself(monkey
     with pytest.raises(RuntimeError, match="outside the cos/sin table"):
         qk_norm_triton.launch(qkv, weight, weight, cos, sin, torch.tensor([2, 16]), 0, spec)
     qk_norm_triton.launch(qkv, weight, weight, cos, sin, torch.tensor([2, 15]), 0, spec)  # the flag was reset
+
+
+PREFILL_SEQ = 131  # 2 x 131 = 262 tokens: a prefill grid (PREFILL_BLOCK_T a program) with a short last block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("form", ["qwen3", "olmo2"])
+def test_triton_prefill_grid_matches_the_float64_composition_and_the_torch_backend(form, interleaved, dtype):
+    """Issue 25: a prefill of 262 tokens takes PREFILL_BLOCK_T tokens a program; every token, the short last
+    block's too, equals the float64 composition to the dtype's tolerance and the torch backend's result (to
+    rounding); v is untouched."""
+    from qk_norm_cases import reference, tolerance
+
+    from ropekit import qk_norm_rotary_
+    from ropekit.backends.triton import fused as fused_triton
+    from ropekit.backends.triton.rotary_kernel import PREFILL_TOKENS
+    from rotary_reference import reference_tables
+
+    assert 2 * PREFILL_SEQ >= PREFILL_TOKENS and 2 * PREFILL_SEQ % fused_triton.PREFILL_BLOCK_T != 0
+    head_dim, q_heads, k_heads = 16, 4, 2
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(2, PREFILL_SEQ, (q_heads + 2 * k_heads) * head_dim, generator=g) * 3).to(dtype)
+    norm = "all_heads" if form == "olmo2" else "head"
+    features = (q_heads * head_dim, k_heads * head_dim) if norm == "all_heads" else (head_dim, head_dim)
+    q_weight, k_weight = ((1 + 0.5 * torch.randn(f, generator=g)).to(dtype) for f in features)
+    cos, sin = reference_tables(head_dim, 256)
+    kw = dict(num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=1e-6, norm=norm)
+    kw |= dict(weight_offset=0.0, offsets=torch.tensor([3, 100]), interleaved=interleaved)
+    positions = np.arange(PREFILL_SEQ)[None] + np.array([[3], [100]])
+    want = reference(qkv, q_weight, k_weight, cos, sin, kw, positions, interleaved=interleaved)
+    torch_result = qk_norm_rotary_(qkv.clone(), q_weight, k_weight, cos, sin, backend="torch", **kw)
+    v_start = (q_heads + k_heads) * head_dim
+    before = qkv.clone()
+    qk_norm_rotary_(qkv, q_weight, k_weight, cos, sin, backend="triton", **kw)
+    assert torch.equal(qkv[..., v_start:], before[..., v_start:])
+    torch.testing.assert_close(qkv.double(), want, **tolerance(dtype, float(want.abs().max())))
+    torch.testing.assert_close(qkv, torch_result, **tolerance(dtype, float(want.abs().max())))

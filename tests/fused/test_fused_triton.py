@@ -29,6 +29,7 @@ def test_aot_specializations_name_every_argument_of_the_kernel():
         assert kernel is fused_triton.fused_kernel and num_warps in (1, 2, 4, 8)
         assert list(signature) == params, set(params) ^ set(signature)
         assert {n for n, t in signature.items() if t == "constexpr"} == set(constexprs)
+    assert {c["BLOCK_T"] for _, _, c, _ in specs} == {1, fused_triton.PREFILL_BLOCK_T}  # decode, prefill
     kinds = {(c["K_KIND"], c["V_KIND"], c["Q_KIND"]) for _, _, c, _ in specs}
     assert {(1, 1, 0), (2, 2, 0), (0, 0, 0), (1, 0, 1)} <= kinds  # FP8 caches, native cache, FP8 q and k
 

@@ -327,7 +327,10 @@ def test_aot_specializations_name_every_kernel_argument():
     from ropekit.backends.triton.qk_norm_kernel import aot_specializations, qk_norm_rotary_kernel
 
     specs = list(aot_specializations())
-    assert len(specs) == 3 * 3 * 16
+    # shapes x dtypes x 5 switches (the last: decode or prefill grid), head_dim 256 in decode's grid only
+    assert len(specs) == 3 * 3 * 32 - 3 * 16
+    assert {s[2]["BLOCK_T"] for s in specs} == {1, 4}  # one token a program, and PREFILL_BLOCK_T
+    assert all(s[2]["BLOCK_T"] == 1 for s in specs if s[2]["HALF"] == 128)
     for kernel, signature, constexprs, num_warps in specs:
         assert kernel is qk_norm_rotary_kernel and num_warps > 0
         assert list(signature) == list(kernel.arg_names)

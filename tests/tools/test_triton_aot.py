@@ -3,10 +3,11 @@ its machine code checked (ropekit.tools.ptx_check): no spills, registers within 
 round-to-nearest-even 16-bit stores, no FMA; the fused kernel's channels 128-bit too.
 
 Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
-constexpr value, every pair of axis values together: 107 compiles of the 4,608 (rotary 30, fused 63, QK-norm
-14), about 2 minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
-specialization for every target: 1,536 x 3 = 4,608 compiles (the rotary kernel's row forms and prefill grid
-tripled its 288 specializations to 852, issue 25) at about 0.26-0.5 s of CPU each.
+constexpr value, every pair of axis values together: 114 compiles of the 5,436 (rotary 30, fused 64, QK-norm
+20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
+specialization for every target: 1,812 x 3 = 5,436 compiles (the rotary kernel's row forms and prefill grid
+tripled its 288 specializations to 852; the prefill grids took the fused kernel's from 540 to 720 and the
+QK-norm kernel's from 144 to 240, issue 25) at about 0.26-0.5 s of CPU each.
 
 Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
 the spec, the target and the checks' source); a warm run reads them back. One test per (module, arch) or

@@ -1,5 +1,6 @@
-"""The fused serving kernel in Triton: one program per token runs the q, k and v channels of a
-:class:`~ropekit.backends.fused_launch.FusedLaunch` (RoPE + KV-cache write, RoPE + FP8, cache shift).
+"""The fused serving kernel in Triton: a program runs the q, k and v channels of a
+:class:`~ropekit.backends.fused_launch.FusedLaunch` (RoPE + KV-cache write, RoPE + FP8, cache shift) for one
+token (decode) or for :data:`PREFILL_BLOCK_T` tokens (a prefill of at least ``PREFILL_TOKENS`` tokens).
 
 Each channel's switches (present, rotated, addressed by slot, FP8 kind, in place, width) are compile-time
 constants, so each combination compiles to straight-line code. Math runs in float32. Stores round to nearest
@@ -20,10 +21,12 @@ Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importin
 
 from __future__ import annotations
 
+import itertools
+
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton.rotary_kernel import _bf16_round_to_nearest_even, flag_bad
+from ropekit.backends.triton.rotary_kernel import PREFILL_TOKENS, _bf16_round_to_nearest_even, flag_bad
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -57,18 +60,25 @@ VECTORISED_ARGS = tuple(f"{c}_{part}" for c in ("q", "k", "v") for part in ("src
 
 CHANNELS = ("q", "k", "v")
 NUM_WARPS = 4
+# Tokens a program takes in a prefill launch (at least triton_kernel.PREFILL_TOKENS tokens, as the rotary
+# kernel's 2-D grid): one after another, each token's heads in the same tiles as decode's, so the 16-byte
+# vector a thread, the registers and the accesses are decode's; the grid is a quarter of one program a token
+# (prefill-4k: 1,024 programs, still several waves of an H100's 132 SMs x 6 resident blocks). Decode keeps one
+# token a program: a few tokens make a small grid, and every program is busy.
+PREFILL_BLOCK_T = 4
 # Bytes of one vectorised global load or store: a tile gives each thread one such vector of the source.
 VECTOR_BYTES = 16
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 @triton.jit
-def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr, TRAP: tl.constexpr):
-    """One token a program (this kernel's grid and the QK-norm kernel's): this program's token, its batch row
-    b and index t in the sequence, and its table row: ``positions[token]`` (HAS_POS) or ``offset + t``. A
-    row outside [0, table_len) reads row 0 instead and fails the launch (``rotary_kernel.flag_bad``): no
-    kernel reads outside the table, and none returns a result."""
-    token = tl.program_id(0).to(tl.int64)
+def _token_row(
+    token, pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.constexpr, TRAP: tl.constexpr
+):
+    """One token (this kernel's and the QK-norm kernel's): its batch row b and index t in the sequence, and
+    its table row: ``positions[token]`` (HAS_POS) or ``offset + t``. A row outside [0, table_len) reads row 0
+    instead and fails the launch (``rotary_kernel.flag_bad``): no kernel reads outside the table, and none
+    returns a result."""
     b = token // seq_len
     t = token % seq_len
     if HAS_POS:
@@ -77,7 +87,15 @@ def _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS: tl.conste
         pos = offset + t
     bad = (pos < 0) | (pos >= table_len)
     flag_bad(bad, flag_ptr, TRAP)
-    return token, b, t, tl.where(bad, 0, pos)
+    return b, t, tl.where(bad, 0, pos)
+
+
+@triton.jit
+def _token_block(tokens, BLOCK_T: tl.constexpr):
+    """This program's tokens [start, end): ``BLOCK_T`` of them (PREFILL_BLOCK_T for a prefill, else 1), fewer
+    in the last block. int64, as every address computed from a token is."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK_T
+    return start, tl.minimum(start + BLOCK_T, tokens)
 
 
 @triton.jit
@@ -221,6 +239,7 @@ def fused_kernel(
     table_len,
     num_slots,
     seq_len,
+    tokens,
     cos_stride,
     sin_stride,
     q_src,
@@ -261,6 +280,7 @@ def fused_kernel(
     v_scale_h,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HAS_POS: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -298,52 +318,59 @@ def fused_kernel(
     V_TAIL_CHUNK: tl.constexpr,
     V_BLOCK_H: tl.constexpr,
 ):
-    """Token ``program_id(0)``: its row is ``positions[token]`` (HAS_POS) or ``offset + t``; its slot
-    ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token index."""
-    token, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
-    slot = token
-    write = token >= 0
-    if HAS_SLOTS:
-        slot = tl.load(slots_ptr + token)
-        flag_bad((slot < -1) | (slot >= num_slots), flag_ptr, TRAP_BAD_ROWS)
-        write = (slot >= 0) & (slot < num_slots)
-        slot = tl.where(write, slot, 0)
-    half_idx = tl.arange(0, BLOCK_HALF)
-    half_mask = half_idx < HALF
-    c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    if CONJUGATE:
-        s = -s
-    if INTERLEAVED:  # one entry a lane: (1, 2 * BLOCK_HALF), see _channel
-        c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_HALF))
-        s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_HALF))
-    if Q_ON:
-        q_slot, q_ok = token, token >= 0
-        if Q_BY_SLOT:
-            q_slot, q_ok = slot, write
-        _channel(
-                q_src, q_dst, q_scale, q_slot, q_ok, b, t, q_heads, q_sb, q_ss, q_sh, q_ps, q_dp, q_di, q_dh,
-                q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL, Q_TAIL_CHUNK, Q_BLOCK_H,
-                Q_ROTATE, Q_KIND, Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
-            )  # fmt: skip
-    if K_ON:
-        k_slot, k_ok = token, token >= 0
-        if K_BY_SLOT:
-            k_slot, k_ok = slot, write
-        _channel(
-                k_src, k_dst, k_scale, k_slot, k_ok, b, t, k_heads, k_sb, k_ss, k_sh, k_ps, k_dp, k_di, k_dh,
-                k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL, K_TAIL_CHUNK, K_BLOCK_H,
-                K_ROTATE, K_KIND, K_IN_PLACE, K_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
-            )  # fmt: skip
-    if V_ON:
-        v_slot, v_ok = token, token >= 0
-        if V_BY_SLOT:
-            v_slot, v_ok = slot, write
-        _channel(
-                v_src, v_dst, v_scale, v_slot, v_ok, b, t, v_heads, v_sb, v_ss, v_sh, v_ps, v_dp, v_di, v_dh,
-                v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL, V_TAIL_CHUNK, V_BLOCK_H,
-                V_ROTATE, V_KIND, V_IN_PLACE, V_COPY_TAIL, INTERLEAVED, ROUND_BF16_IN_INTEGERS,
-            )  # fmt: skip
+    """Tokens ``program_id(0) * BLOCK_T`` onwards (one a program for decode; BLOCK_T for prefill, each
+    token's heads in the same tiles as decode's): a token's row is ``positions[token]`` (HAS_POS) or
+    ``offset + t``; its slot ``slot_mapping[token]`` for by-slot channels (-1: skipped), else the token
+    index."""
+    start, end = _token_block(tokens, BLOCK_T)
+    for token in range(start, end):
+        b, t, pos = _token_row(token, pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
+        slot = token
+        write = token >= 0
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + token)
+            flag_bad((slot < -1) | (slot >= num_slots), flag_ptr, TRAP_BAD_ROWS)
+            write = (slot >= 0) & (slot < num_slots)
+            slot = tl.where(write, slot, 0)
+        half_idx = tl.arange(0, BLOCK_HALF)
+        half_mask = half_idx < HALF
+        c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        if CONJUGATE:
+            s = -s
+        if INTERLEAVED:  # one entry a lane: (1, 2 * BLOCK_HALF), see _channel
+            c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_HALF))
+            s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_HALF))
+        if Q_ON:
+            q_slot, q_ok = token, token >= 0
+            if Q_BY_SLOT:
+                q_slot, q_ok = slot, write
+            _channel(
+                    q_src, q_dst, q_scale, q_slot, q_ok, b, t, q_heads, q_sb, q_ss, q_sh, q_ps,
+                    q_dp, q_di, q_dh, q_scale_h, c, s, HALF, BLOCK_HALF, Q_WIDTH, Q_BLOCK_TAIL,
+                    Q_TAIL_CHUNK, Q_BLOCK_H, Q_ROTATE, Q_KIND, Q_IN_PLACE, Q_COPY_TAIL, INTERLEAVED,
+                    ROUND_BF16_IN_INTEGERS,
+                )  # fmt: skip
+        if K_ON:
+            k_slot, k_ok = token, token >= 0
+            if K_BY_SLOT:
+                k_slot, k_ok = slot, write
+            _channel(
+                    k_src, k_dst, k_scale, k_slot, k_ok, b, t, k_heads, k_sb, k_ss, k_sh, k_ps,
+                    k_dp, k_di, k_dh, k_scale_h, c, s, HALF, BLOCK_HALF, K_WIDTH, K_BLOCK_TAIL,
+                    K_TAIL_CHUNK, K_BLOCK_H, K_ROTATE, K_KIND, K_IN_PLACE, K_COPY_TAIL, INTERLEAVED,
+                    ROUND_BF16_IN_INTEGERS,
+                )  # fmt: skip
+        if V_ON:
+            v_slot, v_ok = token, token >= 0
+            if V_BY_SLOT:
+                v_slot, v_ok = slot, write
+            _channel(
+                    v_src, v_dst, v_scale, v_slot, v_ok, b, t, v_heads, v_sb, v_ss, v_sh, v_ps,
+                    v_dp, v_di, v_dh, v_scale_h, c, s, HALF, BLOCK_HALF, V_WIDTH, V_BLOCK_TAIL,
+                    V_TAIL_CHUNK, V_BLOCK_H, V_ROTATE, V_KIND, V_IN_PLACE, V_COPY_TAIL, INTERLEAVED,
+                    ROUND_BF16_IN_INTEGERS,
+                )  # fmt: skip
 
 
 def _next_pow2(n: int) -> int:
@@ -387,16 +414,20 @@ def channel_constexprs(
 
 def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, conjugate: bool,
                   round_bf16_in_integers: bool, channels: dict, interpret: bool = False,
-                  element_bytes: int = 4) -> tuple[dict[str, object], int]:  # fmt: skip
+                  element_bytes: int = 4,
+                  prefill: bool = False) -> tuple[dict[str, object], int]:  # fmt: skip
     """(constexprs, num_warps) for a launch: the one place both the launcher and the AOT list decide them.
 
     ``round_bf16_in_integers``: bf16 storage under Triton's interpreter, whose float -> bfloat16 cast
     truncates (never in compiled code, where the hardware conversion cvt.rn rounds to nearest even).
     ``interpret``: Triton's interpreter runs the kernel: a bad row or slot clears the flag instead of
-    trapping. ``element_bytes``: the source's storage size (the tiles hold one 16-byte vector a thread)."""
+    trapping. ``element_bytes``: the source's storage size (the tiles hold one 16-byte vector a thread).
+    ``prefill``: the launch has at least PREFILL_TOKENS tokens: PREFILL_BLOCK_T tokens a program (except
+    a launch that stores FP8: :func:`_fp8`)."""
     constexprs: dict[str, object] = {
         "HALF": half,
         "BLOCK_HALF": _next_pow2(half),
+        "BLOCK_T": PREFILL_BLOCK_T if prefill and not _fp8(channels) else 1,
         "HAS_POS": has_pos,
         "HAS_SLOTS": has_slots,
         "INTERLEAVED": interleaved,
@@ -410,6 +441,15 @@ def launch_config(half: int, has_pos: bool, has_slots: bool, interleaved: bool, 
     return constexprs, NUM_WARPS
 
 
+def _fp8(channels: dict) -> bool:
+    """Whether a channel stores FP8 (a cache by slot, or quantised q / k): that launch keeps one token a
+    program. With the token loop, FP8 specializations spilled under the 80-register cap: 8-16 bytes a thread
+    on sm_80 (an FP8 cache, fp16 / bf16, head_dim 64-256: the slot, the scale and the three channels'
+    addresses live across the tokens), 32 on sm_100 (FP8 q and k, bf16, head_dim 80). The native cache
+    write and the shift take the prefill grid with no spill (the AOT check)."""
+    return any(spec is not None and spec["kind"] for spec in channels.values())
+
+
 def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object]) -> dict[str, str]:
     """The argument types of one specialization (Triton's ASTSource signature), as the JIT specializes a
     launch on torch's allocations and contiguous (or packed) heads whose width is a multiple of 16: ``:16``
@@ -417,7 +457,7 @@ def _signature(dtype: str, kinds: dict[str, int], constexprs: dict[str, object])
     is half)."""
     sig = {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "pos_ptr": "*i64", "slots_ptr": "*i64"}
     sig |= {"flag_ptr": "*i32"}
-    sig |= dict.fromkeys(("offset", "table_len", "num_slots", "seq_len"), "i64")
+    sig |= dict.fromkeys(("offset", "table_len", "num_slots", "seq_len", "tokens"), "i64")
     sig |= dict.fromkeys(("cos_stride", "sin_stride"), "i64:16" if constexprs["HALF"] % 16 == 0 else "i64")
     for prefix in CHANNELS:
         store = "*u8:16" if kinds.get(prefix) else f"*{dtype}:16"
@@ -441,18 +481,20 @@ def vectorised_args(signature: dict[str, str]) -> tuple[str, ...]:
 def aot_specializations():
     """Every specialization the launcher picks for the served shapes: (kernel, signature, constexprs,
     num_warps) for the cache write (native and FP8 caches), FP8 quantisation (plain and the MLA nope pass) and
-    the shift, in fp32 / fp16 / bf16, both pairings, offset or positions, head_dim 64, 80, 128, 256 (and
-    partial rotary at 128)."""
+    the shift, in fp32 / fp16 / bf16, both pairings, offset or positions, decode or prefill grid (BLOCK_T),
+    head_dim 64, 80, 128, 256 (and partial rotary at 128)."""
     specs = []
     for dtype in ("fp32", "fp16", "bf16"):
         for head_dim, half in ((64, 32), (80, 40), (128, 64), (256, 128), (128, 32)):
             for interleaved in (False, True):
-                for has_pos in (False, True):
+                for has_pos, prefill in itertools.product((False, True), (False, True)):
                     for _op, channels, kinds, has_slots, conjugate in _op_forms(head_dim):
                         constexprs, warps = launch_config(
                             half, has_pos, has_slots, interleaved, conjugate, False, channels,
-                            element_bytes=_ELEMENT_BYTES[dtype],
+                            element_bytes=_ELEMENT_BYTES[dtype], prefill=prefill,
                         )  # fmt: skip
+                        if prefill and constexprs["BLOCK_T"] == 1:  # FP8: decode's grid, listed
+                            continue
                         specs.append((fused_kernel, _signature(dtype, kinds, constexprs), constexprs, warps))
     return specs
 
@@ -503,7 +545,8 @@ def _channel_args(ch, dummy, scale_dummy) -> tuple[list, dict | None]:
 
 
 def launch(plan, *, checked: bool = False) -> None:
-    """Run the fused kernel, one program per token (see the module docstring for the value checks).
+    """Run the fused kernel: one program a token, or PREFILL_BLOCK_T tokens a program from PREFILL_TOKENS
+    tokens on (see the module docstring for the value checks).
 
     Raises:
         ValueError: anything :func:`~ropekit.backends.fused_launch.check_launch` rejects; with CPU tensors
@@ -555,12 +598,13 @@ def launch(plan, *, checked: bool = False) -> None:
     constexprs, num_warps = launch_config(
         half, plan.positions is not None, slots is not None, plan.interleaved, plan.conjugate,
         plan.dtype == torch.bfloat16 and interpret, specs, interpret, plan.dtype.itemsize,
+        tokens >= PREFILL_TOKENS,
     )  # fmt: skip
     device_guard = torch.cuda.device(cos.device) if cos.is_cuda else contextlib.nullcontext()
     with device_guard:
-        fused_kernel[(tokens,)](
+        fused_kernel[(-(-tokens // constexprs["BLOCK_T"]),)](
             cos, sin, flag if plan.positions is None else plan.positions,
-            flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq,
+            flag if slots is None else slots, flag, plan.offset, table_len, num_slots, plan.seq, tokens,
             cos.stride(0), sin.stride(0), *args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS,
         )  # fmt: skip
     if interpret and not flag[0]:  # the interpreter's kernel cleared it (compiled kernels trap instead)

@@ -21,6 +21,9 @@ __all__ = ["NUM_WARPS", "block_sizes", "launch"]
 NUM_WARPS = 4
 # Bytes of one vectorised global load or store: a tile gives each thread one such vector of a run.
 VECTOR_BYTES = 16
+# The widest rotary half (BLOCK_HALF) that takes the prefill grid: head_dim 256 in fp16 / bf16 spilled 8
+# bytes a thread on sm_90 under the 80-register cap with the token loop, so it keeps one token a program.
+MAX_PREFILL_BLOCK_HALF = 64
 
 
 def _next_pow2(n: int) -> int:
@@ -28,13 +31,23 @@ def _next_pow2(n: int) -> int:
 
 
 def block_sizes(
-    head_dim: int, half: int, q_heads: int, k_heads: int, element_bytes: int = 4, interleaved: bool = False
+    head_dim: int,
+    half: int,
+    q_heads: int,
+    k_heads: int,
+    element_bytes: int = 4,
+    interleaved: bool = False,
+    prefill: bool = False,
 ) -> dict[str, int]:
     """The kernel's shape constants for one packing: the halves, the tail and the heads per block.
 
     A block is BLOCK_H heads by one run (a pair half, or the interleaved pairs' whole run), one 16-byte vector
     of it a thread (``element_bytes``: qkv's storage size): BLOCK_H x run = NUM_WARPS * 32 threads x vector.
-    Heads past the count are masked (idle lanes, never a narrower access); q and k take the same blocks."""
+    Heads past the count are masked (idle lanes, never a narrower access); q and k take the same blocks.
+    ``prefill`` (at least PREFILL_TOKENS tokens): a program takes PREFILL_BLOCK_T tokens (BLOCK_T), else
+    one; a head wider than MAX_PREFILL_BLOCK_HALF pairs keeps one."""
+    from ropekit.backends.triton.fused import PREFILL_BLOCK_T
+
     tail = head_dim - 2 * half
     block_half, block_tail = _next_pow2(half), _next_pow2(max(tail, 1))
     run = 2 * block_half if interleaved else block_half
@@ -47,6 +60,7 @@ def block_sizes(
         "TAIL_CHUNK": min(block_tail, run),  # the tail in runs of the tile's width
         "BLOCK_HQ": heads,
         "BLOCK_HK": heads,
+        "BLOCK_T": PREFILL_BLOCK_T if prefill and block_half <= MAX_PREFILL_BLOCK_HALF else 1,
     }
 
 
@@ -60,10 +74,12 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
     """
     from ropekit.backends.triton import rotary as triton_backend
     from ropekit.backends.triton.qk_norm_kernel import COMPILE_OPTIONS, qk_norm_rotary_kernel
+    from ropekit.backends.triton.rotary_kernel import PREFILL_TOKENS
 
     batch, seq, _ = qkv.shape
     table_len, half = cos.shape
-    if batch * seq == 0:
+    tokens = batch * seq
+    if tokens == 0:
         return
     if positions is None:
         check_offset_rows(offset, batch, seq, table_len)
@@ -73,9 +89,13 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             raise row_error(lo if lo < 0 else hi, table_len)
     interpret = triton_backend.interpreter_enabled()
     flag = triton_backend.error_flag(qkv.device)
+    blocks = block_sizes(
+        spec.head_dim, half, spec.q_heads, spec.k_heads, qkv.dtype.itemsize, spec.interleaved,
+        tokens >= PREFILL_TOKENS,
+    )  # fmt: skip
     guard = torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext()
     with guard:
-        qk_norm_rotary_kernel[(batch * seq,)](
+        qk_norm_rotary_kernel[(-(-tokens // blocks["BLOCK_T"]),)](
             qkv,
             q_weight,
             k_weight,
@@ -86,6 +106,7 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             offset,
             table_len,
             seq,
+            tokens,
             qkv.stride(0),
             qkv.stride(1),
             spec.q_heads,
@@ -95,9 +116,7 @@ def launch(qkv, q_weight, k_weight, cos, sin, positions, offset, spec) -> None:
             sin.stride(0),
             spec.eps,
             spec.weight_offset,
-            **block_sizes(
-                spec.head_dim, half, spec.q_heads, spec.k_heads, qkv.dtype.itemsize, spec.interleaved
-            ),
+            **blocks,
             HAS_POS=positions is not None,
             INTERLEAVED=spec.interleaved,
             ALL_HEADS=spec.all_heads,

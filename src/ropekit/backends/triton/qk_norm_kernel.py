@@ -1,12 +1,13 @@
 """The Triton kernel for QK-RMSNorm + RoPE on packed qkv, in place (see :mod:`ropekit.fused.qk_norm`).
 
-One program per token: it loads the token's cos/sin row once, then normalises, weights and rotates the q heads
-and the k heads in blocks of heads, each head loaded in 16-byte vectors: its two rotary halves (or, pairs
-interleaved, its whole rotary run) and its tail. Switches (pair layout, OLMo 2's all-heads norm, where the
-rounding falls, positions tensor or int offset, bfloat16 rounding under the interpreter) are compile-time
-constants. Every rounding to the storage dtype is to nearest even: the hardware conversion (``cvt.rn``) in
-compiled code, integer arithmetic under Triton's interpreter, whose float -> bfloat16 cast truncates
-(``ROUND_BF16_IN_INTEGERS``). Every launch passes :data:`COMPILE_OPTIONS`.
+One program per token (decode), or per PREFILL_BLOCK_T tokens taken one after another (a prefill: see
+``fused_triton.PREFILL_BLOCK_T``): it loads each token's cos/sin row once, then normalises, weights and
+rotates the q heads and the k heads in blocks of heads, each head loaded in 16-byte vectors: its two rotary
+halves (or, pairs interleaved, its whole rotary run) and its tail. Switches (pair layout, OLMo 2's all-heads
+norm, where the rounding falls, positions tensor or int offset, bfloat16 rounding under the interpreter) are
+compile-time constants. Every rounding to the storage dtype is to nearest even: the hardware conversion
+(``cvt.rn``) in compiled code, integer arithmetic under Triton's interpreter, whose float -> bfloat16 cast
+truncates (``ROUND_BF16_IN_INTEGERS``). Every launch passes :data:`COMPILE_OPTIONS`.
 
 Importing this module imports Triton; set ``TRITON_INTERPRET=1`` before importing it to run on the CPU.
 """
@@ -18,7 +19,7 @@ import itertools
 import triton
 import triton.language as tl
 
-from ropekit.backends.triton.fused import _token_row
+from ropekit.backends.triton.fused import _token_block, _token_row
 from ropekit.backends.triton.rotary_kernel import _bf16_round_to_nearest_even
 
 __all__ = [
@@ -198,6 +199,7 @@ def qk_norm_rotary_kernel(
     offset,
     table_len,
     seq_len,
+    tokens,
     stride_b,
     stride_s,
     q_heads,
@@ -214,6 +216,7 @@ def qk_norm_rotary_kernel(
     TAIL_CHUNK: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ALL_HEADS: tl.constexpr,
@@ -221,29 +224,32 @@ def qk_norm_rotary_kernel(
     ROUND_BF16_IN_INTEGERS: tl.constexpr,
     TRAP_BAD_ROWS: tl.constexpr,
 ):
-    """Token ``program_id(0)`` of qkv (batch, seq, width): q then k normalised and rotated in place.
+    """Tokens ``program_id(0) * BLOCK_T`` onwards of qkv (batch, seq, width), one after another (BLOCK_T is 1
+    for decode, fused_triton.PREFILL_BLOCK_T for a prefill): q then k normalised and rotated in place.
 
-    The token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
+    A token's table row is ``positions[token]`` (HAS_POS) or ``offset + t``; a row outside [0, table_len)
     reads row 0 instead and fails the launch (``rotary_kernel.flag_bad``).
     """
-    _, b, t, pos = _token_row(pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
-
-    half_idx = tl.arange(0, BLOCK_HALF)
-    half_mask = half_idx < HALF
-    c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    if INTERLEAVED:  # one entry a lane: (1, 2 * BLOCK_HALF), see _norm_rotate_heads
-        c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_HALF))
-        s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_HALF))
-    x = qkv_ptr + b * stride_b + t * stride_s
-    _norm_rotate_heads(
-        x, wq_ptr, q_heads, head_dim, eps, weight_offset, c, s, HALF, TAIL, BLOCK_HALF, BLOCK_TAIL,
-        TAIL_CHUNK, BLOCK_HQ, INTERLEAVED, ALL_HEADS, CAST_BEFORE, ROUND_BF16_IN_INTEGERS,
-    )  # fmt: skip
-    _norm_rotate_heads(
-        x + q_heads * head_dim, wk_ptr, k_heads, head_dim, eps, weight_offset, c, s, HALF, TAIL, BLOCK_HALF,
-        BLOCK_TAIL, TAIL_CHUNK, BLOCK_HK, INTERLEAVED, ALL_HEADS, CAST_BEFORE, ROUND_BF16_IN_INTEGERS,
-    )  # fmt: skip
+    start, end = _token_block(tokens, BLOCK_T)
+    for token in range(start, end):
+        b, t, pos = _token_row(token, pos_ptr, offset, seq_len, table_len, flag_ptr, HAS_POS, TRAP_BAD_ROWS)
+        half_idx = tl.arange(0, BLOCK_HALF)
+        half_mask = half_idx < HALF
+        c = tl.load(cos_ptr + pos * cos_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * sin_stride + half_idx, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+        if INTERLEAVED:  # one entry a lane: (1, 2 * BLOCK_HALF), see _norm_rotate_heads
+            c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_HALF))
+            s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_HALF))
+        x = qkv_ptr + b * stride_b + t * stride_s
+        _norm_rotate_heads(
+            x, wq_ptr, q_heads, head_dim, eps, weight_offset, c, s, HALF, TAIL, BLOCK_HALF, BLOCK_TAIL,
+            TAIL_CHUNK, BLOCK_HQ, INTERLEAVED, ALL_HEADS, CAST_BEFORE, ROUND_BF16_IN_INTEGERS,
+        )  # fmt: skip
+        _norm_rotate_heads(
+            x + q_heads * head_dim, wk_ptr, k_heads, head_dim, eps, weight_offset, c, s, HALF, TAIL,
+            BLOCK_HALF, BLOCK_TAIL, TAIL_CHUNK, BLOCK_HK, INTERLEAVED, ALL_HEADS, CAST_BEFORE,
+            ROUND_BF16_IN_INTEGERS,
+        )  # fmt: skip
 
 
 # The shapes the AOT check compiles: (head_dim, rotary_dim, q_heads, k_heads) of Qwen3, Gemma 3, OLMo 2 and a
@@ -260,7 +266,7 @@ def aot_specializations():
     from ropekit.backends.triton.qk_norm import NUM_WARPS, block_sizes
 
     pointers = {"pos_ptr": "*i64", "flag_ptr": "*i32"}
-    ints = {"offset", "table_len", "seq_len", "stride_b", "stride_s"}
+    ints = {"offset", "table_len", "seq_len", "tokens", "stride_b", "stride_s"}
     # As the JIT specializes torch's allocations (16-byte aligned) and a qkv row of whole heads whose width
     # is a multiple of 16 (every AOT shape's): qkv's strides and head_dim divisible by 16.
     aligned = {"stride_b", "stride_s", "head_dim"}
@@ -269,12 +275,14 @@ def aot_specializations():
         rotary_dim,
         q_heads,
         k_heads,
-    ), dtype, has_pos, interleaved, all_heads, cast in itertools.product(
-        AOT_SHAPES, ("fp32", "fp16", "bf16"), *([(False, True)] * 4)
+    ), dtype, has_pos, interleaved, all_heads, cast, prefill in itertools.product(
+        AOT_SHAPES, ("fp32", "fp16", "bf16"), *([(False, True)] * 5)
     ):
         constexprs = block_sizes(
-            head_dim, rotary_dim // 2, q_heads, k_heads, _ELEMENT_BYTES[dtype], interleaved
+            head_dim, rotary_dim // 2, q_heads, k_heads, _ELEMENT_BYTES[dtype], interleaved, prefill
         )
+        if prefill and constexprs["BLOCK_T"] == 1:  # a wide head keeps decode's grid: listed already
+            continue
         constexprs.update(
             HAS_POS=has_pos,
             INTERLEAVED=interleaved,
