@@ -299,14 +299,19 @@ class CpuBackend(KernelBackend):
         reason = fused_cpu.unavailable_reason()
         return None if reason is None else f"cannot serve the fused op: {reason}"
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, packed=False):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
         call is the outputs, the data pointers and the C loop. With per_sequence, ``offset`` is an int64
         tensor of one offset per batch row, read by the C loop itself (no positions tensor is built).
         The run returns None, having written nothing, if a row is outside the table (the checked path then
-        raises its own error)."""
+        raises its own error).
+
+        None for a packed batch (cu_seqlens): the C loop takes a row per token or an offset per batch row,
+        and reading cu_seqlens in it would mean an int32 and an int64 entry per dtype, the well-formedness
+        checks in C and a sequence search per token (its OpenMP chunks are tokens), for CPU varlen steps that
+        the checked path serves (a positions tensor built by :func:`ropekit.positions.resolve`)."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
-        if not all(units) or cos.dtype != torch.float32 or not q.is_cpu or q.dtype not in _ENTRY:
+        if packed or not all(units) or cos.dtype != torch.float32 or not q.is_cpu or q.dtype not in _ENTRY:
             return None
         # empty_like's strides follow from the input's strides alone: the probes' are every call's.
         q_out, k_out = (
