@@ -8,6 +8,8 @@ interpreter is slow, so the shapes are tiny and the grid touches each feature ra
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -339,3 +341,191 @@ def test_triton_serves_compat_vllm_in_place_through_the_per_sequence_plan(is_neo
         torch.testing.assert_close((q, k), (want_q, want_k))
     calls = ropekit_calls(lambda: rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton"))
     assert "resolve" not in calls and "run" in calls, calls
+
+
+# Packed batches (cu_seqlens): sequence lengths with empty and one-token sequences, one sequence alone, a
+# decode step of many one-token sequences.
+PACKED_LENGTHS = {"mixed": [0, 1, 3, 0, 2], "one": [5], "decode": [1] * 6}
+
+
+def _packed_inputs(lengths, cu_dtype, dtype=torch.float32, q_heads=3, k_heads=1, head_dim=12, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    q = torch.randn(tokens, q_heads, head_dim, generator=g).to(dtype)  # (T, heads, head_dim)
+    k = torch.randn(tokens, k_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=cu_dtype)  # (N + 1,)
+    return q, k, cu
+
+
+def _packed_rows(lengths, offsets) -> torch.Tensor:
+    """Each token's table row: its index in its sequence plus that sequence's offset (the formula)."""
+    per_seq = offsets.tolist() if isinstance(offsets, torch.Tensor) else [offsets] * len(lengths)
+    return torch.tensor([off + t for n, off in zip(lengths, per_seq, strict=True) for t in range(n)])
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS), ids=str)
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_packed_steps_are_planned_read_cu_seqlens_in_the_kernel_and_match_the_reference(
+    monkeypatch, lengths, form, cu_dtype, inplace, dtype
+):
+    """Issue 25: a packed (varlen) step is checked once, then planned: the kernel finds each token's
+    sequence in cu_seqlens and its row t - cu_seqlens[s] + offset (or offsets[s]); resolve never runs again
+    (no positions tensor). Every step equals the float64 reference within the dtype's tolerance."""
+    from ropekit import functional
+
+    lengths = PACKED_LENGTHS[lengths]
+    cos, sin = tables(8)  # 64 rows; rotary_dim 8 of head_dim 12: the tail passes through
+    q, k, cu = _packed_inputs(lengths, cu_dtype, dtype)
+    n = len(lengths)
+    for step in range(3):
+        offsets = 4 * step + 1 if form == "int" else torch.arange(n) * 5 + step
+        if step:
+            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
+        q_in, k_in = q.clone(), k.clone()
+        out_q, out_k = apply_rotary_qk(
+            q_in, k_in, cos, sin, offsets=offsets, cu_seqlens=cu, inplace=inplace, backend="triton"
+        )
+        want = _packed_rows(lengths, offsets).numpy()
+        assert_matches_reference(out_q, q, cos, sin, want, interleaved=False)
+        assert_matches_reference(out_k, k, cos, sin, want, interleaved=False)
+        assert (out_q.data_ptr() == q_in.data_ptr()) is inplace
+        if not inplace:
+            assert torch.equal(q_in, q) and torch.equal(k_in, k)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_planned_packed_step_equals_the_torch_backend_bit_for_bit(interleaved):
+    """The planned packed launch rotates as the checked path's positions did: the torch backend's bits."""
+    cos, sin = tables(8)
+    q, k, cu = _packed_inputs([2, 0, 3], torch.int32)
+    offsets = torch.tensor([7, 1, 30])
+    kw = dict(offsets=offsets, cu_seqlens=cu, interleaved=interleaved)
+    apply_rotary_qk(q, k, cos, sin, **kw, backend="triton")  # plans the next
+    got = apply_rotary_qk(q, k, cos, sin, **kw, backend="triton")
+    want = apply_rotary_qk(q, k, cos, sin, **kw, backend="torch")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _message(call) -> str:
+    with pytest.raises(ValueError) as caught:
+        call()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+def test_triton_planned_packed_steps_keep_the_checked_paths_errors(form, cu_dtype):
+    """Malformed cu_seqlens and rows past the table, after the key was planned: the host check (CPU tensors)
+    refuses them before the launch, the checked path raises exactly its message (the torch backend's, which
+    has no packed plan), and nothing is written."""
+    cos, sin = tables(16)  # 64 rows
+    q, k, cu = _packed_inputs([2, 3], cu_dtype, head_dim=16)
+    good = 3 if form == "int" else torch.tensor([3, 9])
+    apply_rotary_qk(q, k, cos, sin, offsets=good, cu_seqlens=cu, inplace=True, backend="triton")  # plans
+    before = q.clone()
+    bad_calls = [
+        (good, [1, 2, 5]),  # does not start at 0
+        (good, [0, 3, 2]),  # decreases (and misses T)
+        (good, [0, 3, 4]),  # ends before T
+        (62 if form == "int" else torch.tensor([3, 62]), [0, 2, 5]),  # a row past the table
+    ]
+    if form == "per_sequence":
+        bad_calls.append((torch.tensor([-1, 3]), [0, 2, 5]))  # a negative offset
+    for offsets, values in bad_calls:
+        cu_bad = torch.tensor(values, dtype=cu_dtype)
+
+        def call(backend, offsets=offsets, cu_bad=cu_bad):
+            return apply_rotary_qk(q, k, cos, sin, offsets=offsets, cu_seqlens=cu_bad, inplace=True,
+                                   backend=backend)  # fmt: skip
+
+        want = _message(lambda call=call: call("torch"))
+        assert _message(lambda call=call: call("triton")) == want
+        assert torch.equal(q, before)
+    assert "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (5)" in _message(
+        lambda: apply_rotary_qk(
+            q, k, cos, sin, offsets=good, cu_seqlens=torch.tensor([0, 3, 4], dtype=cu_dtype), backend="triton"
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0, 3, 2, 5], [1, 2, 3, 5], [0, 2, 3, 4], [0, 1 << 40, 2, 5]],
+    ids=["decreasing", "start", "end", "huge"],
+)
+def test_triton_kernel_checks_cu_seqlens_itself_and_never_reads_past_its_tensors(monkeypatch, values):
+    """With the host check off, the kernel's own check of cu_seqlens (no host sync, no assert kernel): a
+    malformed one fails the launch (compiled: a trap; the interpreter: the flag), its search reading
+    cu_seqlens[0 .. N - 1] only and its rows clamped into the table; the flag is ready for the next launch."""
+    from ropekit.backends.triton import rotary as triton_backend
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = tables(8)
+    q, _, _ = _packed_inputs([2, 1, 2], torch.int64)
+    out = torch.empty_like(q)
+    cu = torch.tensor(values)
+    with pytest.raises(RuntimeError, match="cu_seqlens is malformed"):
+        triton_backend.launch(q[None], None, out[None], None, cos, sin, None, 0, False, False, cu_seqlens=cu)
+    good = torch.tensor([0, 2, 3, 5])
+    triton_backend.launch(q[None], None, out[None], None, cos, sin, None, 0, False, False, cu_seqlens=good)
+    want = apply_rotary(q, cos, sin, cu_seqlens=good, backend="torch")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_triton_kernel_checks_packed_rows_itself(monkeypatch):
+    """With the host check off, a packed sequence whose rows run past the table fails the launch; its rows
+    read row 0 (the identity), the other sequence rotates."""
+    from ropekit.backends.triton import rotary as triton_backend
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = tables(8)  # 64 rows
+    q, _, cu = _packed_inputs([2, 2], torch.int32)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        launch = triton_backend.launch
+        launch(
+            q[None], None, out[None], None, cos, sin, None, torch.tensor([4, 63]), False, False, cu_seqlens=cu
+        )
+    want = apply_rotary(q[:2], cos, sin, offsets=4, cu_seqlens=torch.tensor([0, 2]), backend="torch")
+    torch.testing.assert_close(out[:2], want, rtol=0, atol=0)
+    torch.testing.assert_close(out[3], q[3], rtol=0, atol=0)  # row 64: clamped to row 0, the identity
+
+
+def test_triton_packed_decode_step_takes_no_more_ropekit_calls_than_an_int_offset_one():
+    """Issue 25's target: under the interpreter, a steady packed decode step (N one-token sequences, an int
+    or per-sequence offsets, cu_seqlens read in the kernel) is no more Python calls inside ropekit than the
+    4-D decode step with an int offset (153 and 155 against 76 before: the packed step built a positions
+    tensor through the checked path every call)."""
+    from call_count import ropekit_calls
+
+    cos, sin = tables(16)
+    q, k = _decode_inputs(batch=4, seq=1)  # (batch, 1, heads, head_dim)
+    q_packed, k_packed = q[:, 0].clone(), k[:, 0].clone()  # (T, heads, head_dim): 4 sequences of 1 token
+    cu = torch.arange(5, dtype=torch.int32)
+    steps = {
+        "int": lambda: apply_rotary_qk(q, k, cos, sin, offsets=9, inplace=True, backend="triton"),
+        "packed_int": lambda: apply_rotary_qk(
+            q_packed, k_packed, cos, sin, offsets=9, cu_seqlens=cu, inplace=True, backend="triton"
+        ),
+        "packed_per_sequence": lambda: apply_rotary_qk(
+            q_packed,
+            k_packed,
+            cos,
+            sin,
+            offsets=torch.tensor([3, 9, 17, 30]),
+            cu_seqlens=cu,
+            inplace=True,
+            backend="triton",
+        ),
+    }
+    counts = {}
+    for form, step in steps.items():
+        step()  # the first call is checked in full and plans the next
+        calls = ropekit_calls(step)
+        assert "resolve" not in calls and "check_x" not in calls, calls
+        counts[form] = len(calls)
+    assert counts["packed_int"] <= counts["int"] and counts["packed_per_sequence"] <= counts["int"], counts
