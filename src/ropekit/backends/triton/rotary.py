@@ -65,7 +65,9 @@ _NO_OFFSETS: dict[torch.device, torch.Tensor] = {}
 
 
 def _no_offsets(device: torch.device) -> torch.Tensor:
-    offsets = _NO_OFFSETS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():  # as error_flag
+        _NO_OFFSETS[device] = offsets
     return offsets
 
 
