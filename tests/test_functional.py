@@ -423,8 +423,8 @@ class _PackedPlanner:
 
         return BACKENDS["torch"].rotate_qk(*args, **kwargs)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, packed=False):
-        if not packed:
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+        if cu_seqlens is None:
             return None
 
         def run(q, k, cos, sin, offset, cu_seqlens):

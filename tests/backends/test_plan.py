@@ -292,8 +292,8 @@ class _PackedRecorder:
     def __init__(self):
         self.asked = []
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, packed=False):
-        self.asked.append((per_sequence, packed))
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+        self.asked.append((per_sequence, cu_seqlens))
         return lambda *args: ("launched", len(args))
 
 
@@ -305,33 +305,32 @@ def _packed(lengths=(2, 0, 3)):
 
 
 def test_a_packed_plan_hands_cu_seqlens_to_the_backends_launch_and_checks_the_int_offset():
-    """rotary_plan with cu_seqlens: the backend plans a packed launch (``packed=True``; per-sequence offsets
-    one per packed sequence), the run passes cu_seqlens on, and an int offset whose first row is already
-    past the table never launches (the launch checks each sequence's rows)."""
+    """rotary_plan with cu_seqlens: the backend plans a packed launch (given the key's cu_seqlens;
+    per-sequence offsets one per packed sequence), the run passes the call's cu_seqlens on, and an int
+    offset whose first row is already past the table never launches (the launch checks each sequence's
+    rows)."""
     cos, sin = tables(16)  # 64 rows
     q, k, cu = _packed()
     impl = _PackedRecorder()
     flags = dict(interleaved=False, inplace=False, conjugate=False)
     run = plan.rotary_plan(impl, q, k, cos, sin, 3, **flags, cu_seqlens=cu)
-    assert impl.asked == [(False, True)]
+    assert impl.asked == [(False, cu)]
     assert run(q, k, cos, sin, 63, cu) == ("launched", 6)
     assert run(q, k, cos, sin, 64, cu) is None
     offsets = torch.tensor([1, 2, 3])
     assert plan.rotary_plan(impl, q, k, cos, sin, offsets, **flags, cu_seqlens=cu) is not None
-    assert impl.asked[-1] == (True, True)
-    for refused in (
-        dict(offset=torch.tensor([1, 2, 3, 4, 5]), cu_seqlens=cu),  # one offset per token, not per sequence
-        dict(
-            offset=torch.tensor([1, 2, 3], dtype=torch.int32), cu_seqlens=cu
-        ),  # converted by the checked path
-        dict(offset=3, cu_seqlens=cu.to(torch.int16)),  # a dtype the kernel does not read
-        dict(offset=3, cu_seqlens=cu[None]),  # not (N + 1,)
-        dict(offset=3, cu_seqlens=torch.zeros(8, dtype=torch.int32)[::2]),  # not contiguous
-    ):
-        assert plan.rotary_plan(impl, q, k, cos, sin, refused["offset"], **flags,
-                                cu_seqlens=refused["cu_seqlens"]) is None, refused  # fmt: skip
-    q4 = q[None]  # (1, T, H, D): a packed plan takes (T, H, D) only
-    assert plan.rotary_plan(impl, q4, k[None], cos, sin, 3, **flags, cu_seqlens=cu) is None
+    assert impl.asked[-1] == (True, cu)
+    refused = [
+        (torch.tensor([1, 2, 3, 4, 5]), cu),  # one offset per token, not one per sequence
+        (torch.tensor([1, 2, 3], dtype=torch.int32), cu),  # converted by the checked path
+        (3, cu.to(torch.int16)),  # a dtype the kernels do not read
+        (3, cu[None]),  # not (N + 1,)
+        (3, torch.zeros(8, dtype=torch.int32)[::2]),  # not contiguous
+    ]
+    for offset, cu_seqlens in refused:
+        assert plan.rotary_plan(impl, q, k, cos, sin, offset, **flags, cu_seqlens=cu_seqlens) is None
+    # (1, T, H, D): a packed plan takes (T, H, D) only
+    assert plan.rotary_plan(impl, q[None], k[None], cos, sin, 3, **flags, cu_seqlens=cu) is None
 
 
 def test_a_packed_plan_refuses_an_in_place_q_that_meets_cu_seqlens():
@@ -339,37 +338,31 @@ def test_a_packed_plan_refuses_an_in_place_q_that_meets_cu_seqlens():
     q whose bytes hold cu_seqlens never launches (the checked path decides)."""
     cos, sin = tables(16)
     q, k, cu = _packed()
-    run = plan.rotary_plan(_PackedRecorder(), q, k, cos, sin, 3, interleaved=False, inplace=True,
-                           conjugate=False, cu_seqlens=cu)  # fmt: skip
+    flags = dict(interleaved=False, inplace=True, conjugate=False)
+    run = plan.rotary_plan(_PackedRecorder(), q, k, cos, sin, 3, **flags, cu_seqlens=cu)
     assert run(q, k, cos, sin, 3, cu) == ("launched", 6)
     inside = q.view(-1).view(torch.int32)[: cu.numel()]  # int32 elements in q's own bytes
     assert run(q, k, cos, sin, 3, inside) is None
 
 
-def test_a_packed_call_takes_its_own_gate_and_the_c_loop_has_no_plan_for_it(monkeypatch):
-    """A packed (cu_seqlens) call is keyed by the packed gate; the C loop declines to plan it (it takes a row
-    per token or an offset per batch row, backends/c/rotary.py), so the key is kept without a plan: the
-    backend is asked once, every later step is served by the checked path, and the answers do not change."""
+def test_a_packed_call_takes_its_own_gate_and_a_backend_without_a_packed_plan_keeps_none(monkeypatch):
+    """A packed (cu_seqlens) call is keyed by the packed gate; the torch backend has no plan, so the key is
+    kept without one: every later step is served by the checked path (positions resolved), and the answers
+    do not change."""
     clear_backend_cache()
-    cpu = BACKENDS["cpu"]
-    asked = []
-    original = cpu.plan
-    monkeypatch.setattr(cpu, "plan", lambda *a, **kw: asked.append(kw) or original(*a, **kw))
     cos, sin = tables(16)
     q, k, cu = _packed()
-    first = apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="cpu")
-    key = next(key for key in plan._plans if key[0] == "rotary_packed")
-    assert plan._plans[key] is None and asked[0]["packed"] is True
-    for _ in range(2):
-        calls = ropekit_calls(
-            lambda: apply_rotary_qk(
-                q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="cpu"
-            )
+
+    def step():
+        return apply_rotary_qk(
+            q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="torch"
         )
+
+    first = step()
+    key = next(key for key in plan._plans if key[0] == "rotary_packed")
+    assert plan._plans[key] is None
+    for _ in range(2):
+        calls = ropekit_calls(step)
         assert "launch_planned" in calls and "resolve" in calls
-    again = apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="cpu")
-    want = apply_rotary_qk(q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="torch")
-    for g, f, w in zip(again, first, want, strict=True):
-        torch.testing.assert_close(g, f, rtol=0, atol=0)
-        torch.testing.assert_close(g, w)
-    assert len(asked) == 1
+    for got, want in zip(step(), first, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

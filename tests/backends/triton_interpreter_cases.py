@@ -8,8 +8,6 @@ interpreter is slow, so the shapes are tiny and the grid touches each feature ra
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -17,10 +15,14 @@ from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_cases import (
     MODES,
+    PACKED_LENGTHS,
     assert_matches_reference,
     check_gradients,
     check_matches_reference,
+    check_planned_packed_errors,
+    check_planned_packed_steps,
     check_single_tensor,
+    packed_inputs,
     tables,
 )
 from rotary_reference import reference_tables
@@ -343,27 +345,7 @@ def test_triton_serves_compat_vllm_in_place_through_the_per_sequence_plan(is_neo
     assert "resolve" not in calls and "run" in calls, calls
 
 
-# Packed batches (cu_seqlens): sequence lengths with empty and one-token sequences, one sequence alone, a
-# decode step of many one-token sequences.
-PACKED_LENGTHS = {"mixed": [0, 1, 3, 0, 2], "one": [5], "decode": [1] * 6}
-
-
-def _packed_inputs(lengths, cu_dtype, dtype=torch.float32, q_heads=3, k_heads=1, head_dim=12, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    q = torch.randn(tokens, q_heads, head_dim, generator=g).to(dtype)  # (T, heads, head_dim)
-    k = torch.randn(tokens, k_heads, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=cu_dtype)  # (N + 1,)
-    return q, k, cu
-
-
-def _packed_rows(lengths, offsets) -> torch.Tensor:
-    """Each token's table row: its index in its sequence plus that sequence's offset (the formula)."""
-    per_seq = offsets.tolist() if isinstance(offsets, torch.Tensor) else [offsets] * len(lengths)
-    return torch.tensor([off + t for n, off in zip(lengths, per_seq, strict=True) for t in range(n)])
-
-
-@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS), ids=str)
+@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
 @pytest.mark.parametrize("form", ["int", "per_sequence"])
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("inplace", [False, True])
@@ -372,35 +354,16 @@ def test_triton_packed_steps_are_planned_read_cu_seqlens_in_the_kernel_and_match
     monkeypatch, lengths, form, cu_dtype, inplace, dtype
 ):
     """Issue 25: a packed (varlen) step is checked once, then planned: the kernel finds each token's
-    sequence in cu_seqlens and its row t - cu_seqlens[s] + offset (or offsets[s]); resolve never runs again
-    (no positions tensor). Every step equals the float64 reference within the dtype's tolerance."""
-    from ropekit import functional
-
-    lengths = PACKED_LENGTHS[lengths]
-    cos, sin = tables(8)  # 64 rows; rotary_dim 8 of head_dim 12: the tail passes through
-    q, k, cu = _packed_inputs(lengths, cu_dtype, dtype)
-    n = len(lengths)
-    for step in range(3):
-        offsets = 4 * step + 1 if form == "int" else torch.arange(n) * 5 + step
-        if step:
-            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
-        q_in, k_in = q.clone(), k.clone()
-        out_q, out_k = apply_rotary_qk(
-            q_in, k_in, cos, sin, offsets=offsets, cu_seqlens=cu, inplace=inplace, backend="triton"
-        )
-        want = _packed_rows(lengths, offsets).numpy()
-        assert_matches_reference(out_q, q, cos, sin, want, interleaved=False)
-        assert_matches_reference(out_k, k, cos, sin, want, interleaved=False)
-        assert (out_q.data_ptr() == q_in.data_ptr()) is inplace
-        if not inplace:
-            assert torch.equal(q_in, q) and torch.equal(k_in, k)
+    sequence in cu_seqlens and its row t - cu_seqlens[s] + offset (or offsets[s]); see
+    rotary_cases.check_planned_packed_steps."""
+    check_planned_packed_steps(monkeypatch, "triton", PACKED_LENGTHS[lengths], form, cu_dtype, inplace, dtype)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_triton_planned_packed_step_equals_the_torch_backend_bit_for_bit(interleaved):
-    """The planned packed launch rotates as the checked path's positions did: the torch backend's bits."""
+    """The planned packed launch rotates as the checked path's positions did, in either pair layout."""
     cos, sin = tables(8)
-    q, k, cu = _packed_inputs([2, 0, 3], torch.int32)
+    q, k, cu = packed_inputs([2, 0, 3], torch.int32)
     offsets = torch.tensor([7, 1, 30])
     kw = dict(offsets=offsets, cu_seqlens=cu, interleaved=interleaved)
     apply_rotary_qk(q, k, cos, sin, **kw, backend="triton")  # plans the next
@@ -410,46 +373,12 @@ def test_triton_planned_packed_step_equals_the_torch_backend_bit_for_bit(interle
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def _message(call) -> str:
-    with pytest.raises(ValueError) as caught:
-        call()
-    return str(caught.value)
-
-
 @pytest.mark.parametrize("form", ["int", "per_sequence"])
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
 def test_triton_planned_packed_steps_keep_the_checked_paths_errors(form, cu_dtype):
-    """Malformed cu_seqlens and rows past the table, after the key was planned: the host check (CPU tensors)
-    refuses them before the launch, the checked path raises exactly its message (the torch backend's, which
-    has no packed plan), and nothing is written."""
-    cos, sin = tables(16)  # 64 rows
-    q, k, cu = _packed_inputs([2, 3], cu_dtype, head_dim=16)
-    good = 3 if form == "int" else torch.tensor([3, 9])
-    apply_rotary_qk(q, k, cos, sin, offsets=good, cu_seqlens=cu, inplace=True, backend="triton")  # plans
-    before = q.clone()
-    bad_calls = [
-        (good, [1, 2, 5]),  # does not start at 0
-        (good, [0, 3, 2]),  # decreases (and misses T)
-        (good, [0, 3, 4]),  # ends before T
-        (62 if form == "int" else torch.tensor([3, 62]), [0, 2, 5]),  # a row past the table
-    ]
-    if form == "per_sequence":
-        bad_calls.append((torch.tensor([-1, 3]), [0, 2, 5]))  # a negative offset
-    for offsets, values in bad_calls:
-        cu_bad = torch.tensor(values, dtype=cu_dtype)
-
-        def call(backend, offsets=offsets, cu_bad=cu_bad):
-            return apply_rotary_qk(q, k, cos, sin, offsets=offsets, cu_seqlens=cu_bad, inplace=True,
-                                   backend=backend)  # fmt: skip
-
-        want = _message(lambda call=call: call("torch"))
-        assert _message(lambda call=call: call("triton")) == want
-        assert torch.equal(q, before)
-    assert "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (5)" in _message(
-        lambda: apply_rotary_qk(
-            q, k, cos, sin, offsets=good, cu_seqlens=torch.tensor([0, 3, 4], dtype=cu_dtype), backend="triton"
-        )
-    )
+    """The host check (CPU tensors) refuses malformed cu_seqlens and bad rows before the planned launch; the
+    checked path raises exactly its message (rotary_cases.check_planned_packed_errors)."""
+    check_planned_packed_errors("triton", form, cu_dtype)
 
 
 @pytest.mark.parametrize(
@@ -465,7 +394,7 @@ def test_triton_kernel_checks_cu_seqlens_itself_and_never_reads_past_its_tensors
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
     cos, sin = tables(8)
-    q, _, _ = _packed_inputs([2, 1, 2], torch.int64)
+    q, _, _ = packed_inputs([2, 1, 2], torch.int64)
     out = torch.empty_like(q)
     cu = torch.tensor(values)
     with pytest.raises(RuntimeError, match="cu_seqlens is malformed"):
@@ -483,7 +412,7 @@ def test_triton_kernel_checks_packed_rows_itself(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
     cos, sin = tables(8)  # 64 rows
-    q, _, cu = _packed_inputs([2, 2], torch.int32)
+    q, _, cu = packed_inputs([2, 2], torch.int32)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="outside the cos/sin table"):
         launch = triton_backend.launch

@@ -359,14 +359,14 @@ class KernelBackend:
         self.kernels()[1](qkv, *weights, cos, sin, positions, offset, spec)
         tell_autograd(written)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, packed=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
         """The launch for one key (:mod:`ropekit.backends.plan`): the raw launcher on the caller's tensors,
         without the op's own argument checks (the launcher keeps the kernel wall). None when the inputs need
         the conversions of :meth:`rotate_qk` (a strided last axis, a table that is not float32), or for
         per-sequence offset tensors and packed batches (the launcher takes an int offset or a row per
         token)."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
-        if per_sequence or packed or not all(units) or cos.dtype != torch.float32:
+        if per_sequence or cu_seqlens is not None or not all(units) or cos.dtype != torch.float32:
             return None
         launch = self._launch
 

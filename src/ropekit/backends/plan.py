@@ -162,7 +162,7 @@ def rotary_plan(
     offset or one per packed sequence: :data:`launch_rotary_packed`'s keys). None when this kind has no plan.
 
     ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
-    inplace, per_sequence=False, packed=False)`` method gives its own launch (or None: no plan); any other
+    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any other
     gets its rotate_qk, flags bound (int offsets of 4-D q only). The run checks what the key cannot hold: an
     int offset against the table (``table_len - S``; packed, ``table_len - 1``: the launch checks each
     sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it checks cu_seqlens' values)
@@ -199,7 +199,7 @@ def rotary_plan(
     if per_sequence:
         flags["per_sequence"] = True
     if packed:
-        flags["packed"] = True
+        flags["cu_seqlens"] = cu_seqlens  # its length and dtype are the key's
     if make is not None:
         launch = make(q, k, cos, sin, **flags)
         if launch is None:

@@ -135,7 +135,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         offsets = _no_offsets(q.device)
     if tokens == 0 and cu_seqlens is None:
         return
-    if cu_seqlens is not None:  # a packed batch (1, T, heads, head_dim): checked inline, as below
+    if cu_seqlens is not None:  # a packed batch (1, T, heads, head_dim): checked inline, as the offsets
         if positions is not None or batch != 1:
             raise ValueError(
                 f"cu_seqlens: expected q of shape (1, total_tokens, heads, head_dim) and no positions, got q "
@@ -154,35 +154,27 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
                 f"{tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
             )
         n_seqs = cu_seqlens.shape[0] - 1
+    if per_sequence:  # read by the kernel as they are: checked inline (a decode step's budget of calls)
+        n, each = (batch, "batch row") if cu_seqlens is None else (n_seqs, "packed sequence")
+        if (
+            offset.dtype != torch.int64
+            or offset.shape != (n,)
+            or not offset.is_contiguous()
+            or offset.device != q.device
+        ):
+            raise ValueError(
+                f"offsets: expected a contiguous int64 tensor of shape ({n},) (one per {each}) on "
+                f"{q.device}, got a {offset.dtype} tensor of shape {tuple(offset.shape)} on {offset.device}"
+            )
+    if cu_seqlens is not None:
         if per_sequence:
-            if (
-                offset.dtype != torch.int64
-                or offset.shape != (n_seqs,)
-                or not offset.is_contiguous()
-                or offset.device != q.device
-            ):
-                raise ValueError(
-                    f"offsets: expected a contiguous int64 tensor of shape ({n_seqs},) (one per packed "
-                    f"sequence) on {q.device}, got a {offset.dtype} tensor of shape {tuple(offset.shape)} "
-                    f"on {offset.device}"
-                )
             offsets, offset = offset, -1  # -1: the kernel reads offsets[s]
         if HOST_CHECKS and cu_seqlens.device.type == "cpu":  # no sync; the kernel checks them again
             check_packed_rows(cu_seqlens, offsets if offset < 0 else offset, tokens, table_len)
         if tokens == 0:
             return
         rows, form, search_steps = cu_seqlens, ROWS_CU_SEQLENS, (n_seqs - 1).bit_length()
-    elif per_sequence:  # read by the kernel as they are: checked inline (a decode step's budget of calls)
-        if (
-            offset.dtype != torch.int64
-            or offset.shape != (batch,)
-            or not offset.is_contiguous()
-            or offset.device != q.device
-        ):
-            raise ValueError(
-                f"offsets: expected a contiguous int64 tensor of shape ({batch},) (one per batch row) on "
-                f"{q.device}, got a {offset.dtype} tensor of shape {tuple(offset.shape)} on {offset.device}"
-            )
+    elif per_sequence:
         if HOST_CHECKS and offset.device.type == "cpu":  # no sync; the kernel checks every row again
             lo, hi = torch.stack(torch.aminmax(offset)).tolist()
             if lo < 0 or hi + seq > table_len:
@@ -255,16 +247,16 @@ class TritonBackend(KernelBackend):
     def __init__(self) -> None:
         super().__init__("triton", launch)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, packed=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
         """The launch for one key (:mod:`ropekit.backends.plan`), for an int offset and for per-sequence
         offsets alike: the launcher takes either (the kernel reads the offsets tensor and computes each
         token's row), so a decode step with per-sequence offsets is a lookup and one launch, as one with an
-        int offset; no positions tensor is built. With ``packed``, q and k are (T, H, D) and the run takes
-        cu_seqlens too (``run(q, k, cos, sin, offset, cu_seqlens)``): the kernel finds each token's sequence
-        in it, so a packed (varlen) step is a lookup and one launch as well. None when the inputs need the
-        conversions of :meth:`rotate_qk`. The run returns None, having written nothing, when the launcher
-        refuses a value on the host (an offset whose rows leave the table, malformed cu_seqlens): the
-        checked path then raises its own error."""
+        int offset; no positions tensor is built. With ``cu_seqlens`` (a packed batch), q and k are
+        (T, H, D) and the run takes the call's cu_seqlens too (``run(q, k, cos, sin, offset, cu_seqlens)``):
+        the kernel finds each token's sequence in it, so a packed (varlen) step is a lookup and one launch
+        as well. None when the inputs need the conversions of :meth:`rotate_qk`. The run returns None,
+        having written nothing, when the launcher refuses a value on the host (an offset whose rows leave
+        the table, malformed cu_seqlens): the checked path then raises its own error."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
         if not all(units) or cos.dtype != torch.float32:
             return None
