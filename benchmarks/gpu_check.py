@@ -133,10 +133,32 @@ def decode_steps(device: str) -> dict[str, object]:
     }
 
 
+def packed_decode_steps(device: str) -> dict[str, object]:
+    """name -> the decode step of :func:`decode_steps` as a packed (varlen) call: q (1, 32, 128) with
+    cu_seqlens [0, 1], an int offset or an offsets tensor (planned: the kernel reads cu_seqlens itself)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 1, DECODE_HEADS[0], DECODE_HEAD_DIM, generator=g, device=device).bfloat16()[0]
+    k = torch.randn(1, 1, DECODE_HEADS[1], DECODE_HEAD_DIM, generator=g, device=device).bfloat16()[0]
+    config = ropekit.RopeConfig(DECODE_HEAD_DIM, 500000.0, max_position_embeddings=DECODE_CONTEXT)
+    cos, sin = config.cos_sin(DECODE_CONTEXT, device=device)
+    offsets = torch.tensor([4000], device=device)  # (num_seqs,)
+    cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)  # (num_seqs + 1,)
+    return {
+        "apply_rotary_qk, packed, int offset": lambda: ropekit.apply_rotary_qk(
+            q, k, cos, sin, offsets=4000, cu_seqlens=cu_seqlens
+        ),
+        "apply_rotary_qk, packed, offsets tensor": lambda: ropekit.apply_rotary_qk(
+            q, k, cos, sin, offsets=offsets, cu_seqlens=cu_seqlens
+        ),
+    }
+
+
 def check_no_sync(device: str = "cuda") -> int:
-    """Each decode step, after one warm-up call, under set_sync_debug_mode("error"); returns the failures."""
+    """Each decode step (4-D and packed), after one warm-up call, under set_sync_debug_mode("error");
+    returns the failures."""
     failures = 0
-    for name, step in decode_steps(device).items():
+    steps = decode_steps(device) | packed_decode_steps(device)
+    for name, step in steps.items():
         step()  # warm-up: Triton compilation, table growth, first-call caches
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -147,7 +169,7 @@ def check_no_sync(device: str = "cuda") -> int:
             print(f"FAIL no-sync {name}: {str(err).splitlines()[0][:200]}")
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    print(f"no-sync: {failures} of {len(decode_steps(device))} decode steps synchronized")
+    print(f"no-sync: {failures} of {len(steps)} decode steps synchronized")
     return failures
 
 

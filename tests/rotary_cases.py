@@ -16,12 +16,16 @@ from rotary_reference import assert_matches_reference, reference_rotation, refer
 
 __all__ = [
     "MODES",
+    "PACKED_LENGTHS",
     "TABLE_LEN",
     "assert_matches_reference",
     "check_gradients",
     "check_matches_reference",
+    "check_planned_packed_errors",
+    "check_planned_packed_steps",
     "check_single_tensor",
     "make_inputs",
+    "packed_inputs",
     "reference_rotation",
     "tables",
     "tolerance",
@@ -104,3 +108,80 @@ def check_single_tensor(backend, interleaved):
     x, kw, pos = make_inputs("positions", 3, 12, torch.float32)
     out = apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend, **kw)
     assert_matches_reference(out, x, cos, sin, pos, interleaved=interleaved)
+
+
+# Packed batches (cu_seqlens): empty and one-token sequences among others, one sequence alone, a decode
+# step of many one-token sequences.
+PACKED_LENGTHS = {"mixed": [0, 1, 3, 0, 2], "one": [5], "decode": [1] * 6}
+
+
+def packed_inputs(lengths, cu_dtype, dtype=torch.float32, q_heads=3, k_heads=1, head_dim=12, seed=7):
+    """q (T, q_heads, head_dim), k (T, k_heads, head_dim) and their cu_seqlens (N + 1,) of cu_dtype."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    q = torch.randn(tokens, q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(tokens, k_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=cu_dtype)
+    return q, k, cu
+
+
+def _packed_rows(lengths, offsets) -> np.ndarray:
+    """Each token's table row: its index in its sequence plus that sequence's offset (the formula)."""
+    per_seq = offsets.tolist() if isinstance(offsets, torch.Tensor) else [offsets] * len(lengths)
+    return np.array([off + t for n, off in zip(lengths, per_seq, strict=True) for t in range(n)])
+
+
+def check_planned_packed_steps(monkeypatch, backend, lengths, form, cu_dtype, inplace, dtype):
+    """Three packed (varlen) steps of one shape: the first is checked and plans the key, the next are served
+    by the plan, which reads cu_seqlens and the offsets (an int, or one per sequence) in the kernel:
+    ``resolve`` never runs again (no positions tensor). Every step equals the float64 reference within the
+    dtype's tolerance and the torch backend bit for bit; out of place leaves the inputs untouched."""
+    from ropekit import functional
+
+    cos, sin = tables(8)  # rotary_dim 8 of head_dim 12: the tail passes through
+    q, k, cu = packed_inputs(lengths, cu_dtype, dtype)
+    steps = [4 * step + 1 if form == "int" else torch.arange(len(lengths)) * 7 + step for step in range(3)]
+    wants = [apply_rotary_qk(q, k, cos, sin, offsets=off, cu_seqlens=cu, backend="torch") for off in steps]
+    for step, offsets in enumerate(steps):
+        if step:
+            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
+        q_in, k_in = q.clone(), k.clone()
+        got = apply_rotary_qk(
+            q_in, k_in, cos, sin, offsets=offsets, cu_seqlens=cu, inplace=inplace, backend=backend
+        )
+        rows = _packed_rows(lengths, offsets)
+        for out, x, want in zip(got, (q, k), wants[step], strict=True):
+            assert_matches_reference(out, x, cos, sin, rows, interleaved=False)
+            assert torch.equal(out, want)
+        assert (got[0].data_ptr() == q_in.data_ptr()) is inplace
+        if not inplace:
+            assert torch.equal(q_in, q) and torch.equal(k_in, k)
+
+
+def check_planned_packed_errors(backend, form, cu_dtype):
+    """Malformed cu_seqlens, a row past the table or a negative offset, after the key was planned: the plan
+    refuses them before anything is written, and the checked path raises exactly its message (the torch
+    backend's, which has no packed plan)."""
+    cos, sin = tables(8)  # 64 rows
+    q, k, cu = packed_inputs([2, 3], cu_dtype)
+    good = 3 if form == "int" else torch.tensor([3, 9])
+    apply_rotary_qk(q, k, cos, sin, offsets=good, cu_seqlens=cu, inplace=True, backend=backend)  # plans
+    before = q.clone()
+    bad_calls = [
+        (good, [1, 2, 5]),  # does not start at 0
+        (good, [0, 3, 2]),  # decreases (and misses T)
+        (good, [0, 3, 4]),  # ends before T
+        (62 if form == "int" else torch.tensor([3, 62]), [0, 2, 5]),  # a row past the table
+    ]
+    if form == "per_sequence":  # negative, of a sequence with tokens and of an empty one
+        bad_calls += [(torch.tensor([-1, 3]), [0, 2, 5]), (torch.tensor([3, -1]), [0, 5, 5])]
+    for offsets, values in bad_calls:
+        kw = dict(offsets=offsets, cu_seqlens=torch.tensor(values, dtype=cu_dtype), inplace=True)
+        messages = []
+        for name in ("torch", backend):
+            try:
+                apply_rotary_qk(q, k, cos, sin, **kw, backend=name)
+            except ValueError as e:
+                messages.append(str(e))
+        assert len(messages) == 2 and messages[0] == messages[1], (offsets, values, messages)
+        assert torch.equal(q, before)

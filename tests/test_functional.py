@@ -20,6 +20,7 @@ from boundary_checks import (
 )
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit import reference as ref
+from rotary_reference import assert_matches_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BATCH, SEQ, TABLE_LEN = 2, 5, 32
@@ -403,3 +404,90 @@ def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises_before_writing(b
 @pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
 def test_in_place_on_an_inference_tensor_outside_inference_mode_raises_before_writing(backend):
     check_inference_tensor_is_refused_before_writing(backend)
+
+
+class _PackedPlanner:
+    """A backend that rotates on torch and plans packed calls: its run records the offsets and cu_seqlens it
+    was handed and rotates through the torch backend with them (the stand-in for the Triton kernel)."""
+
+    name = "packed_planner"
+
+    def __init__(self):
+        self.runs = []
+
+    def unavailable_reason(self, q, cos):
+        return None
+
+    def rotate_qk(self, *args, **kwargs):
+        from ropekit.backends import BACKENDS
+
+        return BACKENDS["torch"].rotate_qk(*args, **kwargs)
+
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+        if cu_seqlens is None:
+            return None
+
+        def run(q, k, cos, sin, offset, cu_seqlens):
+            self.runs.append((offset, cu_seqlens))
+            token = torch.arange(q.shape[0])  # (T,)
+            seq = torch.searchsorted(cu_seqlens[1:].long(), token, right=True)  # each token's sequence
+            shift = offset[seq] if isinstance(offset, torch.Tensor) else offset
+            rows = token - cu_seqlens.long()[seq] + shift
+            flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+            return self.rotate_qk(q, k, cos, sin, rows, **flags)
+
+        return run
+
+
+@pytest.fixture
+def packed_planner(monkeypatch):
+    from ropekit import backends
+
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    planner = _PackedPlanner()
+    backends.register_backend(planner)
+    yield planner
+    backends.clear_backend_cache()
+
+
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+def test_a_repeated_packed_call_is_served_by_its_plan_with_this_calls_offsets_and_cu_seqlens(
+    monkeypatch, packed_planner, form
+):
+    """apply_rotary_qk with cu_seqlens goes through the packed gate: the first call is checked and plans the
+    key, later calls of the same shapes reach the plan's run with their own offsets and cu_seqlens (no
+    positions resolved), and each answer is the reference's."""
+    from ropekit import functional
+
+    cos, sin = RopeConfig(head_dim=8).cos_sin(TABLE_LEN)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(7, 2, 8, generator=g), torch.randn(7, 1, 8, generator=g)  # (T, heads, head_dim)
+    steps = [([0, 3, 3, 7], [1, 5, 2]), ([0, 1, 6, 7], [4, 0, 9])]  # (cu_seqlens, per-sequence offsets)
+    for step, (cu_values, offsets) in enumerate(steps):
+        cu = torch.tensor(cu_values, dtype=torch.int32)
+        off = 2 + step if form == "int" else torch.tensor(offsets)
+        if step:
+            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
+        out_q, out_k = apply_rotary_qk(q, k, cos, sin, offsets=off, cu_seqlens=cu, backend="packed_planner")
+        per_seq = [off] * 3 if form == "int" else offsets
+        rows = np.concatenate(
+            [np.arange(b - a) + o for a, b, o in zip(cu_values[:-1], cu_values[1:], per_seq, strict=True)]
+        )
+        assert_matches_reference(out_q, q, cos, sin, rows, interleaved=False)
+        assert_matches_reference(out_k, k, cos, sin, rows, interleaved=False)
+    ((offset, cu_seen),) = packed_planner.runs  # the second step only, with its own arguments
+    assert cu_seen is cu and (offset is off if form == "per_sequence" else offset == 3)
+
+
+def test_packed_calls_with_positions_never_take_the_packed_gate(packed_planner):
+    """Explicit positions with cu_seqlens are rows already: no gate, no plan; the checked path serves them."""
+    from call_count import ropekit_calls
+
+    cos, sin = RopeConfig(head_dim=8).cos_sin(TABLE_LEN)
+    x, cu, pos = torch.randn(5, 2, 8), torch.tensor([0, 2, 5]), torch.tensor([4, 5, 0, 1, 2])
+    for _ in range(2):
+        calls = ropekit_calls(
+            lambda: apply_rotary(x, cos, sin, positions=pos, cu_seqlens=cu, backend="packed_planner")
+        )
+        assert "launch_planned" not in calls and "resolve" in calls
+    assert packed_planner.runs == []

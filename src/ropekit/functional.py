@@ -19,7 +19,7 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.backends.plan import keep, launch_rotary, rotary_plan
+from ropekit.backends.plan import keep, launch_rotary, launch_rotary_packed, rotary_plan
 from ropekit.dtensor_inputs import (
     POSITIONS,
     ROTATED,
@@ -138,16 +138,21 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     gated, key = False, None
     if (
         positions is None
-        and cu_seqlens is None
         and forms["per_token"] is False
         and forms["full_width"] is False
         and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
         gated = True
-        out, key = launch_rotary(
-            q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
-            conjugate=inverse,
-        )  # fmt: skip
+        if cu_seqlens is None:
+            out, key = launch_rotary(
+                q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
+                conjugate=inverse,
+            )  # fmt: skip
+        else:  # a packed (varlen) step: its own gate, cu_seqlens in the key
+            out, key = launch_rotary_packed(
+                q, k, cos, sin, offsets, cu_seqlens, interleaved=interleaved, inplace=inplace,
+                backend=backend, conjugate=inverse,
+            )  # fmt: skip
         if out is not None:
             return out
     # Per-token and full-width tables become a (rows, R/2) table (a view) plus positions: see ropekit.tables.
@@ -155,10 +160,12 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    per_sequence = key is not None and type(offsets) is torch.Tensor and cos is table_cos  # a decode step
+    # What the plan reads in the kernel: per-sequence offsets (a decode step), a packed batch's cu_seqlens
+    # with its int or per-sequence offsets.
+    read = key is not None and cos is table_cos and (cu_seqlens is not None or type(offsets) is torch.Tensor)
     return apply_resolved(
         q, k, cos, sin, pos, backend=backend, **flags, gated=gated, plan_key=key,
-        offsets=offsets if per_sequence else None,
+        offsets=offsets if read else None, cu_seqlens=cu_seqlens if read else None,
     )  # fmt: skip
 
 
@@ -176,7 +183,8 @@ def apply_resolved(
     rotary_position: str = "first",
     gated: bool = False,
     plan_key: tuple | None = None,
-    offsets: torch.Tensor | None = None,
+    offsets: int | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -194,6 +202,9 @@ def apply_resolved(
         offsets: the per-sequence offsets tensor pos was resolved from (no positions, no cu_seqlens, rows
             of the caller's own table), or None: the plan kept under ``plan_key`` then reads them in the
             kernel, so the next call like this one is a lookup and one launch.
+        cu_seqlens: the packed batch's cu_seqlens pos was resolved from (no positions, rows of the caller's
+            own table), offsets then its int or per-sequence offsets; or None. The plan kept under
+            ``plan_key`` reads both in the kernel (no positions tensor built).
 
     Returns:
         (q_rotated, k_rotated or None).
@@ -253,10 +264,10 @@ def apply_resolved(
             q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
         )
         if plan_key is not None:  # plan the next call like this one
-            if offsets is not None:  # per-sequence: the plan reads the offsets, not these rows
+            if offsets is not None:  # per-sequence or packed: the plan reads the offsets, not these rows
                 offset = offsets
             plannable = cos is table_cos and (offsets is not None or (rows is None and type(offset) is int))
-            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse)
+            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens)
             keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:

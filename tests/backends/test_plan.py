@@ -282,3 +282,87 @@ def test_a_number_or_none_flag_and_a_dtype_flag_are_keyed_by_value_and_exact_kin
     for scale, dtype in ((True, fp8), ("0.5", fp8), (torch.tensor(0.5), fp8), (0.5, "float8_e4m3fn")):
         assert launch(x, scale=scale, dtype=dtype) == (None, None)
     plan.clear_plans()
+
+
+class _PackedRecorder:
+    """A backend whose plan records what it was asked for and whose launch reports its arguments."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.asked = []
+
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+        self.asked.append((per_sequence, cu_seqlens))
+        return lambda *args: ("launched", len(args))
+
+
+def _packed(lengths=(2, 0, 3)):
+    g = torch.Generator().manual_seed(1)
+    tokens = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)  # (N + 1,)
+    return torch.randn(tokens, 4, 16, generator=g), torch.randn(tokens, 2, 16, generator=g), cu
+
+
+def test_a_packed_plan_hands_cu_seqlens_to_the_backends_launch_and_checks_the_int_offset():
+    """rotary_plan with cu_seqlens: the backend plans a packed launch (given the key's cu_seqlens;
+    per-sequence offsets one per packed sequence), the run passes the call's cu_seqlens on, and an int
+    offset whose first row is already past the table never launches (the launch checks each sequence's
+    rows)."""
+    cos, sin = tables(16)  # 64 rows
+    q, k, cu = _packed()
+    impl = _PackedRecorder()
+    flags = dict(interleaved=False, inplace=False, conjugate=False)
+    run = plan.rotary_plan(impl, q, k, cos, sin, 3, **flags, cu_seqlens=cu)
+    assert impl.asked == [(False, cu)]
+    assert run(q, k, cos, sin, 63, cu) == ("launched", 6)
+    assert run(q, k, cos, sin, 64, cu) is None
+    offsets = torch.tensor([1, 2, 3])
+    assert plan.rotary_plan(impl, q, k, cos, sin, offsets, **flags, cu_seqlens=cu) is not None
+    assert impl.asked[-1] == (True, cu)
+    refused = [
+        (torch.tensor([1, 2, 3, 4, 5]), cu),  # one offset per token, not one per sequence
+        (torch.tensor([1, 2, 3], dtype=torch.int32), cu),  # converted by the checked path
+        (3, cu.to(torch.int16)),  # a dtype the kernels do not read
+        (3, cu[None]),  # not (N + 1,)
+        (3, torch.zeros(8, dtype=torch.int32)[::2]),  # not contiguous
+    ]
+    for offset, cu_seqlens in refused:
+        assert plan.rotary_plan(impl, q, k, cos, sin, offset, **flags, cu_seqlens=cu_seqlens) is None
+    # (1, T, H, D): a packed plan takes (T, H, D) only
+    assert plan.rotary_plan(impl, q[None], k[None], cos, sin, 3, **flags, cu_seqlens=cu) is None
+
+
+def test_a_packed_plan_refuses_an_in_place_q_that_meets_cu_seqlens():
+    """The memory rule in a packed plan's run: cu_seqlens is read by the kernel as it writes q, so an in-place
+    q whose bytes hold cu_seqlens never launches (the checked path decides)."""
+    cos, sin = tables(16)
+    q, k, cu = _packed()
+    flags = dict(interleaved=False, inplace=True, conjugate=False)
+    run = plan.rotary_plan(_PackedRecorder(), q, k, cos, sin, 3, **flags, cu_seqlens=cu)
+    assert run(q, k, cos, sin, 3, cu) == ("launched", 6)
+    inside = q.view(-1).view(torch.int32)[: cu.numel()]  # int32 elements in q's own bytes
+    assert run(q, k, cos, sin, 3, inside) is None
+
+
+def test_a_packed_call_takes_its_own_gate_and_a_backend_without_a_packed_plan_keeps_none(monkeypatch):
+    """A packed (cu_seqlens) call is keyed by the packed gate; the torch backend has no plan, so the key is
+    kept without one: every later step is served by the checked path (positions resolved), and the answers
+    do not change."""
+    clear_backend_cache()
+    cos, sin = tables(16)
+    q, k, cu = _packed()
+
+    def step():
+        return apply_rotary_qk(
+            q, k, cos, sin, offsets=torch.tensor([1, 2, 3]), cu_seqlens=cu, backend="torch"
+        )
+
+    first = step()
+    key = next(key for key in plan._plans if key[0] == "rotary_packed")
+    assert plan._plans[key] is None
+    for _ in range(2):
+        calls = ropekit_calls(step)
+        assert "launch_planned" in calls and "resolve" in calls
+    for got, want in zip(step(), first, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -15,10 +15,14 @@ from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_cases import (
     MODES,
+    PACKED_LENGTHS,
     assert_matches_reference,
     check_gradients,
     check_matches_reference,
+    check_planned_packed_errors,
+    check_planned_packed_steps,
     check_single_tensor,
+    packed_inputs,
     tables,
 )
 from rotary_reference import reference_tables
@@ -339,3 +343,118 @@ def test_triton_serves_compat_vllm_in_place_through_the_per_sequence_plan(is_neo
         torch.testing.assert_close((q, k), (want_q, want_k))
     calls = ropekit_calls(lambda: rotary_embedding(pos, q, k, head_size, cache, is_neox, backend="triton"))
     assert "resolve" not in calls and "run" in calls, calls
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_packed_steps_are_planned_read_cu_seqlens_in_the_kernel_and_match_the_reference(
+    monkeypatch, lengths, form, cu_dtype, inplace, dtype
+):
+    """Issue 25: a packed (varlen) step is checked once, then planned: the kernel finds each token's
+    sequence in cu_seqlens and its row t - cu_seqlens[s] + offset (or offsets[s]); see
+    rotary_cases.check_planned_packed_steps."""
+    check_planned_packed_steps(monkeypatch, "triton", PACKED_LENGTHS[lengths], form, cu_dtype, inplace, dtype)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_planned_packed_step_equals_the_torch_backend_bit_for_bit(interleaved):
+    """The planned packed launch rotates as the checked path's positions did, in either pair layout."""
+    cos, sin = tables(8)
+    q, k, cu = packed_inputs([2, 0, 3], torch.int32)
+    offsets = torch.tensor([7, 1, 30])
+    kw = dict(offsets=offsets, cu_seqlens=cu, interleaved=interleaved)
+    apply_rotary_qk(q, k, cos, sin, **kw, backend="triton")  # plans the next
+    got = apply_rotary_qk(q, k, cos, sin, **kw, backend="triton")
+    want = apply_rotary_qk(q, k, cos, sin, **kw, backend="torch")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+def test_triton_planned_packed_steps_keep_the_checked_paths_errors(form, cu_dtype):
+    """The host check (CPU tensors) refuses malformed cu_seqlens and bad rows before the planned launch; the
+    checked path raises exactly its message (rotary_cases.check_planned_packed_errors)."""
+    check_planned_packed_errors("triton", form, cu_dtype)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0, 3, 2, 5], [1, 2, 3, 5], [0, 2, 3, 4], [0, 1 << 40, 2, 5]],
+    ids=["decreasing", "start", "end", "huge"],
+)
+def test_triton_kernel_checks_cu_seqlens_itself_and_never_reads_past_its_tensors(monkeypatch, values):
+    """With the host check off, the kernel's own check of cu_seqlens (no host sync, no assert kernel): a
+    malformed one fails the launch (compiled: a trap; the interpreter: the flag), its search reading
+    cu_seqlens[0 .. N - 1] only and its rows clamped into the table; the flag is ready for the next launch."""
+    from ropekit.backends.triton import rotary as triton_backend
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = tables(8)
+    q, _, _ = packed_inputs([2, 1, 2], torch.int64)
+    out = torch.empty_like(q)
+    cu = torch.tensor(values)
+    with pytest.raises(RuntimeError, match="cu_seqlens is malformed"):
+        triton_backend.launch(q[None], None, out[None], None, cos, sin, None, 0, False, False, cu_seqlens=cu)
+    good = torch.tensor([0, 2, 3, 5])
+    triton_backend.launch(q[None], None, out[None], None, cos, sin, None, 0, False, False, cu_seqlens=good)
+    want = apply_rotary(q, cos, sin, cu_seqlens=good, backend="torch")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_triton_kernel_checks_packed_rows_itself(monkeypatch):
+    """With the host check off, a packed sequence whose rows run past the table fails the launch; its rows
+    read row 0 (the identity), the other sequence rotates."""
+    from ropekit.backends.triton import rotary as triton_backend
+
+    monkeypatch.setattr(triton_backend, "HOST_CHECKS", False)
+    cos, sin = tables(8)  # 64 rows
+    q, _, cu = packed_inputs([2, 2], torch.int32)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        launch = triton_backend.launch
+        launch(
+            q[None], None, out[None], None, cos, sin, None, torch.tensor([4, 63]), False, False, cu_seqlens=cu
+        )
+    want = apply_rotary(q[:2], cos, sin, offsets=4, cu_seqlens=torch.tensor([0, 2]), backend="torch")
+    torch.testing.assert_close(out[:2], want, rtol=0, atol=0)
+    torch.testing.assert_close(out[3], q[3], rtol=0, atol=0)  # row 64: clamped to row 0, the identity
+
+
+def test_triton_packed_decode_step_takes_no_more_ropekit_calls_than_an_int_offset_one():
+    """Issue 25's target: under the interpreter, a steady packed decode step (N one-token sequences, an int
+    or per-sequence offsets, cu_seqlens read in the kernel) is no more Python calls inside ropekit than the
+    4-D decode step with an int offset (153 and 155 against 76 before: the packed step built a positions
+    tensor through the checked path every call)."""
+    from call_count import ropekit_calls
+
+    cos, sin = tables(16)
+    q, k = _decode_inputs(batch=4, seq=1)  # (batch, 1, heads, head_dim)
+    q_packed, k_packed = q[:, 0].clone(), k[:, 0].clone()  # (T, heads, head_dim): 4 sequences of 1 token
+    cu = torch.arange(5, dtype=torch.int32)
+    steps = {
+        "int": lambda: apply_rotary_qk(q, k, cos, sin, offsets=9, inplace=True, backend="triton"),
+        "packed_int": lambda: apply_rotary_qk(
+            q_packed, k_packed, cos, sin, offsets=9, cu_seqlens=cu, inplace=True, backend="triton"
+        ),
+        "packed_per_sequence": lambda: apply_rotary_qk(
+            q_packed,
+            k_packed,
+            cos,
+            sin,
+            offsets=torch.tensor([3, 9, 17, 30]),
+            cu_seqlens=cu,
+            inplace=True,
+            backend="triton",
+        ),
+    }
+    counts = {}
+    for form, step in steps.items():
+        step()  # the first call is checked in full and plans the next
+        calls = ropekit_calls(step)
+        assert "resolve" not in calls and "check_x" not in calls, calls
+        counts[form] = len(calls)
+    assert counts["packed_int"] <= counts["int"] and counts["packed_per_sequence"] <= counts["int"], counts

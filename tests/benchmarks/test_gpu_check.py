@@ -50,6 +50,17 @@ def test_decode_steps_at_the_same_position_agree(gpu_check):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
 
 
+def test_packed_decode_steps_are_the_decode_step_as_a_packed_call(gpu_check):
+    """The no-sync check's packed (cu_seqlens) steps rotate the decode token as the 4-D step does."""
+    want = gpu_check.decode_steps("cpu")["apply_rotary_qk, int offset"]()
+    steps = gpu_check.packed_decode_steps("cpu")
+    assert len(steps) == 2
+    for name, step in steps.items():
+        got = step()
+        assert got[0].shape == (1, 32, 128), name
+        assert all(torch.equal(g, w[0]) for g, w in zip(got, want, strict=True)), name
+
+
 def test_roofline_lines_give_the_share_of_published_bandwidth_each_measured_row_reached(gpu_check):
     from ropekit.tools import roofline
 

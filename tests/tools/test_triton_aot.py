@@ -3,11 +3,12 @@ its machine code checked (ropekit.tools.ptx_check): no spills, registers within 
 round-to-nearest-even 16-bit stores, no FMA; the fused kernel's channels 128-bit too.
 
 Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
-constexpr value, every pair of axis values together: 114 compiles of the 5,436 (rotary 30, fused 64, QK-norm
+constexpr value, every pair of axis values together: 116 compiles of the 7,140 (rotary 32, fused 64, QK-norm
 20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
-specialization for every target: 1,812 x 3 = 5,436 compiles (the rotary kernel's row forms and prefill grid
-tripled its 288 specializations to 852; the prefill grids took the fused kernel's from 540 to 720 and the
-QK-norm kernel's from 144 to 240, issue 25) at about 0.26-0.5 s of CPU each.
+specialization for every target: 2,380 x 3 = 7,140 compiles (the rotary kernel's row forms and prefill grid
+tripled its 288 specializations to 852, and the packed form, cu_seqlens int32 or int64, took them to 1,420;
+the prefill grids took the fused kernel's from 540 to 720 and the QK-norm kernel's from 144 to 240, issue 25)
+at about 0.26-0.5 s of CPU each.
 
 Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
 the spec, the target and the checks' source); a warm run reads them back. One test per (module, arch) or
@@ -62,13 +63,16 @@ def test_the_rotary_kernel_specializations_cover_each_axis_the_launcher_chooses(
     assert dtypes == {"*fp32:16", "*fp16:16", "*bf16:16"}
     for flag in ("INTERLEAVED", "CONJUGATE", "COPY_TAIL"):
         assert {c[flag] for c in constexprs} == {False, True}, flag
-    assert {c["ROWS"] for c in constexprs} == {0, 1, 2}  # int offset, positions, per-sequence offsets
+    # int offset, positions, per-sequence offsets, a packed batch's cu_seqlens (int32 or int64)
+    assert {c["ROWS"] for c in constexprs} == {0, 1, 2, 3}
+    packed = {dict(s.signature)["rows_ptr"] for s in specs if dict(s.constexprs)["ROWS"] == 3}
+    assert packed == {"*i32:16", "*i64:16"}
     assert {c["BLOCK_T"] == 1 for c in constexprs} == {False, True}  # decode and prefill grids
     assert all(c["TRAP_BAD_ROWS"] for c in constexprs)  # compiled code traps on a bad row
     assert {2 * c["HALF"] + c["TAIL"] for c in constexprs} == {64, 80, 128, 256}
     assert any(c["TAIL"] > 0 and not c["COPY_TAIL"] for c in constexprs)  # partial rotary in place
     assert not any(c["ROUND_BF16_IN_INTEGERS"] for c in constexprs)  # the interpreter's workaround only
-    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 852
+    assert len(specs) == len({(s.signature, s.constexprs) for s in specs}) == 1420
 
 
 def _specs_for(dtype: str):

@@ -22,9 +22,19 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.dtensor_inputs import is_dtensor
+from ropekit.positions import check_cu_seqlens
 from ropekit.validation import check_no_alias, check_writable, describe
 
-__all__ = ["MAX_HALF", "KernelBackend", "Launch", "check_launch", "plain_eager", "register_op", "row_error"]
+__all__ = [
+    "MAX_HALF",
+    "KernelBackend",
+    "Launch",
+    "check_launch",
+    "check_packed_rows",
+    "plain_eager",
+    "register_op",
+    "row_error",
+]
 
 # launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate): rotate q (and k if not
 # None) into q_out (and k_out). q, k, q_out, k_out: (batch, seq, heads, head_dim), last stride 1; q_out may be
@@ -137,6 +147,26 @@ def check_offset_rows(offset: int, batch: int, seq: int, table_len: int) -> None
     """Rows offset .. offset + seq - 1 must lie in the table (if there is a token): integer arithmetic."""
     if batch and seq and offset + seq > table_len:
         raise row_error(offset + seq - 1, table_len)
+
+
+def check_packed_rows(cu_seqlens: torch.Tensor, offsets, tokens: int, table_len: int) -> None:
+    """A packed batch's rows, on the host (CPU tensors: no sync): cu_seqlens (N + 1,) well formed (the
+    message of :func:`ropekit.positions.check_cu_seqlens`), and every sequence's rows ``offset ..
+    offset + length - 1`` (offsets an int, or an (N,) tensor: one per sequence) in the table."""
+    cu = cu_seqlens.long()
+    lengths = cu.diff()  # (N,)
+    if isinstance(offsets, torch.Tensor):  # each sequence's last row + 1 (0: no rows), the lowest offset
+        ends = torch.where(lengths > 0, lengths + offsets, 0)
+        first, last, shortest, longest, top, lowest = torch.stack(
+            (cu[0], cu[-1], lengths.min(), lengths.max(), ends.max(), offsets.min())
+        ).tolist()
+    else:  # an int offset: Python's integers (no int64 wrap-around)
+        first, last, shortest, longest = torch.stack((cu[0], cu[-1], lengths.min(), lengths.max())).tolist()
+        top, lowest = offsets + longest if longest > 0 else 0, offsets
+    if first != 0 or last != tokens or shortest < 0:
+        check_cu_seqlens(cu_seqlens, tokens)  # raises its message
+    if lowest < 0 or top > table_len:
+        raise row_error(lowest if lowest < 0 else top - 1, table_len)
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -329,13 +359,14 @@ class KernelBackend:
         self.kernels()[1](qkv, *weights, cos, sin, positions, offset, spec)
         tell_autograd(written)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
         """The launch for one key (:mod:`ropekit.backends.plan`): the raw launcher on the caller's tensors,
         without the op's own argument checks (the launcher keeps the kernel wall). None when the inputs need
         the conversions of :meth:`rotate_qk` (a strided last axis, a table that is not float32), or for
-        per-sequence offset tensors (the launcher takes an int offset or a row per token)."""
+        per-sequence offset tensors and packed batches (the launcher takes an int offset or a row per
+        token)."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
-        if per_sequence or not all(units) or cos.dtype != torch.float32:
+        if per_sequence or cu_seqlens is not None or not all(units) or cos.dtype != torch.float32:
             return None
         launch = self._launch
 

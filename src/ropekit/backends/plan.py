@@ -28,7 +28,7 @@ import torch
 
 from ropekit.validation import byte_extent, shares_memory
 
-__all__ = ["clear_plans", "gate", "keep", "launch_rotary", "rotary_plan", "span"]
+__all__ = ["clear_plans", "gate", "keep", "launch_rotary", "launch_rotary_packed", "rotary_plan", "span"]
 
 # Plans kept before the cache starts over: a process sees a handful of (shape, layout) kinds; a workload
 # whose shapes never repeat (variable-length prefill) must not grow this without bound.
@@ -131,6 +131,12 @@ def launch_planned({params}):
 launch_rotary = gate(
     "rotary", "q k? cos sin offset#", "interleaved:bool inplace:bool backend:str conjugate:bool"
 )
+# A packed batch's (q (T, H, D), cu_seqlens (N + 1,), an int offset or (N,) offsets): apply_rotary(_qk).
+launch_rotary_packed = gate(
+    "rotary_packed",
+    "q k? cos sin offset# cu_seqlens",
+    "interleaved:bool inplace:bool backend:str conjugate:bool",
+)
 
 
 def keep(key: tuple | None, run: Callable | None) -> None:
@@ -147,51 +153,72 @@ def span(t: torch.Tensor) -> int:
     return byte_extent(t) + 1
 
 
-def rotary_plan(impl, q, k, cos, sin, offset, *, interleaved: bool, inplace: bool, conjugate: bool):
+def rotary_plan(
+    impl, q, k, cos, sin, offset, *, interleaved: bool, inplace: bool, conjugate: bool, cu_seqlens=None
+):
     """The run of one rotation key, ``run(q, k, cos, sin, offset)`` -> (q_out, k_out) or None, after the
-    checked path served the call with an int offset or per-sequence offsets (4-D q); None when this kind has
-    no plan.
+    checked path served the call with an int offset or per-sequence offsets (4-D q); or, with
+    ``cu_seqlens``, ``run(q, k, cos, sin, offset, cu_seqlens)`` for a packed batch (q (T, H, D), an int
+    offset or one per packed sequence: :data:`launch_rotary_packed`'s keys). None when this kind has no plan.
 
     ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
-    inplace, per_sequence=False)`` method gives its own launch (or None: no plan); any other gets its
-    rotate_qk, flags bound (int offsets only). The run checks what the key cannot hold: an int offset
-    against the table (``table_len - S``) and, in place, the memory rule from the call's addresses: q and k
-    meet neither table nor the per-sequence offsets, and share no element with each other (decided exactly,
-    once per byte distance k - q, which with the layouts the key fixes decides it).
+    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any other
+    gets its rotate_qk, flags bound (int offsets of 4-D q only). The run checks what the key cannot hold: an
+    int offset against the table (``table_len - S``; packed, ``table_len - 1``: the launch checks each
+    sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it checks cu_seqlens' values)
+    and, in place, the memory rule from the call's addresses: q and k meet neither table nor the
+    per-sequence offsets nor cu_seqlens, and share no element with each other (decided exactly, once per
+    byte distance k - q, which with the layouts the key fixes decides it).
     """
-    if cos.device != q.device or q.dim() != 4 or q.numel() == 0 or (k is not None and k.numel() == 0):
+    packed = cu_seqlens is not None
+    if (
+        cos.device != q.device
+        or q.dim() != (3 if packed else 4)
+        or q.numel() == 0
+        or (k is not None and k.numel() == 0)
+    ):
+        return None
+    if packed and not (
+        cu_seqlens.dtype in (torch.int32, torch.int64)
+        and cu_seqlens.dim() == 1
+        and cu_seqlens.shape[0] >= 2
+        and cu_seqlens.is_contiguous()
+        and cu_seqlens.device == q.device
+    ):
         return None
     per_sequence = type(offset) is not int
     if per_sequence and not (
         offset.dtype == torch.int64
-        and offset.shape == q.shape[:1]
+        and offset.shape == ((cu_seqlens.shape[0] - 1,) if packed else q.shape[:1])
         and offset.is_contiguous()
         and offset.device == q.device
     ):
         return None
     make = getattr(impl, "plan", None)
     flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+    if per_sequence:
+        flags["per_sequence"] = True
+    if packed:
+        flags["cu_seqlens"] = cu_seqlens  # its length and dtype are the key's
     if make is not None:
-        launch = (
-            make(q, k, cos, sin, **flags, per_sequence=True)
-            if per_sequence
-            else make(q, k, cos, sin, **flags)
-        )
+        launch = make(q, k, cos, sin, **flags)
         if launch is None:
             return None
-    elif per_sequence:
+    elif per_sequence or packed:
         return None
     else:
 
         def launch(q, k, cos, sin, offset):
             return impl.rotate_qk(q, k, cos, sin, None, **flags, offset=offset)
 
-    last_offset = cos.shape[0] - q.shape[1]  # an int offset's rows offset .. offset + S - 1 fit the table
+    # an int offset's rows offset .. offset + S - 1 fit the table (packed: at least row offset)
+    last_offset = cos.shape[0] - (1 if packed else q.shape[1])
     q_span, k_span, cos_span, sin_span = span(q), 0 if k is None else span(k), span(cos), span(sin)
     offsets_span = span(offset) if per_sequence and offset.numel() else 0  # 0: no bytes to meet
+    cu_span = span(cu_seqlens) if packed else 0
     shared: dict[int, bool] = {}  # k - q byte distance -> whether q and k share an element
 
-    def run(q, k, cos, sin, offset):
+    def run(q, k, cos, sin, offset, cu_seqlens=None):
         if type(offset) is int and not 0 <= offset <= last_offset:
             return None
         if inplace:  # the memory rule, from this call's addresses (docs/safety.md)
@@ -204,12 +231,13 @@ def rotary_plan(impl, q, k, cos, sin, offset, *, interleaved: bool, inplace: boo
                 sin_lo < q_lo + q_span and q_lo < sin_lo + sin_span
             ):
                 return None  # q's bytes meet a table's: the checked path decides, and raises
-            if offsets_span:  # per-sequence offsets, read by the kernel as it writes
-                off_lo = offset.data_ptr()
-                if (off_lo < q_lo + q_span and q_lo < off_lo + offsets_span) or (
-                    k is not None and off_lo < k.data_ptr() + k_span and k.data_ptr() < off_lo + offsets_span
-                ):
-                    return None
+            for index, index_span in ((offset, offsets_span), (cu_seqlens, cu_span)):
+                if index_span:  # per-sequence offsets, cu_seqlens: read by the kernel as it writes
+                    lo = index.data_ptr()
+                    if (lo < q_lo + q_span and q_lo < lo + index_span) or (
+                        k is not None and lo < k.data_ptr() + k_span and k.data_ptr() < lo + index_span
+                    ):
+                        return None
             if k is not None:
                 k_lo = k.data_ptr()
                 if (cos_lo < k_lo + k_span and k_lo < cos_lo + cos_span) or (
@@ -225,6 +253,8 @@ def rotary_plan(impl, q, k, cos, sin, offset, *, interleaved: bool, inplace: boo
                             shared[distance] = meet
                     if meet:
                         return None
-        return launch(q, k, cos, sin, offset)
+        if cu_seqlens is None:
+            return launch(q, k, cos, sin, offset)
+        return launch(q, k, cos, sin, offset, cu_seqlens)
 
     return run

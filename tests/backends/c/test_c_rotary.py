@@ -8,9 +8,19 @@ import logging
 import pytest
 import torch
 
-from ropekit import apply_rotary, backends
+from ropekit import apply_rotary, apply_rotary_qk, backends
 from ropekit.backends.c import rotary as cpu
-from rotary_cases import MODES, check_gradients, check_matches_reference, check_single_tensor, tables
+from rotary_cases import (
+    MODES,
+    PACKED_LENGTHS,
+    check_gradients,
+    check_matches_reference,
+    check_planned_packed_errors,
+    check_planned_packed_steps,
+    check_single_tensor,
+    packed_inputs,
+    tables,
+)
 
 pytestmark = pytest.mark.skipif(
     backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
@@ -136,3 +146,48 @@ def test_cpu_outputs_equal_the_torch_backend_bit_for_bit(dtype, interleaved, inp
     )
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_packed_steps_are_planned_and_read_cu_seqlens_in_the_loop(
+    monkeypatch, lengths, form, cu_dtype, inplace, dtype
+):
+    """Issue 25: a packed (varlen) step on the C loop is checked once, then planned: the loop reads
+    cu_seqlens and the offsets itself (each token's sequence by a binary search), so no positions tensor is
+    resolved (rotary_cases.check_planned_packed_steps: the reference, and the torch backend bit for bit)."""
+    check_planned_packed_steps(monkeypatch, "cpu", PACKED_LENGTHS[lengths], form, cu_dtype, inplace, dtype)
+
+
+@pytest.mark.parametrize("form", ["int", "per_sequence"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=str)
+def test_cpu_planned_packed_steps_keep_the_checked_paths_errors(form, cu_dtype):
+    """The C loop refuses malformed cu_seqlens and bad rows before it writes; the checked path raises
+    exactly its message (rotary_cases.check_planned_packed_errors)."""
+    check_planned_packed_errors("cpu", form, cu_dtype)
+
+
+def test_cpu_packed_decode_step_is_as_few_ropekit_calls_as_an_int_offset_one():
+    """The packed plan makes a varlen decode step on the C loop what a 4-D decode step is: the gate, the
+    plan's run and the loop (6 ropekit calls, as the int-offset step)."""
+    from call_count import ropekit_calls
+
+    cos, sin = tables(8)
+    q, k, cu = packed_inputs([1] * 4, torch.int32)
+    q4, k4 = q[:, None], k[:, None]  # (batch, 1, heads, head_dim)
+    steps = {
+        "int": lambda: apply_rotary_qk(q4, k4, cos, sin, offsets=9, inplace=True, backend="cpu"),
+        "packed_per_sequence": lambda: apply_rotary_qk(
+            q, k, cos, sin, offsets=torch.tensor([3, 9, 17, 30]), cu_seqlens=cu, inplace=True, backend="cpu"
+        ),
+    }
+    counts = {}
+    for form, step in steps.items():
+        step()
+        calls = ropekit_calls(step)
+        assert "resolve" not in calls, calls
+        counts[form] = len(calls)
+    assert counts["packed_per_sequence"] <= counts["int"], counts

@@ -53,6 +53,21 @@ def test_triton_reports_unsupported_dtype_and_auto_refuses_the_interpreter(monke
     assert "interpreter" in backend.auto_skip_reason(x, cos)
 
 
+def _ptx_for_sm90(module, spec) -> str:
+    """The PTX of one of ``module.aot_specializations()`` compiled for sm_90 with the launcher's options."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, signature, constexprs, num_warps = spec
+    compiled = triton.compile(
+        ASTSource(kernel, {k: v.split(":")[0] for k, v in signature.items()}, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, **module.COMPILE_OPTIONS},
+    )
+    return compiled.asm["ptx"]
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiles need Triton's JIT"
 )
@@ -65,18 +80,31 @@ def test_compiled_kernels_fail_a_bad_row_with_a_predicated_trap_not_an_assert_ke
     pytest.importorskip("triton")
     import importlib
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     mod = importlib.import_module(f"ropekit.backends.triton.{module}")
-    kernel, signature, constexprs, num_warps = next(iter(mod.aot_specializations()))
+    spec = next(iter(mod.aot_specializations()))
+    constexprs = spec[2]
     assert constexprs["TRAP_BAD_ROWS"] is True
-    compiled = triton.compile(
-        ASTSource(kernel, {k: v.split(":")[0] for k, v in signature.items()}, constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, **mod.COMPILE_OPTIONS},
-    )
-    ptx = compiled.asm["ptx"]
+    ptx = _ptx_for_sm90(mod, spec)
     assert "@%p trap;" in ptx and "__assertfail" not in ptx
     assert ptx.count("trap;") == (2 if constexprs.get("HAS_SLOTS") else 1)  # rows (and slots)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiles need Triton's JIT"
+)
+@pytest.mark.parametrize("cu_dtype", ["i32", "i64"])
+def test_compiled_packed_kernel_checks_rows_and_cu_seqlens_with_one_trap_and_no_host_sync(cu_dtype):
+    """Issue 25: the packed form (ROWS_CU_SEQLENS) reads cu_seqlens itself (a bisection loop), and checks
+    its values and every row with the one predicated trap the other forms have: no assert routine, no
+    second trap."""
+    pytest.importorskip("triton")
+    from ropekit.backends.triton import rotary_kernel as mod
+
+    spec = next(
+        spec
+        for spec in mod.aot_specializations()
+        if spec[2]["ROWS"] == mod.ROWS_CU_SEQLENS and spec[1]["rows_ptr"].startswith(f"*{cu_dtype}")
+    )
+    ptx = _ptx_for_sm90(mod, spec)
+    assert "@%p trap;" in ptx and "__assertfail" not in ptx
+    assert ptx.count("trap;") == 1

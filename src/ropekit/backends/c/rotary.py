@@ -49,6 +49,38 @@ static void advise_huge(void *p, int64_t bytes) {
 }
 
 
+/* A packed batch's cu_seqlens, int32 (cu32) or int64, entry i. */
+static inline int64_t cu_at(const void *cu, int cu32, int64_t i) {
+    return cu32 ? (int64_t)((const int32_t *)cu)[i] : ((const int64_t *)cu)[i];
+}
+
+/* -1 if cu (n + 1 entries) runs from 0 to tokens without decreasing and every sequence's rows, its offset
+   (offsets[s], or offset when offsets is NULL) + [0, length), lie in [0, table_len) (a negative offset fails
+   even for an empty sequence, as the checked path refuses it); -3 if cu is malformed; else the first token of
+   a sequence whose rows do not fit. Nothing is written before it returns. */
+static int64_t check_packed(const void *cu, int cu32, int64_t n, const int64_t *offsets, int64_t offset,
+                            int64_t tokens, int64_t table_len) {
+    if (cu_at(cu, cu32, 0) != 0 || cu_at(cu, cu32, n) != tokens) return -3;
+    for (int64_t s = 0; s < n; ++s)
+        if (cu_at(cu, cu32, s + 1) < cu_at(cu, cu32, s)) return -3;
+    for (int64_t s = 0; s < n; ++s) {
+        int64_t start = cu_at(cu, cu32, s), length = cu_at(cu, cu32, s + 1) - start;
+        int64_t off = offsets ? offsets[s] : offset;
+        if (off < 0 || (length > 0 && off > table_len - length)) return start;
+    }
+    return -1;
+}
+
+/* The sequence of packed token t: the last s in [0, n) with cu[s] <= t (cu checked by check_packed). */
+static inline int64_t packed_sequence(const void *cu, int cu32, int64_t n, int64_t t) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (cu_at(cu, cu32, mid) <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* st: strides in elements, {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}. */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
@@ -93,16 +125,19 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
     } \
 } \
 /* a: the integer arguments, as _INT_ARGS. Returns -1 when done, -2 if half is outside [1, ROPEKIT_MAX_HALF] \
-   (the scratch rows' size), else the first token whose table row (pos[token]; pos[batch row] + its index in \
-   the sequence with per_seq; offset + that index when pos is NULL) is outside [0, table_len); nothing is \
-   written then. */ \
+   (the scratch rows' size), -3 for malformed cu_seqlens, else the first token whose table row (pos[token]; \
+   pos[batch row] + its index in the sequence with per_seq; offset + that index when pos is NULL; packed (cu \
+   not NULL, batch 1): its index in its sequence s + pos[s], or + offset when pos is NULL) is outside \
+   [0, table_len); nothing is written then. */ \
 int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos, const float *sin, \
-             const int64_t *pos, const int64_t *a, int64_t offset, int64_t nthreads) { \
+             const int64_t *pos, const void *cu, const int64_t *a, int64_t offset, int64_t nthreads) { \
     const int64_t *st = a, batch = a[12], seq = a[13], q_heads = a[14], k_heads = a[15]; \
     const int64_t half = a[16]; \
     const int64_t tail = a[17], cos_stride = a[18], sin_stride = a[19], table_len = a[20]; \
     const int interleaved = (int)a[21], conjugate = (int)a[22], copy_tail = (int)a[23]; \
     const int per_seq = (int)a[24]; \
+    const int64_t n_seqs = a[25]; \
+    const int cu32 = (int)a[26]; \
     const int threads = (int)nthreads; \
     float sign = conjugate ? -1.0f : 1.0f; \
     int64_t tokens = batch * seq; \
@@ -111,7 +146,10 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
        0.80 -> 0.70 x copy_ (2-core Xeon, one thread). */ \
     const int direct = tokens * (q_heads + k_heads) * (2 * half + tail) <= DIRECT_ELEMENTS; \
     if (half < 1 || half > ROPEKIT_MAX_HALF) return -2; \
-    if (pos && per_seq) { /* pos[b]: sequence b's offset; its rows are pos[b] + t */ \
+    if (cu) { /* a packed batch: cu_seqlens and each sequence's rows */ \
+        int64_t bad = check_packed(cu, cu32, n_seqs, pos, offset, tokens, table_len); \
+        if (bad != -1) return bad; \
+    } else if (pos && per_seq) { /* pos[b]: sequence b's offset; its rows are pos[b] + t */ \
         for (int64_t b = 0; b < batch && seq > 0; ++b) \
             if (pos[b] < 0 || pos[b] > table_len - seq) \
                 return b * seq + (pos[b] < 0 ? 0 : table_len - pos[b] > 0 ? table_len - pos[b] : 0); \
@@ -128,7 +166,13 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
     for (int64_t token = 0; token < tokens; ++token) { \
         int64_t b = token / seq, t = token % seq; \
-        int64_t row = pos ? (per_seq ? pos[b] + t : pos[token]) : offset + t; \
+        int64_t row; \
+        if (cu) { /* b is 0, t the token's index in the batch */ \
+            int64_t sq = packed_sequence(cu, cu32, n_seqs, t); \
+            row = t - cu_at(cu, cu32, sq) + (pos ? pos[sq] : offset); \
+        } else { \
+            row = pos ? (per_seq ? pos[b] + t : pos[token]) : offset + t; \
+        } \
         const float *c = cos + row * cos_stride; \
         float s[ROPEKIT_MAX_HALF], c2[2 * ROPEKIT_MAX_HALF], s2[2 * ROPEKIT_MAX_HALF]; \
         for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
@@ -157,12 +201,13 @@ _ENTRY = {torch.float32: "rotary_f32", torch.float16: "rotary_f16", torch.bfloat
 # q, q_out, k, k_out, cos, sin, positions, the integer arguments that depend on shapes and flags alone packed
 # into one int64 array (a ctypes call converts each argument separately, so 24 integers as one pointer save
 # microseconds per decode step, and a launch plan keeps the bytes), then the offset and the thread count.
-_ARGTYPES = (ctypes.c_void_p,) * 8 + (ctypes.c_int64,) * 2
+_ARGTYPES = (ctypes.c_void_p,) * 9 + (ctypes.c_int64,) * 2
 # strides {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}, batch, seq, q_heads, k_heads,
-# half, tail, cos_stride, sin_stride, table_len, interleaved, conjugate, copy_tail, per_seq.
+# half, tail, cos_stride, sin_stride, table_len, interleaved, conjugate, copy_tail, per_seq, n_seqs, cu32.
 # copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
 # per_seq: positions holds one offset per batch row (a launch plan's tensor offsets), not a row per token.
-_INT_ARGS = struct.Struct("25q")
+# n_seqs, cu32: a packed batch's sequences and whether its cu_seqlens is int32 (a launch plan's, else 0).
+_INT_ARGS = struct.Struct("27q")
 
 
 _LIBRARY = CLibrary(
@@ -218,6 +263,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         cos.data_ptr(),
         sin.data_ptr(),
         None if positions is None else positions.data_ptr(),
+        None,  # cu_seqlens: a launch plan's packed batch only
         int_args,  # bytes: read-only for the C loop, owned by this call (thread-safe)
         offset,
         _threads(q, k),
@@ -229,8 +275,11 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         raise row_error(position, table_len, bad if positions is not None else None)
 
 
-def _pack(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_seq: bool = False) -> bytes:
-    """The C loop's integer arguments that depend on shapes, strides and flags alone (see _INT_ARGS)."""
+def _pack(
+    q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_seq: bool = False, cu_seqlens=None
+) -> bytes:
+    """The C loop's integer arguments that depend on shapes, strides and flags alone (see _INT_ARGS); of
+    cu_seqlens (a packed batch: q (1, T, H, D)), its length and dtype."""
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
     half = cos.shape[1]
     has_k = k is not None
@@ -242,22 +291,28 @@ def _pack(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_
         interleaved, conjugate,
         (q_out.data_ptr() != q.data_ptr()) | (has_k and k_out.data_ptr() != k.data_ptr()) << 1,
         per_seq,
+        0 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        cu_seqlens is not None and cu_seqlens.dtype == torch.int32,
     )  # fmt: skip
 
 
-def pointer_launch(q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_sequence: bool):
+def pointer_launch(
+    q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_sequence: bool, cu_seqlens=None
+):
     """The C loop bound to the integers of a launch on tensors laid out as these (shapes, strides, dtype,
-    flags): call(q, q_out, k, k_out, cos, sin, rows, offset) with data pointers as ints (k, k_out, rows may
-    be None; rows: one offset per batch row with per_sequence, else None for offset + arange(seq)) returns
-    the loop's code: -1 done, else a row outside the table, nothing written. The caller keeps the kernel
-    wall: every tensor it points at is laid out as these."""
+    flags; a packed batch's cu_seqlens length and dtype): call(q, q_out, k, k_out, cos, sin, rows, offset,
+    cu=None) with data pointers as ints (k, k_out, rows, cu may be None; rows: one offset per batch row, or
+    per packed sequence, with per_sequence, else None for offset + the token's index in its sequence; cu: the
+    packed batch's cu_seqlens, q then (1, T, H, D)) returns the loop's code: -1 done, else a row outside the
+    table or malformed cu_seqlens, nothing written. The caller keeps the kernel wall: every tensor it points
+    at is laid out as these."""
     function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
-    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
     parallel = _threads(q, k) > 1
 
-    def call(q, q_out, k, k_out, cos, sin, rows, offset) -> int:
+    def call(q, q_out, k, k_out, cos, sin, rows, offset, cu=None) -> int:
         threads = torch.get_num_threads() if parallel else 1
-        return function(q, q_out, k, k_out, cos, sin, rows, int_args, offset, threads)
+        return function(q, q_out, k, k_out, cos, sin, rows, cu, int_args, offset, threads)
 
     return call
 
@@ -299,22 +354,28 @@ class CpuBackend(KernelBackend):
         reason = fused_cpu.unavailable_reason()
         return None if reason is None else f"cannot serve the fused op: {reason}"
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
         call is the outputs, the data pointers and the C loop. With per_sequence, ``offset`` is an int64
         tensor of one offset per batch row, read by the C loop itself (no positions tensor is built).
-        The run returns None, having written nothing, if a row is outside the table (the checked path then
-        raises its own error)."""
+        With ``cu_seqlens`` (a packed batch: q and k (T, H, D), an int offset or one per packed sequence),
+        the run takes the call's cu_seqlens too, ``run(q, k, cos, sin, offset, cu_seqlens)``: the C loop
+        checks it (from 0 to T, never decreasing) and each sequence's rows before it writes, then finds each
+        token's sequence by a binary search, so no positions tensor is built either. The run returns None,
+        having written nothing, if a row is outside the table or cu_seqlens is malformed (the checked path
+        then raises its own error)."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
         if not all(units) or cos.dtype != torch.float32 or not q.is_cpu or q.dtype not in _ENTRY:
             return None
         # empty_like's strides follow from the input's strides alone: the probes' are every call's.
-        q_out, k_out = (
+        probes = (q, k) + (
             (q, k) if inplace else (torch.empty_like(q), None if k is None else torch.empty_like(k))
         )
-        call = pointer_launch(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence)
+        if cu_seqlens is not None:  # (T, H, D) as the loop's (1, T, H, D)
+            probes = tuple(None if t is None else t[None] for t in probes)
+        call = pointer_launch(*probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
 
-        def run(q, k, cos, sin, offset):
+        def run(q, k, cos, sin, offset, cu_seqlens=None):
             if inplace:
                 q_out, k_out = q, k
             else:
@@ -329,9 +390,10 @@ class CpuBackend(KernelBackend):
                 sin.data_ptr(),
                 offset.data_ptr() if per_sequence else None,
                 0 if per_sequence else offset,
+                None if cu_seqlens is None else cu_seqlens.data_ptr(),
             )
-            if bad != -1:  # a row outside the table (or a width past the bound): nothing was written
-                return None
+            if bad != -1:  # a row outside the table, malformed cu_seqlens (or a width past the bound)
+                return None  # nothing was written
             if inplace:  # what the dispatcher would do: tell autograd that q and k changed
                 torch._C._increment_version((q,) if k is None else (q, k))
             return q_out, k_out

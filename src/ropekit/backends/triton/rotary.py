@@ -15,13 +15,23 @@ import os
 
 import torch
 
-from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
+from ropekit.backends.kernel_op import (
+    MAX_HALF,
+    KernelBackend,
+    check_launch,
+    check_offset_rows,
+    check_packed_rows,
+    row_error,
+)
 
 __all__ = ["TritonBackend", "error_flag", "flagged", "interpreter_enabled", "launch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ROW_MESSAGE = "ropekit: a position is outside the cos/sin table (positions >= table_len)"
+_PACKED_MESSAGE = (
+    f"{_ROW_MESSAGE}, or cu_seqlens is malformed (expected non-decreasing offsets from 0 to total_tokens)"
+)
 
 
 def interpreter_enabled() -> bool:
@@ -49,6 +59,18 @@ def error_flag(device: torch.device) -> torch.Tensor:
     return flag
 
 
+# device -> an int64 tensor the kernel's offsets pointer holds when no offsets tensor is read (a load masked
+# off reads nothing; the pointer's type is the one its compiled specializations list).
+_NO_OFFSETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_offsets(device: torch.device) -> torch.Tensor:
+    offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():  # as error_flag
+        _NO_OFFSETS[device] = offsets
+    return offsets
+
+
 def flagged(flag: torch.Tensor, message: str) -> RuntimeError:
     """The error for a launch whose kernel cleared ``flag`` (the interpreter), the flag set again for the
     next launch."""
@@ -56,12 +78,18 @@ def flagged(flag: torch.Tensor, message: str) -> RuntimeError:
     return RuntimeError(message)
 
 
-def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
+def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate, cu_seqlens=None) -> None:
     """Run the kernel on a (token blocks, head blocks) grid; see :data:`ropekit.backends.kernel_op.Launch`.
 
     ``offset`` is an int, or (this launcher only, with positions None) an int64 tensor of per-sequence
     offsets, one per batch row: the kernel reads it and computes each token's row ``offsets[b] + t``, so no
     positions tensor is built.
+
+    ``cu_seqlens`` (this launcher only, with positions None): a packed batch of N sequences, q of shape
+    (1, T, heads, head_dim) and cu_seqlens a contiguous int32 or int64 (N + 1,) tensor on q's device; offset
+    an int or an int64 (N,) tensor, one per packed sequence. The kernel finds each token's sequence s in
+    cu_seqlens (a binary search) and its row ``t - cu_seqlens[s] + offset`` (or ``+ offsets[s]``); it checks
+    cu_seqlens' values itself (from 0 to T, never decreasing), as it checks rows.
 
     Table rows are checked twice. First on the host, without a sync: an int offset with integer arithmetic;
     a positions or offsets tensor when it is a CPU tensor (the interpreter). Then in the kernel, for every
@@ -79,13 +107,15 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
 
     Raises:
         ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, or (host-checked
-            rows) a table row outside the table.
-        RuntimeError: under the interpreter, a row outside the table that the host did not check.
+            rows) a table row outside the table, or (host-checked cu_seqlens) malformed cu_seqlens.
+        RuntimeError: under the interpreter, a row outside the table (or malformed cu_seqlens) that the host
+            did not check.
     """
     from ropekit.backends.triton.rotary_kernel import (
         COMPILE_OPTIONS,
         INTERPRETED,
         PREFILL_TOKENS,
+        ROWS_CU_SEQLENS,
         ROWS_OFFSET,
         ROWS_POSITIONS,
         ROWS_SEQ_OFFSETS,
@@ -99,19 +129,52 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
     table_len, half = cos.shape  # (table_len, rotary_dim // 2)
     tokens = batch * seq
-    if tokens == 0:
+    n_seqs = search_steps = 0  # a packed batch's sequences, and the steps that find a token's sequence
+    offsets = _NO_OFFSETS.get(q.device)  # replaced by a packed batch's per-sequence offsets
+    if offsets is None:
+        offsets = _no_offsets(q.device)
+    if tokens == 0 and cu_seqlens is None:
         return
+    if cu_seqlens is not None:  # a packed batch (1, T, heads, head_dim): checked inline, as the offsets
+        if positions is not None or batch != 1:
+            raise ValueError(
+                f"cu_seqlens: expected q of shape (1, total_tokens, heads, head_dim) and no positions, got q "
+                f"of shape {tuple(q.shape)}{'' if positions is None else ' and positions'}"
+            )
+        if (
+            cu_seqlens.dtype not in (torch.int32, torch.int64)
+            or cu_seqlens.dim() != 1
+            or cu_seqlens.shape[0] < 2
+            or not cu_seqlens.is_contiguous()
+            or cu_seqlens.device != q.device
+        ):
+            raise ValueError(
+                f"cu_seqlens: expected a contiguous int32 or int64 tensor of shape (num_seqs + 1,) with "
+                f"num_seqs >= 1 on {q.device}, got a {cu_seqlens.dtype} tensor of shape "
+                f"{tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
+            )
+        n_seqs = cu_seqlens.shape[0] - 1
     if per_sequence:  # read by the kernel as they are: checked inline (a decode step's budget of calls)
+        n, each = (batch, "batch row") if cu_seqlens is None else (n_seqs, "packed sequence")
         if (
             offset.dtype != torch.int64
-            or offset.shape != (batch,)
+            or offset.shape != (n,)
             or not offset.is_contiguous()
             or offset.device != q.device
         ):
             raise ValueError(
-                f"offsets: expected a contiguous int64 tensor of shape ({batch},) (one per batch row) on "
+                f"offsets: expected a contiguous int64 tensor of shape ({n},) (one per {each}) on "
                 f"{q.device}, got a {offset.dtype} tensor of shape {tuple(offset.shape)} on {offset.device}"
             )
+    if cu_seqlens is not None:
+        if per_sequence:
+            offsets, offset = offset, -1  # -1: the kernel reads offsets[s]
+        if HOST_CHECKS and cu_seqlens.device.type == "cpu":  # no sync; the kernel checks them again
+            check_packed_rows(cu_seqlens, offsets if offset < 0 else offset, tokens, table_len)
+        if tokens == 0:
+            return
+        rows, form, search_steps = cu_seqlens, ROWS_CU_SEQLENS, (n_seqs - 1).bit_length()
+    elif per_sequence:
         if HOST_CHECKS and offset.device.type == "cpu":  # no sync; the kernel checks every row again
             lo, hi = torch.stack(torch.aminmax(offset)).tolist()
             if lo < 0 or hi + seq > table_len:
@@ -156,6 +219,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             cos,
             sin,
             rows,
+            offsets,
             flag,
             offset,
             table_len,
@@ -163,6 +227,8 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             seq,
             q_heads,
             k_heads,
+            n_seqs,
+            search_steps,
             *q.stride()[:3],
             *k_args[0].stride()[:3],
             *q_out.stride()[:3],
@@ -174,31 +240,43 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
             **COMPILE_OPTIONS,
         )
     if interpret and not flag[0]:  # the interpreter's kernel cleared it (a host tensor: no sync)
-        raise flagged(flag, _ROW_MESSAGE)
+        raise flagged(flag, _ROW_MESSAGE if cu_seqlens is None else _PACKED_MESSAGE)
 
 
 class TritonBackend(KernelBackend):
     def __init__(self) -> None:
         super().__init__("triton", launch)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False):
+    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
         """The launch for one key (:mod:`ropekit.backends.plan`), for an int offset and for per-sequence
         offsets alike: the launcher takes either (the kernel reads the offsets tensor and computes each
         token's row), so a decode step with per-sequence offsets is a lookup and one launch, as one with an
-        int offset; no positions tensor is built. None when the inputs need the conversions of
-        :meth:`rotate_qk`. The run returns None, having written nothing, when the launcher refuses a value
-        on the host (an offset whose rows leave the table): the checked path then raises its own error."""
+        int offset; no positions tensor is built. With ``cu_seqlens`` (a packed batch), q and k are
+        (T, H, D) and the run takes the call's cu_seqlens too (``run(q, k, cos, sin, offset, cu_seqlens)``):
+        the kernel finds each token's sequence in it, so a packed (varlen) step is a lookup and one launch
+        as well. None when the inputs need the conversions of :meth:`rotate_qk`. The run returns None,
+        having written nothing, when the launcher refuses a value on the host (an offset whose rows leave
+        the table, malformed cu_seqlens): the checked path then raises its own error."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
         if not all(units) or cos.dtype != torch.float32:
             return None
 
-        def run(q, k, cos, sin, offset):
+        def run(q, k, cos, sin, offset, cu_seqlens=None):
             if inplace:
                 q_out, k_out = q, k
             else:
                 q_out, k_out = torch.empty_like(q), None if k is None else torch.empty_like(k)
             try:
-                launch(q, k, q_out, k_out, cos, sin, None, offset, interleaved, conjugate)
+                if cu_seqlens is None:
+                    launch(q, k, q_out, k_out, cos, sin, None, offset, interleaved, conjugate)
+                else:  # (T, H, D) as (1, T, H, D); in place, one view object is input and output
+                    q4, k4 = q[None], None if k is None else k[None]
+                    q_out4 = q4 if inplace else q_out[None]
+                    k_out4 = k4 if inplace or k is None else k_out[None]
+                    launch(
+                        q4, k4, q_out4, k_out4, cos, sin, None, offset, interleaved, conjugate,
+                        cu_seqlens=cu_seqlens,
+                    )  # fmt: skip
             except ValueError:  # refused before the launch: nothing written
                 return None
             if inplace:  # what the dispatcher would do: tell autograd that q and k changed

@@ -4,8 +4,10 @@ The grid is (token blocks, head blocks): a program rotates ``BLOCK_T`` tokens by
 of k: the head blocks of q come first, then k's), with the tokens' cos/sin rows loaded once for the tile.
 Decode (a few tokens) uses one token a program; prefill ``BLOCK_T`` tokens, with more warps, so that a thread
 holds the same elements (:func:`kernel_config`). Each token's table row is computed in the kernel
-(``ROWS``): ``offset + t`` for an int offset, ``offsets[b] + t`` for per-sequence offsets, or
-``positions[token]``; no positions tensor is built for either offset form. Layout switches (``INTERLEAVED``,
+(``ROWS``): ``offset + t`` for an int offset, ``offsets[b] + t`` for per-sequence offsets,
+``positions[token]``, or, for a packed batch, ``t - cu_seqlens[s] + offset`` (or ``+ offsets[s]``) with each
+token's sequence ``s`` found by a binary search over cu_seqlens; no positions tensor is built for any offset
+form. Layout switches (``INTERLEAVED``,
 ``CONJUGATE``, the row form, whether a tail must be copied) are compile-time constants, so each combination
 compiles to straight-line code. Math runs in float32 whatever the storage
 dtype, with no fused multiply-add (``enable_fp_fusion=False`` at every launch, as the C loop's
@@ -69,8 +71,10 @@ MIN_WARPS, MAX_WARPS = 2, 8
 PREFILL_TOKENS = 256
 
 # How a token's table row is found (the ROWS constexpr): offset + t (an int offset), positions[token] (a
-# positions tensor, one row a token), offsets[b] + t (a tensor of per-sequence offsets, one a batch row).
-ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS = 0, 1, 2
+# positions tensor, one row a token), offsets[b] + t (a tensor of per-sequence offsets, one a batch row),
+# t - cu_seqlens[s] + offset (+ offsets[s] when an offsets tensor is given: a runtime switch, not one more
+# specialization) for a packed batch, s the token's sequence.
+ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS, ROWS_CU_SEQLENS = 0, 1, 2, 3
 
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -97,7 +101,8 @@ def kernel_config(
         dtype: the storage dtype as Triton names it: "fp32", "fp16" or "bf16".
         half: rotary_dim // 2 (the width of the cos/sin table); tail: head_dim - rotary_dim.
         interleaved, conjugate: the pair layout, the backward rotation.
-        rows: how a token's table row is found: ROWS_OFFSET, ROWS_POSITIONS or ROWS_SEQ_OFFSETS.
+        rows: how a token's table row is found: ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS or
+            ROWS_CU_SEQLENS.
         copy_tail: whether the tail is copied (an out-of-place partial rotary).
         prefill: at least PREFILL_TOKENS tokens: BLOCK_T tokens a program (see PREFILL_TOKENS).
         interpret: Triton's interpreter runs the kernel: its float -> bfloat16 cast truncates, so the bf16
@@ -138,16 +143,20 @@ def grid(tokens: int, q_heads: int, k_heads: int, constexprs: dict[str, object])
     return -(-tokens // block_t), -(-q_heads // block_h) + -(-k_heads // block_h)
 
 
-_INT_ARGS = ("table_len", "tokens", "seq_len", "q_heads", "k_heads")
+_INT_ARGS = ("table_len", "tokens", "seq_len", "q_heads", "k_heads", "n_seqs", "search_steps")
 _STRIDES = (*(f"{t}_stride_{a}" for t in ("q", "k", "qo", "ko") for a in "bsh"), "cos_stride", "sin_stride")
 
 
-def signature(dtype: str, head_dim: int, half: int, constexprs: dict[str, object]) -> dict[str, str]:
+def signature(
+    dtype: str, head_dim: int, half: int, constexprs: dict[str, object], rows_dtype: str = "i64"
+) -> dict[str, str]:
     """The kernel's signature for contiguous (batch, seq, heads, head_dim) tensors and a contiguous table,
     in Triton's ahead-of-time notation: ``:16`` marks an argument the JIT specializes as divisible by 16
-    (torch allocations are; a stride is when its value is), which is what lets the compiler vectorise."""
+    (torch allocations are; a stride is when its value is), which is what lets the compiler vectorise.
+    ``rows_dtype``: what rows_ptr points at, "i64", or "i32" for int32 cu_seqlens (ROWS_CU_SEQLENS)."""
     sig = {name: f"*{dtype}:16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
-    sig |= {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "rows_ptr": "*i64:16", "flag_ptr": "*i32:16"}
+    sig |= {"cos_ptr": "*fp32:16", "sin_ptr": "*fp32:16", "rows_ptr": f"*{rows_dtype}:16"}
+    sig |= {"offsets_ptr": "*i64:16", "flag_ptr": "*i32:16"}
     sig["offset"] = "i64"
     sig |= dict.fromkeys(_INT_ARGS, "i32")
     # Strides of a contiguous tensor: head_dim (per head), heads * head_dim (per token), ... all multiples
@@ -163,8 +172,9 @@ PARTIAL_ROTARY = {64: 32, 80: 32, 128: 64, 256: 64}
 
 def aot_specializations():
     """Every (kernel, signature, constexprs, num_warps) the launcher picks for head_dim 64, 80, 128 and 256,
-    full and partial rotary (tail copied or in place), each dtype, pair layout, direction, row form and grid
-    (decode: one token a program; prefill: BLOCK_T tokens).
+    full and partial rotary (tail copied or in place), each dtype, pair layout, direction, row form (a packed
+    batch's cu_seqlens int32 or int64: two pointer types) and grid (decode: one token a program; prefill:
+    BLOCK_T tokens).
 
     Forward and backward are the same kernel; the backward pass is ``CONJUGATE=True``.
     """
@@ -174,10 +184,16 @@ def aot_specializations():
         ("full", "copy", "inplace"),
         (False, True),
         (False, True),
-        (ROWS_OFFSET, ROWS_POSITIONS, ROWS_SEQ_OFFSETS),
+        (
+            (ROWS_OFFSET, "i64"),
+            (ROWS_POSITIONS, "i64"),
+            (ROWS_SEQ_OFFSETS, "i64"),
+            (ROWS_CU_SEQLENS, "i32"),  # what rows_ptr points at: a packed batch's cu_seqlens, either dtype
+            (ROWS_CU_SEQLENS, "i64"),
+        ),
         (False, True),
     )
-    for dtype, head_dim, rotary, interleaved, conjugate, rows, prefill in grid:
+    for dtype, head_dim, rotary, interleaved, conjugate, (rows, rows_dtype), prefill in grid:
         rotary_dim = head_dim if rotary == "full" else PARTIAL_ROTARY[head_dim]
         half, tail = rotary_dim // 2, head_dim - rotary_dim
         constexprs, warps = kernel_config(
@@ -192,7 +208,7 @@ def aot_specializations():
         )
         if prefill and constexprs["BLOCK_T"] == 1:  # a wide head's decode tile already has MAX_WARPS warps
             continue
-        yield rotary_kernel, signature(dtype, head_dim, half, constexprs), constexprs, warps
+        yield rotary_kernel, signature(dtype, head_dim, half, constexprs, rows_dtype), constexprs, warps
 
 
 @triton.jit
@@ -292,7 +308,7 @@ def _rotate_tile(
             tl.store(out_row + tail[None, None, :], v, mask=tmask)
 
 
-@triton.jit(do_not_specialize=["offset", "table_len", "tokens", "seq_len", "q_heads", "k_heads"])
+@triton.jit(do_not_specialize=["offset", *_INT_ARGS])
 def rotary_kernel(
     q_ptr,
     k_ptr,
@@ -301,6 +317,7 @@ def rotary_kernel(
     cos_ptr,
     sin_ptr,
     rows_ptr,
+    offsets_ptr,
     flag_ptr,
     offset,
     table_len,
@@ -308,6 +325,8 @@ def rotary_kernel(
     seq_len,
     q_heads,
     k_heads,
+    n_seqs,
+    search_steps,
     q_stride_b,
     q_stride_s,
     q_stride_h,
@@ -339,9 +358,17 @@ def rotary_kernel(
     """Rotate tokens ``program_id(0) * BLOCK_T ...`` by the heads of head block ``program_id(1)`` (q's
     blocks, then k's; ``k_heads`` is 0 without k). Leading axes are (batch, seq), the last has stride 1.
 
-    A token's table row is ``offset + t`` (ROWS 0), ``rows[token]`` (ROWS 1: positions) or ``rows[b] + t``
-    (ROWS 2: per-sequence offsets). Whichever it is, a row outside [0, table_len) reads row 0 instead and
-    fails the launch (:func:`flag_bad`): the kernel never reads outside the table nor returns a result.
+    A token's table row is ``offset + t`` (ROWS 0), ``rows[token]`` (ROWS 1: positions), ``rows[b] + t``
+    (ROWS 2: per-sequence offsets) or ``t - rows[s] + offset``, ``offsets[s]`` in place of ``offset`` when
+    it is negative (ROWS 3: a packed batch, batch 1, ``rows`` its cu_seqlens of ``n_seqs + 1`` entries).
+    Whichever it is, a row outside [0, table_len) reads row 0 instead and fails the launch (:func:`flag_bad`):
+    the kernel never reads outside the table nor returns a result.
+
+    ROWS 3: token t's sequence s is the last one that starts at or before t (``searchsorted(cu_seqlens[1:],
+    t, right=True)``), found by ``search_steps = ceil(log2(n_seqs))`` bisection steps that only ever read
+    cu_seqlens[0 .. n_seqs - 1], whatever its values. The values of cu_seqlens are checked here too,
+    without a host sync: the head-block-0 programs, together, check every entry (starts at 0, never
+    decreases, ends at ``tokens``), and a malformed one fails the launch as a bad row does.
     """
     # Token indices fit int32 (tokens is an i32 argument); dividing in int32 keeps prefill's per-thread
     # division cheap. Addresses are computed in int64 below.
@@ -353,9 +380,31 @@ def rotary_kernel(
         pos = tl.load(rows_ptr + token, mask=token_ok, other=0)
     elif ROWS == 2:
         pos = tl.load(rows_ptr + b, mask=token_ok, other=0) + t
+    elif ROWS == 3:  # a packed batch: b is 0, t the token's index in the batch
+        lo = tl.zeros((BLOCK_T,), dtype=tl.int32)  # the answer lies in [lo, hi]: cu[lo] <= t
+        hi = lo + (n_seqs - 1)
+        for _ in range(search_steps):
+            mid = (lo + hi + 1) // 2  # lo <= mid <= n_seqs - 1: in cu_seqlens whatever its values
+            after = tl.load(rows_ptr + mid, mask=token_ok, other=0) > t
+            lo = tl.where(after, lo, mid)
+            hi = tl.where(after, mid - 1, hi)
+        start = tl.load(rows_ptr + lo, mask=token_ok, other=0)
+        per_sequence = (t * 0 + offset) < 0  # (BLOCK_T,): offsets[s] (offset -1), else the int offset
+        shift = tl.load(offsets_ptr + lo, mask=token_ok & per_sequence, other=0)
+        pos = t - start + tl.where(per_sequence, shift, offset)
     else:
         pos = offset + t
     bad = token_ok & ((pos < 0) | (pos >= table_len))
+    if ROWS == 3:  # cu_seqlens' own values: entries j .. of this program, spread over the token programs
+        if tl.program_id(1) == 0:
+            stride = tl.num_programs(0) * BLOCK_T
+            for j0 in range(tl.program_id(0) * BLOCK_T, n_seqs + 1, stride):
+                j = j0 + tl.arange(0, BLOCK_T)
+                here = j <= n_seqs
+                cur = tl.load(rows_ptr + j, mask=here, other=0)
+                prev = tl.load(rows_ptr + j - 1, mask=here & (j > 0), other=0)
+                wrong = ((j == 0) & (cur != 0)) | (cur < prev) | ((j == n_seqs) & (cur != tokens))
+                bad = bad | (here & wrong)
     flag_bad(bad, flag_ptr, TRAP_BAD_ROWS)
     pos = tl.where(bad | ~token_ok, 0, pos)
 
