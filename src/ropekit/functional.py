@@ -185,6 +185,8 @@ def apply_resolved(
     plan_key: tuple | None = None,
     offsets: int | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    swap: tuple[int, int] | None = None,
+    table_grows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -205,6 +207,9 @@ def apply_resolved(
         cu_seqlens: the packed batch's cu_seqlens pos was resolved from (no positions, rows of the caller's
             own table), offsets then its int or per-sequence offsets; or None. The plan kept under
             ``plan_key`` reads both in the kernel (no positions tensor built).
+        swap, table_grows: how the plan kept under ``plan_key`` serves its caller (the module): its key
+            holds the caller's tensors, of which q and k are ``t.transpose(*swap)``; the caller grows its
+            table for rows past it (:func:`ropekit.backends.plan.rotary_plan`).
 
     Returns:
         (q_rotated, k_rotated or None).
@@ -267,7 +272,10 @@ def apply_resolved(
             if offsets is not None:  # per-sequence or packed: the plan reads the offsets, not these rows
                 offset = offsets
             plannable = cos is table_cos and (offsets is not None or (rows is None and type(offset) is int))
-            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens)
+            flags = dict(
+                interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens, swap=swap,
+                table_grows=table_grows,
+            )  # fmt: skip
             keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:
