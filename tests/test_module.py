@@ -4,7 +4,9 @@ Its table policy is tested in test_table_cache.py."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -573,3 +575,40 @@ def test_a_steady_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plu
         counts[layout] = len(ropekit_calls(lambda: rope(q, k, offsets=offsets, **kwargs)))  # noqa: B023
     assert all(counts[layout] <= counts["bshd"] + 2 for layout in PLAN_LAYOUTS), counts
     assert counts["bshd"] <= 5, counts
+
+
+def test_a_pickled_or_copied_module_rotates_as_the_original_and_is_planned():
+    """The gates are made per process, outside the module (a function made at run time cannot be pickled):
+    a module unpickled or deep-copied keeps rotating the same, and its steady step is planned."""
+    rope = RotaryEmbedding(head_dim=16, layout="bhsd")
+    q, k, _, _ = _layout_step("bhsd")
+    want = rope(q, k, offsets=7)
+    for other in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
+        other(q, k, offsets=7)
+        calls = ropekit_calls(lambda: other(q, k, offsets=7))  # noqa: B023
+        assert "run" in calls and "resolve" not in calls, calls
+        got = other(q, k, offsets=7)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_a_backend_whose_plan_reads_shapes_runs_on_views_of_the_callers_tensors(
+    assert_matches_reference, layout, dtype, inplace
+):
+    """The torch backend's plan (rotate_qk with the flags bound) reads its tensors' shapes and strides: the
+    run hands it (B, S, H, D) views made per call and returns what the checked path returns."""
+    rope = RotaryEmbedding(head_dim=16, layout=layout, backend="torch")
+    q, k, kwargs, bshd = _layout_step(layout, dtype=dtype)
+    rope(q, k, offsets=7)  # float64: the table is rebuilt in float64 (a call that changes it plans nothing)
+    clear_plans()
+    want, _ = _call(rope, q, k, kwargs, 7, inplace, True)
+    calls = ropekit_calls(lambda: _call(rope, q, k, kwargs, 7, inplace, True))
+    assert "through_views" in calls and "resolve" not in calls, calls
+    got, given = _call(rope, q, k, kwargs, 7, inplace, True)
+    cos, sin = rope.config.cos_sin(64, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    for out, w, x, src in zip(got, want, given, (q, k), strict=True):
+        assert torch.equal(out, w) and out.stride() == w.stride()
+        assert out is x if inplace else out.shape == src.shape
+        assert_matches_reference(bshd(out), bshd(src), cos, sin, _positions(layout, 7), interleaved=False)

@@ -36,18 +36,18 @@ _TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
 # reading of the caller's tensors) apart from the functional call's and from a module of another layout or
 # head_dim, so no plan made for a wider head with a table of this shape ever serves this module. Keys hold
 # the caller's own tensors (bhsd / sbhd: the plan's run sees them through the swap).
-_GATES: dict[tuple[str, int], Callable] = {}
+_GATES: dict[str, Callable] = {}  # the gate's op name -> the gate
 _FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool"
 
 
-def _module_gate(name: tuple[str, int]) -> Callable:
-    """The gate of modules of this (layout, head_dim), made once per process."""
-    if name in _GATES:
-        return _GATES[name]
-    layout, head_dim = name
-    packed = layout == "thd"
-    args = "q k? cos sin offset# cu_seqlens" if packed else "q k? cos sin offset#"
-    return _GATES.setdefault(name, gate(f"rotary_module {layout} {head_dim}", args, _FLAGS))
+def _module_gate(layout: str, head_dim: int) -> str:
+    """Make the gate of modules of this layout and head_dim (once per process); returns its op name, the key
+    of _GATES. A packed ("thd") gate takes cu_seqlens as a tensor; the others take it as None only."""
+    op = f"rotary_module {layout} {head_dim}"
+    if op not in _GATES:
+        packed = "cu_seqlens" if layout == "thd" else "cu_seqlens!"
+        _GATES[op] = gate(op, f"q k? cos sin offset# {packed}", _FLAGS)
+    return op
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,11 +111,8 @@ class RotaryEmbedding(nn.Module):
         # first, to its launch plan (every layout; "thd" with cu_seqlens).
         self._plain = not self._mrope and not config.length_dependent
         self._planned = self._plain and config.rotary_position == "first"
-        self._unpacked = layout != "thd"  # the gate serves calls without cu_seqlens; "thd" with them
-        self._gate_name = (layout, config.head_dim)
-        _module_gate(
-            self._gate_name
-        )  # made here, eagerly: a first call may be traced (making it is not graph code)
+        # made here, eagerly: a first call may be traced (making a gate is not graph code)
+        self._gate_op = _module_gate(layout, config.head_dim)
         self._interleaved = config.interleaved
 
     @classmethod
@@ -154,7 +151,7 @@ class RotaryEmbedding(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        _module_gate(self._gate_name)  # an unpickled module's first call may be traced too
+        _module_gate(self.layout, self.config.head_dim)  # an unpickled module's first call may be traced too
 
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
@@ -208,25 +205,18 @@ class RotaryEmbedding(nn.Module):
         gated, plan_key, table = False, None, None  # whether this call went through the gate, its answer
         if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
             self._planned and positions is None and inverse is False
-            and (cu_seqlens is None) is self._unpacked
         ):  # fmt: skip
-            # The module's own gate (_module_gate). An int offset or per-sequence offsets: the plan's run
-            # checks an int against the table (packed: all T rows); per-sequence rows are checked by the
-            # kernel (the C loop before it writes; Triton flags them; packed ones are planned on CPU tensors
-            # only), and a row past the table misses here on the CPU, so the path below grows the table.
-            launch = _GATES.get(self._gate_name) or _module_gate(self._gate_name)
+            # The module's own gate (_module_gate; cu_seqlens: a tensor for "thd", None for the others). An
+            # int offset or per-sequence offsets: the plan's run checks an int against the table (packed: all
+            # T rows); per-sequence rows are checked by the kernel (the C loop before it writes; Triton flags
+            # them; packed ones are planned on CPU tensors only), and a row past the table misses here on the
+            # CPU, so the path below grows the table.
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
             gated, table = True, tables["cos"]
-            if cu_seqlens is None:
-                out, plan_key = launch(
-                    q, k, table, tables["sin"], offsets, interleaved=self._interleaved, inplace=inplace,
-                    backend=self.backend, conjugate=False,
-                )  # fmt: skip
-            else:
-                out, plan_key = launch(
-                    q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
-                    inplace=inplace, backend=self.backend, conjugate=False,
-                )  # fmt: skip
+            out, plan_key = _GATES[self._gate_op](
+                q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
+                inplace=inplace, backend=self.backend, conjugate=False,
+            )  # fmt: skip
             if out is not None:
                 return out if k is not None else out[0]
         rank, head_dim = self._rank, self.config.head_dim
