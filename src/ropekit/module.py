@@ -40,14 +40,14 @@ _GATES: dict[str, Callable] = {}  # the gate's op name -> the gate
 _FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool"
 
 
-def _module_gate(layout: str, head_dim: int) -> str:
-    """Make the gate of modules of this layout and head_dim (once per process); returns its op name, the key
-    of _GATES. A packed ("thd") gate takes cu_seqlens as a tensor; the others take it as None only."""
+def _module_gate(layout: str, head_dim: int) -> Callable:
+    """The gate of modules of this layout and head_dim (made once per process). A packed ("thd") gate takes
+    cu_seqlens as a tensor; the others take it as None only."""
     op = f"rotary_module {layout} {head_dim}"
     if op not in _GATES:
         packed = "cu_seqlens" if layout == "thd" else "cu_seqlens!"
         _GATES[op] = gate(op, f"q k? cos sin offset# {packed}", _FLAGS)
-    return op
+    return _GATES[op]
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,7 +112,7 @@ class RotaryEmbedding(nn.Module):
         self._plain = not self._mrope and not config.length_dependent
         self._planned = self._plain and config.rotary_position == "first"
         # made here, eagerly: a first call may be traced (making a gate is not graph code)
-        self._gate_op = _module_gate(layout, config.head_dim)
+        self._launch = _module_gate(layout, config.head_dim)  # not pickled: __getstate__
         self._interleaved = config.interleaved
 
     @classmethod
@@ -149,9 +149,14 @@ class RotaryEmbedding(nn.Module):
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_launch", None)  # a function made at run time: made again on loading
+        return state
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        _module_gate(self.layout, self.config.head_dim)  # an unpickled module's first call may be traced too
+        self._launch = _module_gate(self.layout, self.config.head_dim)
 
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
@@ -213,7 +218,7 @@ class RotaryEmbedding(nn.Module):
             # CPU, so the path below grows the table.
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
             gated, table = True, tables["cos"]
-            out, plan_key = _GATES[self._gate_op](
+            out, plan_key = self._launch(
                 q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
                 inplace=inplace, backend=self.backend, conjugate=False,
             )  # fmt: skip
