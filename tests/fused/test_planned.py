@@ -5,12 +5,14 @@ checked path's error with nothing written, and anything a check relied on misses
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import ropekit
 from call_count import ropekit_calls
 from ropekit.backends import clear_backend_cache, plan
+from rotary_reference import assert_matches_reference
 
 # The issue-25 budget: Python calls inside ropekit per steady-state fused decode step.
 CALL_BUDGET = 8
@@ -503,3 +505,172 @@ def test_planned_positions_past_the_table_negative_or_with_an_offset_raise_the_c
         with pytest.raises(ValueError, match=match):
             fp8_call(q, k, cos, sin, offset, scales, positions=bad, **nope)
     assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope))
+
+
+# ---- shift_cache_ ----------------------------------------------------------------------------------------
+
+# The shift's steady call: shift_cache_, its gate, the plan's run and the C loop's packed call.
+SHIFT_CALL_BUDGET = 4
+
+
+def shift_inputs(layout: str, with_slots: bool, dtype=torch.float32, seed: int = 0):
+    """A key cache of 64 slots (8 kv heads, head_dim 128) in layout, its tables and slots to shift."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(SHAPES[layout], generator=g).to(dtype)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    slots = torch.tensor([3, 17, -1, 40, 63]) if with_slots else None
+    return cache, cos, sin, slots
+
+
+def shift(cache, cos, sin, delta, slots, layout="nhd", backend="cpu", **kw):
+    return ropekit.shift_cache_(
+        cache, cos, sin, delta, cache_layout=layout, slots=slots, backend=backend, **kw
+    )
+
+
+def checked_shift(cache, cos, sin, delta, slots, layout="nhd", **kw):
+    """The checked path's answer (no plan held): a shifted copy of cache."""
+    plan.clear_plans()
+    out = cache.clone()
+    shift(out, cos, sin, delta, slots, layout, **kw)
+    return out
+
+
+def slot_rows(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """(num_slots, heads, head_dim): slot s = page * page_size + index."""
+    return {"flat": cache, "nhd": cache.flatten(0, 1), "hnd": cache.transpose(1, 2).flatten(0, 1)}[layout]
+
+
+def planned_shift(layout="nhd", with_slots=True, delta=7, dtype=torch.float32):
+    """Inputs whose shift_cache_ key has a plan (one call made, on a copy), to call again with others."""
+    plan.clear_plans()
+    cache, cos, sin, slots = shift_inputs(layout, with_slots, dtype)
+    shift(cache.clone(), cos, sin, delta, slots, layout)
+    assert "run" in ropekit_calls(lambda: shift(cache.clone(), cos, sin, delta, slots, layout))
+    return cache, cos, sin, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [-13, 0, 300])
+@pytest.mark.parametrize("with_slots", [False, True])
+@pytest.mark.parametrize("layout", ["flat", "nhd", "hnd"])
+def test_a_steady_shift_makes_at_most_4_ropekit_calls_and_equals_the_checked_path(
+    layout, with_slots, delta, dtype
+):
+    """Planned with delta 7, served with another delta (of either sign: the key holds delta's type only):
+    the checked path's bytes, and the float64 rotation by delta of the slots shifted, the others untouched."""
+    cache, cos, sin, slots = planned_shift(layout, with_slots, delta=7, dtype=dtype)
+    got, before = cache.clone(), slot_rows(cache, layout).clone()
+    calls = ropekit_calls(lambda: shift(got, cos, sin, delta, slots, layout))
+    assert len(calls) <= SHIFT_CALL_BUDGET, calls
+    assert "run" in calls and "cache_view" not in calls and "check_slots" not in calls  # the plan served it
+    assert torch.equal(got, checked_shift(cache, cos, sin, delta, slots, layout))
+    moved = torch.arange(64) if slots is None else slots[slots >= 0]
+    rows = slot_rows(got, layout)
+    assert_matches_reference(rows[moved], before[moved], cos, sin, np.full(len(moved), abs(delta)),
+                             interleaved=False, conjugate=delta < 0)  # fmt: skip
+    others = torch.ones(64, dtype=torch.bool)
+    others[moved] = False
+    assert torch.equal(rows[others], before[others])
+
+
+def test_a_planned_interleaved_shift_equals_the_checked_path():
+    plan.clear_plans()
+    cache, cos, sin, slots = shift_inputs("nhd", True)
+    shift(cache.clone(), cos, sin, 5, slots, interleaved=True)
+    got = cache.clone()
+    assert "run" in ropekit_calls(lambda: shift(got, cos, sin, -9, slots, interleaved=True))
+    assert torch.equal(got, checked_shift(cache, cos, sin, -9, slots, interleaved=True))
+    assert not torch.equal(got, checked_shift(cache, cos, sin, -9, slots))  # the pairing is in the key
+
+
+def same_bits(tensors, others) -> bool:
+    """Whether each tensor holds exactly the other's bytes (NaN bit patterns included)."""
+    pairs = zip(tensors, others, strict=True)
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+
+
+def raises_as_checked(step, *written):
+    """step() raises on the planned path exactly the error the checked path (no plan) raises, and neither
+    writes anything into the tensors ``written``; returns the message."""
+    before = [t.clone() for t in written]
+    with pytest.raises(ValueError) as planned:
+        step()
+    assert same_bits(written, before)
+    plan.clear_plans()
+    with pytest.raises(ValueError) as checked:
+        step()
+    assert same_bits(written, before)
+    assert type(planned.value) is type(checked.value) and str(planned.value) == str(checked.value)
+    return str(planned.value)
+
+
+@pytest.mark.parametrize("delta", [2048, -2048, 5000])
+def test_a_planned_shift_past_the_table_raises_the_checked_error_and_writes_nothing(delta):
+    cache, cos, sin, slots = planned_shift()
+    message = raises_as_checked(lambda: shift(cache, cos, sin, delta, slots), cache)
+    assert message.startswith(f"delta: |delta| = {abs(delta)} is past the cos/sin table")
+
+
+@pytest.mark.parametrize("bad", [[3, 64, -1, 40, 63], [3, 17, -2, 40, 63], [3, 17, -1, 17, 63]])
+def test_a_planned_shift_with_a_slot_outside_the_cache_or_given_twice_raises_the_checked_error(bad):
+    cache, cos, sin, _ = planned_shift()
+    message = raises_as_checked(lambda: shift(cache, cos, sin, 7, torch.tensor(bad)), cache)
+    assert message.startswith("slots: slot ")
+    shift(cache, cos, sin, 7, torch.tensor([-1, -1, -1, 5, 6]))  # -1 may repeat: the plan serves it
+
+
+@pytest.mark.parametrize("read", ["cos", "sin", "slots"])
+def test_a_planned_shift_whose_cache_holds_a_table_or_its_slots_raises_the_checked_error(read):
+    """The memory rule from this call's addresses: the tables and slots keep the planned layouts, and lie
+    inside the cache's memory."""
+    cache, cos, sin, slots = planned_shift()
+    storage = torch.randn(cache.numel() + cos.numel())
+    k_cache = storage.as_strided(cache.shape, cache.stride(), 0)
+    if read == "slots":
+        inside = storage[-2 * len(slots) :].view(torch.int64)  # (5,) int64 over the cache's last floats
+        inside.copy_(slots)
+        slots = inside
+        k_cache = storage.as_strided(cache.shape, cache.stride(), cos.numel())
+    else:
+        table = storage.as_strided(cos.shape, cos.stride(), 1000)  # inside the cache, the planned layout
+        table.copy_(cos if read == "cos" else sin)
+        cos, sin = (table, sin) if read == "cos" else (cos, table)
+    message = raises_as_checked(lambda: shift(k_cache, cos, sin, 7, slots), storage)
+    assert message.startswith(f"k_cache: it is written and shares memory with {read}")
+
+
+def test_a_planned_shift_bumps_the_version_once_and_refuses_an_inference_cache_outside_inference_mode():
+    cache, cos, sin, slots = planned_shift()
+    version = cache._version
+    shift(cache, cos, sin, 7, slots)
+    assert cache._version == version + 1
+    with torch.inference_mode():
+        frozen = cache.clone()
+    message = raises_as_checked(lambda: shift(frozen, cos, sin, 7, slots), frozen)
+    assert message.startswith("k_cache: an inference tensor")
+    shift(cache.clone(), cos, sin, 7, slots)  # plans the key again
+    with torch.inference_mode():
+        assert "run" in ropekit_calls(lambda: shift(frozen, cos, sin, 7, slots))
+    assert torch.equal(frozen, checked_shift(cache, cos, sin, 7, slots))
+
+
+@pytest.mark.parametrize("change", ["layout", "dtype", "strided slots", "float64 table", "torch backend"])
+def test_anything_the_shift_checks_relied_on_misses_its_plan(change):
+    cache, cos, sin, slots = planned_shift()
+    kw = dict(layout="nhd")
+    if change == "layout":  # the same tensor read as another layout (32 slots of 16 heads): another key
+        kw["layout"], slots = "hnd", torch.tensor([3, 17, -1, 20, 31])
+    elif change == "dtype":
+        cache = cache.half()
+    elif change == "strided slots":  # the checked path reads a contiguous copy: never planned
+        slots = torch.stack([slots, slots], dim=-1)[:, 0]
+    elif change == "float64 table":  # converted per call by the checked path: never planned
+        cos, sin = cos.double(), sin.double()
+    else:
+        kw["backend"] = "torch"
+    got = cache.clone()
+    assert "cache_view" in ropekit_calls(lambda: shift(got, cos, sin, 7, slots, **kw))  # the checked path
+    if change not in ("layout", "dtype"):  # a kind no plan serves: the checked path again
+        assert "cache_view" in ropekit_calls(lambda: shift(cache.clone(), cos, sin, 7, slots, **kw))
+    assert torch.equal(got, checked_shift(cache, cos, sin, 7, slots, **kw))

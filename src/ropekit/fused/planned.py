@@ -35,7 +35,7 @@ from ropekit.backends.fused_launch import FusedLaunch
 from ropekit.backends.plan import MAX_PLANS, span
 from ropekit.validation import shares_memory
 
-__all__ = ["cache_plan", "fp8_plan", "qk_norm_plan"]
+__all__ = ["cache_plan", "fp8_plan", "qk_norm_plan", "shift_plan"]
 
 
 def _pairs(written: tuple[int, ...], count: int) -> tuple[tuple[int, int], ...]:
@@ -310,5 +310,61 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
         if not qkv.is_inference():
             increment_version((qkv,))
         return qkv
+
+    return run
+
+
+def shift_plan(backend: str, like: FusedLaunch, k_cache, cos, sin, delta, slots):
+    """The plan of a :func:`~ropekit.shift_cache_` call the checked path served with ``like`` (its launch) on
+    backend: ``run(k_cache, cos, sin, delta, slots)`` (the gate's arguments) -> k_cache, or None. None when no
+    plan serves its kind: another backend than the C loop, a table the launch converts (not float32, a
+    strided last axis), tables or slots on another device, slots not contiguous, no slot.
+
+    The launch reads one table row, |delta|, for every slot (a table of row stride 0); the run points the
+    loop at that row of this call's table, with the rotation conjugated when delta < 0 (a second packed
+    loop: the key holds delta's type, never its sign). It checks what the key cannot hold: |delta| against
+    the table, the cache against the tables and slots it reads (byte ranges; where they meet the checked path
+    decides exactly), an inference cache outside inference mode; the C loop checks the slots (in the cache,
+    none twice) before it writes."""
+    if (
+        backend != "cpu"
+        or like.batch * like.seq == 0
+        or k_cache.numel() == 0
+        or (slots is not None and not (slots.is_contiguous() and slots.device == k_cache.device))
+        or not all(
+            t.dtype == torch.float32 and t.stride(-1) == 1 and t.device == k_cache.device for t in (cos, sin)
+        )
+    ):
+        return None
+    loops = fused_cpu.plan(like._replace(conjugate=False)), fused_cpu.plan(like._replace(conjugate=True))
+    table_len, row_bytes = cos.shape[0], cos.stride(0) * cos.element_size()  # sin: the key holds its stride
+    sin_row_bytes = sin.stride(0) * sin.element_size()
+    cache_span, cos_span, sin_span = span(k_cache), span(cos), span(sin)
+    slots_span = 0 if slots is None else span(slots)
+    increment_version = torch._C._increment_version
+
+    def run(k_cache, cos, sin, delta, slots):
+        if not -table_len < delta < table_len:
+            return None  # |delta| past the table: the checked path says so
+        inference = k_cache.is_inference()
+        if inference and not torch.is_inference_mode_enabled():
+            return None  # PyTorch refuses this write: the checked path says so
+        lo = k_cache.data_ptr()
+        hi, cos_lo, sin_lo = lo + cache_span, cos.data_ptr(), sin.data_ptr()
+        slots_lo = 0 if slots is None else slots.data_ptr()
+        if (
+            (cos_lo < hi and lo < cos_lo + cos_span)
+            or (sin_lo < hi and lo < sin_lo + sin_span)
+            or (slots_span and slots_lo < hi and lo < slots_lo + slots_span)
+        ):
+            return None  # the cache's bytes meet a table's or the slots': the checked path decides
+        row = -delta if delta < 0 else delta
+        pointers = (cos_lo + row * row_bytes, sin_lo + row * sin_row_bytes, 0, slots_lo, 0, 0, 0, 0, lo, 0,
+                    0, 0, 0)  # fmt: skip
+        if loops[delta < 0](pointers, 0) != -1:  # a slot outside the cache or given twice: nothing written
+            return None
+        if not inference:
+            increment_version((k_cache,))
+        return k_cache
 
     return run
