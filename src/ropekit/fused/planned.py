@@ -26,7 +26,9 @@ positions, cu_seqlens or FP8 scales, or write the caches only, never use a plan.
 from __future__ import annotations
 
 import math
+import operator
 
+import numpy as np
 import torch
 
 from ropekit.backends.c import fused as fused_cpu
@@ -66,96 +68,206 @@ def cache_plan(backend: str, like: FusedLaunch, q, k, v, cos, sin, k_cache, v_ca
                offsets, cu_seqlens, k_scale, v_scale, inplace: bool):  # fmt: skip
     """The plan of a call the checked path served with ``like`` (its launch) on backend:
     ``run(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
-    v_scale)`` (the gate's arguments) -> q rotated, or None. None when no plan serves its kind: another
-    backend than the C loop, an input the launch copied, a 3-D q, positions, cu_seqlens, scales, no q."""
+    v_scale)`` (the gate's arguments; a scale given as a number is None there, its value is in the key) -> q
+    rotated, or None. None when no plan serves its kind: another backend than the C loop, an input the launch
+    copied or converted (a strided last axis, a table not float32, slots, positions, cu_seqlens or a scale
+    tensor not contiguous, positions or per-sequence offsets not int64, a scale not float32), no q."""
+    scales = tuple(s for s in (k_scale, v_scale) if s is not None)
     units = q is not None and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
+    sequences = like.batch if cu_seqlens is None else cu_seqlens.shape[0] - 1  # offsets: one per sequence
     if (
         backend != "cpu"
         or not units
-        or q.dim() != 4
-        or positions is not None
-        or cu_seqlens is not None
-        or k_scale is not None
-        or v_scale is not None
+        or q.dim() not in (3, 4)
         or not slot_mapping.is_contiguous()  # the checked path copies it; the plan reads it where it lies
-        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping), cos, sin, offsets, q.shape[:1])
-    ):
+        or not all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
+        or not all(t is None or (t.is_contiguous() and t.device == q.device) for t in (positions, cu_seqlens))
+        or (positions is not None and positions.dtype != torch.int64)
+        or not _plannable(q, (k, v, k_cache, v_cache, slot_mapping, *scales), cos, sin,
+                          0 if positions is not None else offsets, (sequences,))
+    ):  # fmt: skip
         return None
-    return _cache_plan(like, q, k, v, k_cache, v_cache, offsets, inplace)
+    return _cache_plan(
+        like, q, k, v, k_cache, v_cache, positions, offsets, cu_seqlens, k_scale, v_scale, inplace
+    )
 
 
-def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, offsets, inplace: bool):
+def _packed_rows(cu_seqlens: torch.Tensor, offsets, steps: np.ndarray, table_len: int) -> np.ndarray | None:
+    """Every token's table row in a packed batch, as the checked path resolves it
+    (:func:`ropekit.positions.resolve`): token t of sequence s (``cu_seqlens[s] <= t < cu_seqlens[s + 1]``)
+    reads row ``offsets[s] + t - cu_seqlens[s]`` (an int offset: the same for every sequence). None, having
+    read nothing more, when a value check of the checked path fails: cu_seqlens not non-decreasing from 0 to
+    the tokens, an offset negative (per sequence) or an int offset outside the table (a token reads it). The
+    rows themselves are checked against the table by the C loop. steps: ``arange(tokens)``, int64."""
+    cu = cu_seqlens.numpy().astype(np.int64, copy=False)  # (sequences + 1,): the tensor's memory, no copy
+    if cu[0] != 0 or cu[-1] != steps.shape[0] or (cu[1:] < cu[:-1]).any():
+        return None
+    if type(offsets) is int:
+        if not 0 <= offsets < table_len:
+            return None
+        first = offsets - cu[:-1]  # (sequences,): each sequence's row at token 0
+    else:
+        first = offsets.numpy()
+        if first.min() < 0:
+            return None
+        first = first - cu[:-1]
+    rows = np.repeat(first, cu[1:] - cu[:-1])  # (tokens,)
+    rows += steps
+    return rows
+
+
+def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets, cu_seqlens, k_scale,
+                v_scale, inplace: bool):  # fmt: skip
     """The run of one key: the value checks that cannot be planned, then the C loop (see the module doc).
+
+    Rows: an int offset against the table here; positions, per-sequence offsets and the rows of a packed
+    batch (cu_seqlens: :func:`_packed_rows`) by the C loop, which reads them as its positions. Scales: an FP8
+    cache's scale tensor is read by the loop where it lies (its values checked here), a number's was made
+    once by the checked path (kept here).
 
     The memory rule's byte ranges are checked by the C loop itself, before anything else (its spans and pairs
     are this key's constants); where two ranges meet it writes nothing and answers MEETS, and the run decides
     exactly here, then launches again without the range check. A key whose ranges met once (views of one
     packed qkv buffer) decides here first from then on."""
-    seq = q.shape[1]
-    last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    seq, tokens = like.seq, like.batch * like.seq
+    table_len = like.cos.shape[0]
+    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    given = positions is not None  # positions: the rows themselves (offsets must be 0)
+    packed = not given and cu_seqlens is not None
+    per_sequence = not given and not packed and type(offsets) is not int
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    # (q, k, v, k_cache, v_cache, cos, sin, slot_mapping[, offsets]): q in place and the caches are written.
-    spans = tuple(span(t) for t in (q, k, v, k_cache, v_cache, like.cos, like.sin, like.slots))
-    per_sequence = type(offsets) is not int
-    spans += (span(offsets),) if per_sequence else ()
+    packed_steps = np.arange(tokens, dtype=np.int64) if packed or cu_seqlens is not None else None
+    # The tensors the memory rule reads, in the order of the run's `tensors`, and each one's pointer word in
+    # the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches, cos, sin, the slots, the
+    # positions, the scale tensors, then word 14 (read by the memory check alone): the per-sequence offsets,
+    # or else cu_seqlens. cu_seqlens with per-sequence offsets is checked here (one word 14).
+    tensor_offsets = type(offsets) is not int
+    extra = offsets if tensor_offsets else cu_seqlens
+    second = cu_seqlens if tensor_offsets else None
+    candidates = (
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        like.cos,
+        like.sin,
+        like.slots,
+        positions,
+        k_scale,
+        v_scale,
+        extra,
+    )
+    all_words = (4, 7, 10, 8, 11, 0, 1, 3, 2, 9, 12, 14)
+    order = tuple(i for i, t in enumerate(candidates) if t is not None)
+    words = tuple(all_words[i] for i in order)
+    spans = tuple(span(candidates[i]) for i in order)
     pairs = _pairs((0, 3, 4) if inplace else (3, 4), len(spans))
-    # Each tensor's pointer word in the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches,
-    # cos, sin, the slots, and the offsets (word 14, which the loop reads for this check alone).
-    words = (4, 7, 10, 8, 11, 0, 1, 3, 14)
     memory = tuple((words[a], words[b]) for a, b in pairs), {words[a]: spans[a] for a in range(len(spans))}
     c_loop = fused_cpu.plan(like, memory)
+    starts_of = operator.itemgetter(*words)  # the pointer words -> the starts, in the order of spans
+    second_span = 0 if second is None else span(second)
+    written_spans = (span(q) if inplace else 0, span(k_cache), span(v_cache))
     shared: dict[tuple[int, int, int], bool] = {}  # (written, other, byte distance) -> share an element
     meets = fused_cpu.MEETS
     ranges_met = False  # whether this key's ranges have met (then they are decided here first)
     increment_version = torch._C._increment_version
+    # The scales the checked path made of numbers ((1,) float32 tensors, kept alive here), by channel: their
+    # pointers are this key's (its number is in the key).
+    made = [
+        ch.scale if s is None else None for ch, s in zip(like.channels[1:], (k_scale, v_scale), strict=True)
+    ]
+    made_pointers = [0 if t is None else t.data_ptr() for t in made]
+    check_scales = k_scale is not None or v_scale is not None
 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
         nonlocal ranges_met
         q_inference = inplace and q.is_inference()  # q is the tensor written (q_out) in place
-        if q_inference and not torch.is_inference_mode_enabled():
+        caches_inference = k_cache.is_inference() or v_cache.is_inference()
+        if (q_inference or caches_inference) and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
-        if per_sequence:
+        if check_scales and not _valid_scales(k_scale, v_scale):
+            return None
+        rows = None  # rows made here, alive until the loop returns
+        if given:
+            if type(offsets) is not int or offsets != 0:
+                return None  # positions with offsets: the checked path refuses them
+            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
+                return None  # malformed cu_seqlens: the checked path says how
+            row_pointer, offset = positions.data_ptr(), 0
+        elif packed:
+            rows = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
+            if rows is None:
+                return None
+            row_pointer, offset = rows.ctypes.data, 0
+        elif per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
-            offsets_start = offsets.data_ptr()
-            positions, offset = offsets_start if steps is None else rows.data_ptr(), 0
+            row_pointer, offset = rows.data_ptr(), 0
         elif 0 <= offsets <= last_offset:
-            positions, offset, offsets_start = 0, offsets, 0
+            row_pointer, offset = 0, offsets
         else:
             return None
         q_start = q.data_ptr()
         q_out = q if inplace else torch.empty_like(q)
-        pointers = (cos.data_ptr(), sin.data_ptr(), positions, slots.data_ptr(), q_start,
-                    q_start if inplace else q_out.data_ptr(), 0, k.data_ptr(), k_cache.data_ptr(), 0,
-                    v.data_ptr(), v_cache.data_ptr(), 0)  # fmt: skip
-        code = meets if ranges_met else c_loop(pointers, offset, offsets_start)
+        k_cache_start, v_cache_start = k_cache.data_ptr(), v_cache.data_ptr()
+        if second_span:  # cu_seqlens, read with per-sequence offsets: against each written tensor here
+            lo = cu_seqlens.data_ptr()
+            for start, size in zip((q_start, k_cache_start, v_cache_start), written_spans, strict=True):
+                if size and start < lo + second_span and lo < start + size:
+                    return None  # they meet: the checked path decides
+        pointers = (cos.data_ptr(), sin.data_ptr(), row_pointer, slots.data_ptr(), q_start,
+                    q_start if inplace else q_out.data_ptr(), 0, k.data_ptr(), k_cache_start,
+                    made_pointers[0] if k_scale is None else k_scale.data_ptr(), v.data_ptr(), v_cache_start,
+                    made_pointers[1] if v_scale is None else v_scale.data_ptr())  # fmt: skip
+        extra_start = 0
+        if tensor_offsets:
+            extra_start = offsets.data_ptr()
+        elif cu_seqlens is not None:
+            extra_start = cu_seqlens.data_ptr()
+        code = meets if ranges_met else c_loop(pointers, offset, extra_start)
         if code == meets:
             # Two spans meet (views of one buffer, as q, k and v of a packed projection): decided exactly,
             # once per distance (the key fixes everything else shares_memory reads).
             ranges_met = True
-            p = pointers  # each tensor's start, in the order of spans (words)
-            starts = (p[4], p[7], p[10], p[8], p[11], p[0], p[1], p[3], offsets_start)
+            starts = starts_of((*pointers, offset, extra_start))  # each tensor's start, as in spans
             for a, b in pairs:
                 if starts[a] < starts[b] + spans[b] and starts[b] < starts[a] + spans[a]:
                     meet = shared.get((a, b, starts[b] - starts[a]))
                     if meet is None:
-                        tensors = (q, k, v, k_cache, v_cache, cos, sin, slots, offsets)
-                        meet = shares_memory(tensors[a], tensors[b])
+                        tensors = (q, k, v, k_cache, v_cache, cos, sin, slots, positions, k_scale, v_scale,
+                                   offsets if tensor_offsets else cu_seqlens)  # fmt: skip
+                        meet = shares_memory(tensors[order[a]], tensors[order[b]])
                         if len(shared) < MAX_PLANS:
                             shared[(a, b, starts[b] - starts[a])] = meet
                     if meet:
                         return None
-            code = c_loop(pointers, offset, offsets_start, False)
+            code = c_loop(pointers, offset, extra_start, False)
         if code != -1:  # a row or slot out of range, nothing written: the checked path says which
             return None
         written = (q_out, k_cache, v_cache)
-        if not ((q_inference if inplace else q_out.is_inference()) or k_cache.is_inference()
-                or v_cache.is_inference()):  # fmt: skip
+        if not (q_inference or caches_inference or (not inplace and q_out.is_inference())):
             increment_version(written)
         else:
             increment_version(tuple(t for t in written if not t.is_inference()))
         return q_out
 
+    run.keeps = made  # the made scales, whose pointers the run passes, live as long as the plan
     return run
+
+
+def _valid_scales(*scales) -> bool:
+    """Whether every value of these float32 scale tensors (None: a number, its value proved and in the key)
+    is finite and > 0, as :func:`~ropekit.fused.checks.check_scale` checks them. min() sees a value <= 0 (or
+    -inf); sum() is nan or inf when any value is (float64: no overflow of float32s)."""
+    for scale in scales:
+        if scale is not None:
+            values = scale.tolist()
+            if type(values) is float:  # a 0-d tensor
+                if not 0 < values < math.inf:
+                    return False
+            elif not (0 < min(values) and sum(values) < math.inf):
+                return False
+    return True
 
 
 def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale, k_scale, q_nope, k_nope,
