@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fused_cases import contract_bytes, float32_rotation
 
 import ropekit
 from call_count import ropekit_calls
@@ -675,3 +676,209 @@ def test_anything_the_shift_checks_relied_on_misses_its_plan(change):
     if change not in ("layout", "dtype"):  # a kind no plan serves: the checked path again
         assert "cache_view" in ropekit_calls(lambda: shift(cache.clone(), cos, sin, 7, slots, **kw))
     assert torch.equal(got, checked_shift(cache, cos, sin, 7, slots, **kw))
+
+
+# ---- apply_rotary_qk_and_cache with positions, cu_seqlens, FP8 caches -----------------------------------
+
+SERVING_FORMS = ("positions (T,)", "positions (B, S)", "cu_seqlens", "cu_seqlens, offsets per sequence")
+CACHE_KINDS = {  # cache dtype and its scales
+    "float32": (torch.float32, {}),
+    "e4m3, numbers": (torch.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
+    "e4m3, 0-d tensors": (torch.float8_e4m3fn, dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))),
+    "e5m2, per head": (
+        torch.float8_e5m2, dict(k_scale=torch.linspace(0.5, 2.0, 8), v_scale=torch.linspace(1.0, 3.0, 8))
+    ),
+}  # fmt: skip
+
+
+class Serving:
+    """One step of apply_rotary_qk_and_cache in a form the launch plan once refused (Llama-3-8B heads, a
+    cache of 64 slots in "nhd"): rows, every token's table row (the float64 reference's positions)."""
+
+    def __init__(self, form: str, cache: str = "float32", seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.cos, self.sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+        lead = (3, 2) if form == "positions (B, S)" else (7,)
+        self.q, self.k, self.v = (torch.randn(*lead, h, 128, generator=g) for h in (32, 8, 8))
+        slots = torch.randperm(64, generator=g)[: self.k.shape[:-2].numel()]
+        slots[1] = -1  # padding: skipped
+        self.slots = slots.reshape(lead)
+        if form.startswith("positions"):
+            self.kw = dict(positions=torch.randint(0, 2048, lead, generator=g))
+            self.rows = self.kw["positions"].numpy()
+        else:  # three packed sequences of 3, 0 and 4 tokens
+            per_sequence = form.endswith("per sequence")
+            offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+            cu = torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32)
+            self.kw = dict(cu_seqlens=cu, offsets=offsets)
+            starts = offsets.tolist() if per_sequence else [offsets] * 3
+            self.rows = np.concatenate([starts[s] + np.arange(n) for s, n in enumerate((3, 0, 4))])
+        self.cache_dtype, scales = CACHE_KINDS[cache]
+        self.kw |= scales
+        self.caches = [torch.randn(SHAPES["nhd"], generator=g).to(self.cache_dtype) for _ in range(2)]
+
+    def __call__(self, q=None, caches=None, inplace=True, backend="cpu", **changes):
+        """The step on q and caches (copies of this step's when None) -> (q's result, the caches)."""
+        q = self.q.clone() if q is None else q
+        caches = [c.clone() for c in self.caches] if caches is None else caches
+        kw = dict(k=self.k, v=self.v, cos=self.cos, sin=self.sin, slot_mapping=self.slots) | self.kw | changes
+        k, v, cos, sin = (kw.pop(name) for name in ("k", "v", "cos", "sin"))
+        out = ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], inplace=inplace, backend=backend, **kw
+        )
+        return out, caches
+
+    def planned(self, inplace=True) -> Serving:
+        """This step's key with a plan (its first call, on copies, made it)."""
+        plan.clear_plans()
+        self(inplace=inplace)
+        assert "run" in ropekit_calls(lambda: self(inplace=inplace))
+        return self
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("cache", list(CACHE_KINDS))
+@pytest.mark.parametrize("form", SERVING_FORMS)
+def test_a_steady_step_with_positions_cu_seqlens_or_fp8_scales_takes_its_plan_and_equals_the_checked_path(
+    form, cache, inplace
+):
+    step = Serving(form, cache)
+    plan.clear_plans()
+    checked = step(inplace=inplace)  # the checked path; it plans the key
+    q, caches, got = step.q.clone(), [c.clone() for c in step.caches], []
+    calls = ropekit_calls(lambda: got.append(step(q, caches, inplace=inplace)))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and not {"resolve", "check_cu_seqlens", "check_scale", "check_slots"} & set(calls)
+    out, caches = got[0]
+    assert (out is q) == inplace and torch.equal(out, checked[0])
+    assert same_bits(caches, checked[1])
+    # The float64 reference for q and k, the FP8 rounding contract for FP8 caches; v is copied.
+    assert_matches_reference(out, step.q, step.cos, step.sin, step.rows, interleaved=False)
+    written = step.slots.reshape(-1) >= 0
+    slots = step.slots.reshape(-1)[written]
+    k, v = (t.reshape(-1, 8, 128)[written] for t in (step.k, step.v))
+    k_rows, v_rows = (c.flatten(0, 1)[slots] for c in caches)  # (written tokens, heads, head_dim)
+    if step.cache_dtype == torch.float32:
+        assert_matches_reference(k_rows, k, step.cos, step.sin, step.rows.reshape(-1)[written.numpy()],
+                                 interleaved=False)  # fmt: skip
+        assert torch.equal(v_rows, v)
+    else:
+        r = float32_rotation(k, step.cos, step.sin, step.rows.reshape(-1)[written.numpy()], False)
+        assert torch.equal(k_rows.view(torch.uint8), contract_bytes(r, step.kw["k_scale"], step.cache_dtype))
+        assert torch.equal(v_rows.view(torch.uint8), contract_bytes(v, step.kw["v_scale"], step.cache_dtype))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert same_bits([c.flatten(0, 1)[untouched] for c in caches],
+                     [c.flatten(0, 1)[untouched] for c in step.caches])  # fmt: skip
+
+
+def test_a_planned_step_tells_autograd_what_it_wrote_with_positions_and_an_fp8_cache():
+    step = Serving("positions (T,)", "e4m3, 0-d tensors").planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    versions = [t._version for t in (q, *caches)]
+    assert "run" in ropekit_calls(lambda: step(q, caches))
+    assert [t._version for t in (q, *caches)] == [n + 1 for n in versions]
+
+
+def _in_memory_of(cache: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(storage, a cache like cache, a tensor like t with t's values) where t's bytes are the cache's last."""
+    storage = torch.zeros(cache.numel() * cache.element_size(), dtype=torch.uint8)
+    inside = storage[storage.numel() - t.numel() * t.element_size() :].view(t.dtype)
+    inside = inside.view(t.shape) if t.dim() else inside.squeeze(0)
+    inside.copy_(t)
+    return storage, storage.view(cache.dtype).view(cache.shape), inside
+
+
+# (form, cache kind, the change, the start of the checked path's message)
+BAD_SERVING = [
+    ("positions (T,)", "float32", dict(positions=torch.tensor([0, 7, 2048, 1, 3, 9, 4])),
+     "positions: largest position 2048 is past the cos/sin table"),
+    ("positions (B, S)", "float32", dict(positions=torch.tensor([[0, 7], [-1, 2], [3, 4]])),
+     "positions: expected values >= 0, got a minimum of -1"),
+    ("positions (T,)", "float32", dict(offsets=5), "offsets: expected 0 when positions is given"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([0, 4, 3, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([1, 3, 3, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    ("cu_seqlens", "float32", dict(offsets=2045), "positions: largest position 2048 is past the cos/sin"),
+    ("cu_seqlens", "float32", dict(offsets=1 << 63), "offsets: expected a non-negative int or an integer"),
+    ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, 10, 2045])),
+     "positions: largest position 2048 is past the cos/sin table"),
+    ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, -3, 10])),
+     "offsets: expected values >= 0, got a minimum of -3"),  # the empty sequence's: no row reads it
+    ("positions (T,)", "float32", dict(slot_mapping=torch.tensor([3, 64, -1, 5, 6, 7, 8])),
+     "slot_mapping: slot 64"),
+    ("cu_seqlens", "e4m3, numbers", dict(slot_mapping=torch.tensor([3, 9, -1, 5, 9, 7, 8])),
+     "slot_mapping: slot 9 is given twice (tokens 1 and 4)"),
+    ("cu_seqlens", "e4m3, 0-d tensors", dict(k_scale=torch.tensor(0.0)), "k_scale: expected every value"),
+    ("positions (T,)", "e5m2, per head", dict(v_scale=torch.tensor([1.0] * 7 + [float("nan")])),
+     "v_scale: expected every value"),
+    ("positions (B, S)", "e4m3, 0-d tensors", dict(v_scale=torch.tensor(float("inf"))),
+     "v_scale: expected every value"),
+    ("cu_seqlens, offsets per sequence", "e5m2, per head", dict(k_scale=-torch.ones(8)),
+     "k_scale: expected every value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("form", "cache", "change", "message"), BAD_SERVING)
+def test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing(
+    form, cache, change, message
+):
+    step = Serving(form, cache).planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    got = raises_as_checked(lambda: step(q, caches, **change), q, *caches)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("form", SERVING_FORMS)
+def test_caches_that_share_memory_or_an_inference_cache_after_a_plan_raise_the_checked_error(form):
+    step = Serving(form, "e4m3, 0-d tensors").planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    message = raises_as_checked(lambda: step(q, [caches[0], caches[0]]), q, caches[0])
+    assert message.startswith("v_cache: the call writes k_cache and v_cache, which share memory")
+    with torch.inference_mode():
+        frozen = [c.clone() for c in caches]
+    step.planned()
+    message = raises_as_checked(lambda: step(q, frozen), q, *frozen)
+    assert message.startswith("k_cache: an inference tensor")
+    step.planned()
+    with torch.inference_mode():  # there it is allowed: the plan serves it, as the checked path would
+        assert "run" in ropekit_calls(lambda: step(q.clone(), frozen))
+    assert same_bits(frozen, step()[1])
+
+
+@pytest.mark.parametrize(
+    ("form", "read"),
+    [
+        ("positions (T,)", "positions"),
+        ("positions (B, S)", "positions"),
+        ("cu_seqlens", "cu_seqlens"),  # read by the memory check alone (the C loop's word 14)
+        ("cu_seqlens, offsets per sequence", "cu_seqlens"),  # with per-sequence offsets: checked in Python
+        ("cu_seqlens, offsets per sequence", "offsets"),
+        ("positions (T,)", "k_scale"),
+    ],
+)
+def test_a_tensor_the_planned_step_reads_inside_a_cache_raises_the_checked_error_and_writes_nothing(
+    form, read
+):
+    """The memory rule from this call's addresses: positions, cu_seqlens, per-sequence offsets or a scale
+    tensor, in the planned layout, lying in the value cache's memory."""
+    step = Serving(form, "e4m3, 0-d tensors").planned()
+    q = step.q.clone()
+    storage, v_cache, inside = _in_memory_of(step.caches[1], step.kw[read])
+    k_cache = step.caches[0].clone()
+    message = raises_as_checked(lambda: step(q, [k_cache, v_cache], **{read: inside}), q, k_cache, storage)
+    assert message.startswith(f"v_cache: it is written and shares memory with {read}"), message
+
+
+def test_a_planned_step_with_positions_and_cu_seqlens_still_checks_cu_seqlens():
+    """positions are the rows; cu_seqlens given beside them is checked all the same (the checked path's
+    resolve does), so a malformed one raises on the planned path too."""
+    step = Serving("positions (T,)")
+    step.kw["cu_seqlens"] = torch.tensor([0, 3, 3, 7])
+    step.planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    message = raises_as_checked(lambda: step(q, caches, cu_seqlens=torch.tensor([0, 4, 3, 7])), q, *caches)
+    assert message.startswith("cu_seqlens: expected non-decreasing offsets")
