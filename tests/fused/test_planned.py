@@ -882,3 +882,71 @@ def test_a_planned_step_with_positions_and_cu_seqlens_still_checks_cu_seqlens():
     q, caches = step.q.clone(), [c.clone() for c in step.caches]
     message = raises_as_checked(lambda: step(q, caches, cu_seqlens=torch.tensor([0, 4, 3, 7])), q, *caches)
     assert message.startswith("cu_seqlens: expected non-decreasing offsets")
+
+
+# ---- apply_rotary_qk_fp8 with cu_seqlens ------------------------------------------------------------------
+
+
+def packed_fp8_cu_step(per_sequence: bool, nope_width: int = 0):
+    """A packed batch of three sequences (3, 0 and 4 tokens: one is empty) with cu_seqlens, 16 q and 2 k
+    heads of 64; with nope_width, DeepSeek's MLA parts. Returns the inputs and every token's row."""
+    plan.clear_plans()
+    q, k, cos, sin, _, nope = packed_fp8_step(nope_width)
+    q, k = torch.cat([q, q[:2]]), torch.cat([k, k[:2]])  # (7, H, 64)
+    nope = {name: torch.cat([t, t[:2]]) for name, t in nope.items()}
+    offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+    starts = offsets.tolist() if per_sequence else [offsets] * 3
+    rows = np.concatenate([starts[s] + np.arange(n) for s, n in enumerate((3, 0, 4))])
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32)
+    return q, k, cos, sin, offsets, dict(cu_seqlens=cu, **nope), rows
+
+
+@pytest.mark.parametrize("nope_width", [0, 32])
+@pytest.mark.parametrize("scales", list(SCALES)[:2])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_steady_fp8_step_with_cu_seqlens_takes_its_plan_and_meets_the_rounding_contract(
+    per_sequence, scales, nope_width
+):
+    q, k, cos, sin, offsets, kw, rows = packed_fp8_cu_step(per_sequence, nope_width)
+    checked = fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)  # the checked path; plans the key
+    got = []
+    calls = ropekit_calls(lambda: got.append(fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and not {"resolve", "check_cu_seqlens", "check_scale"} & set(calls)
+    assert same_bytes(got[0], checked) and len(got[0]) == 4
+    q_scale, k_scale = (torch.as_tensor(SCALES[scales][name]) for name in ("q_scale", "k_scale"))
+    want = [contract_bytes(float32_rotation(x, cos, sin, rows, False), s, torch.float8_e4m3fn)
+            for x, s in ((q, q_scale), (k, k_scale))]  # fmt: skip
+    want += [contract_bytes(kw[name], s, torch.float8_e4m3fn) for name, s in (("q_nope", q_scale),
+             ("k_nope", k_scale))]  # fmt: skip
+    assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(got[0], want, strict=True))
+
+
+BAD_FP8_PACKED = [
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 2, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    (False, dict(offsets=2045), "positions: largest position 2048 is past the cos/sin table"),
+    (True, dict(offsets=torch.tensor([5, 10, 2045])), "positions: largest position 2048 is past the cos/sin"),
+    (True, dict(offsets=torch.tensor([5, -3, 10])), "offsets: expected values >= 0, got a minimum of -3"),
+    (True, dict(q_scale=torch.tensor(float("nan"))), "q_scale: expected every value"),
+    (False, dict(k_scale=torch.tensor(-2.0)), "k_scale: expected every value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_FP8_PACKED)
+def test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_error(
+    per_sequence, change, message
+):
+    q, k, cos, sin, offsets, kw, _ = packed_fp8_cu_step(per_sequence)
+    scales = SCALES["0-d tensors"]
+    fp8_call(q, k, cos, sin, offsets, scales, **kw)
+    assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, scales, **kw))
+    args = dict(offsets=offsets) | scales | kw | change
+    before = q.clone(), k.clone()
+    message_got = raises_as_checked(
+        lambda: ropekit.apply_rotary_qk_fp8(q, k, cos, sin, backend="cpu", **args)
+    )
+    assert message_got.startswith(message), message_got
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs are never written

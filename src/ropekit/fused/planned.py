@@ -276,28 +276,30 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     (its rope launch, then its nope launch in the MLA form) on backend: ``run(q, k, cos, sin, q_scale,
     k_scale, q_nope, k_nope, positions, offsets, cu_seqlens)`` (the gate's arguments; a scale given as a
     number is None there, its value is in the key) -> the FP8 outputs, or None. None when no plan serves its
-    kind: another backend than the C loop, cu_seqlens, an input the launch copied or converted (a strided
-    last axis, a table not float32, positions or a scale tensor not contiguous, positions not int64, a scale
-    not float32), an empty q or k.
+    kind: another backend than the C loop, an input the launch copied or converted (a strided last axis, a
+    table not float32, positions, cu_seqlens or a scale tensor not contiguous, positions or per-sequence
+    offsets not int64, a scale not float32), an empty q or k.
 
     The outputs are new tensors, so the memory rule has nothing to check (nothing the caller passed is
-    written); the run checks the values a key cannot hold: an int offset against the table (positions and
-    per-sequence offsets: the C loop, before it writes), and a scale tensor's values, finite and > 0
-    (float32, as the checked path's :func:`~ropekit.fused.checks.check_scale`)."""
+    written); the run checks the values a key cannot hold: an int offset against the table (positions,
+    per-sequence offsets and a packed batch's rows: the C loop, before it writes; cu_seqlens' own values:
+    :func:`_packed_rows`), and a scale tensor's values, finite and > 0 (float32, as the checked path's
+    :func:`~ropekit.fused.checks.check_scale`)."""
     nopes = () if q_nope is None else tuple(t for t in (q_nope, k_nope) if t.numel())  # the parts written
     tensor_scales = tuple(s for s in (q_scale, k_scale) if s is not None)
     q4 = q if q.dim() == 4 else q[None]
+    sequences = q4.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1  # offsets: one per sequence
     if (
         backend != "cpu"
-        or cu_seqlens is not None
         or q.dim() not in (3, 4)
         or len(launches) != 1 + bool(nopes)
         or not all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, *nopes))
         or not all(s.dtype == torch.float32 and s.is_contiguous() for s in tensor_scales)
         or not _plannable(q4, (k, *nopes, *tensor_scales), cos, sin, 0 if positions is not None else offsets,
-                          q4.shape[:1])
+                          (sequences,))
         or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
                                            and positions.device == q.device))
+        or (cu_seqlens is not None and not (cu_seqlens.is_contiguous() and cu_seqlens.device == q.device))
     ):  # fmt: skip
         return None
     like = launches[0]
@@ -307,19 +309,30 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     made = [
         ch.scale if s is None else None for ch, s in zip(like.channels[:2], (q_scale, k_scale), strict=True)
     ]
-    per_head = tuple(s is not None and s.numel() > 1 for s in (q_scale, k_scale))
     seq = like.seq
+    table_len = like.cos.shape[0]
     given = positions is not None  # positions: the rows themselves (offsets must be 0)
-    per_sequence = not given and type(offsets) is not int
-    last_offset = like.cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    packed = not given and cu_seqlens is not None  # rows from cu_seqlens (_packed_rows)
+    per_sequence = not given and not packed and type(offsets) is not int
+    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    empty, inf = torch.empty, math.inf
+    packed_steps = None if cu_seqlens is None else np.arange(like.batch * seq, dtype=np.int64)
+    check_scales = bool(tensor_scales)
+    empty = torch.empty
 
     def run(q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens):
+        rows = None  # rows made here, alive until the loops return
         if given:
             if type(offsets) is not int or offsets != 0:
                 return None  # positions with offsets: the checked path refuses them
+            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
+                return None  # malformed cu_seqlens: the checked path says how
             row_pointer, offset = positions.data_ptr(), 0
+        elif packed:
+            rows = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
+            if rows is None:
+                return None
+            row_pointer, offset = rows.ctypes.data, 0
         elif per_sequence:
             rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
             row_pointer, offset = rows.data_ptr(), 0
@@ -327,22 +340,10 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
             row_pointer, offset = 0, offsets
         else:
             return None  # a row past the table: the checked path says which
-        # A scale tensor's values, as check_scale checks them (float32 here): finite and > 0. min() sees a
-        # value <= 0 (or -inf); sum() is nan or inf when any value is (float64: no overflow of float32s).
-        if q_scale is None:
-            q_ptr = made[0].data_ptr()
-        else:
-            q_values = q_scale.tolist() if per_head[0] else (q_scale.item(),)
-            if not (0 < min(q_values) and sum(q_values) < inf):
-                return None
-            q_ptr = q_scale.data_ptr()
-        if k_scale is None:
-            k_ptr = made[1].data_ptr()
-        else:
-            k_values = k_scale.tolist() if per_head[1] else (k_scale.item(),)
-            if not (0 < min(k_values) and sum(k_values) < inf):
-                return None
-            k_ptr = k_scale.data_ptr()
+        if check_scales and not _valid_scales(q_scale, k_scale):
+            return None
+        q_ptr = made[0].data_ptr() if q_scale is None else q_scale.data_ptr()
+        k_ptr = made[1].data_ptr() if k_scale is None else k_scale.data_ptr()
         q_out = empty(q.shape, dtype=fp8_dtype, device=q.device)
         k_out = empty(k.shape, dtype=fp8_dtype, device=k.device)
         table = (cos.data_ptr(), sin.data_ptr(), row_pointer, 0)
@@ -469,7 +470,7 @@ def shift_plan(backend: str, like: FusedLaunch, k_cache, cos, sin, delta, slots)
             or (sin_lo < hi and lo < sin_lo + sin_span)
             or (slots_span and slots_lo < hi and lo < slots_lo + slots_span)
         ):
-            return None  # the cache's bytes meet a table's or the slots': the checked path decides
+            return None  # the cache meets a table or the slots: the checked path decides
         row = -delta if delta < 0 else delta
         pointers = (cos_lo + row * row_bytes, sin_lo + row * sin_row_bytes, 0, slots_lo, 0, 0, 0, 0, lo, 0,
                     0, 0, 0)  # fmt: skip
