@@ -1,26 +1,33 @@
 """Launch plans of the serving fusions: a repeated :func:`~ropekit.apply_rotary_qk_and_cache`,
-:func:`~ropekit.apply_rotary_qk_fp8` or :func:`~ropekit.qk_norm_rotary_` decode step goes through the one
-gate (:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that cannot be planned,
-and one call of the C loop (two in the FP8 op's MLA form).
+:func:`~ropekit.apply_rotary_qk_fp8`, :func:`~ropekit.qk_norm_rotary_` or :func:`~ropekit.shift_cache_` call
+goes through the one gate (:func:`ropekit.backends.plan.gate`: its key, one lookup), the value checks that
+cannot be planned, and one call of the C loop (two in the FP8 op's MLA form).
 
 The first call of a kind takes the checked path (every argument checked, the backend chosen, one
 :class:`~ropekit.backends.fused_launch.FusedLaunch` built); once it has served, :func:`cache_plan` (or
-:func:`fp8_plan`, :func:`qk_norm_plan`) gives the plan kept for its key: the C loop with every integer of
-the launch packed (:func:`ropekit.backends.c.fused.plan`), or None when no plan serves that kind.
-A later call with the same key runs the plan after the checks that depend on values:
+:func:`fp8_plan`, :func:`qk_norm_plan`, :func:`shift_plan`) gives the plan kept for its key: the C loop with
+every integer of the launch packed (:func:`ropekit.backends.c.fused.plan`), or None when no plan serves that
+kind. A later call with the same key runs the plan after the checks that depend on values:
 
-* rows: an int offset against the table (integer arithmetic here); per-sequence offsets and slots against the
-  table and the cache, and slots given twice, by the C loop itself, before it writes anything;
+* rows: an int offset (the shift's |delta|) against the table (integer arithmetic here); cu_seqlens' values
+  (from 0, non-decreasing, to the tokens) and a packed batch's rows, worked out here as the checked path
+  resolves them; positions, per-sequence offsets, packed rows and slots against the table and the cache, and
+  slots given twice, by the C loop itself, before it writes anything;
+* scales: a scale tensor's values, finite and > 0 (a number's value is in the key);
 * memory: every written tensor (the caches, and q in place) against the others, by their byte ranges (for
   the cache write, by the C loop itself before it writes), and exactly
   (:func:`ropekit.validation.shares_memory`) where the ranges meet (QK-norm writes qkv alone, whose own
-  layout the key holds).
+  layout the key holds; the shift's cache against its tables and slots: where those ranges meet, the checked
+  path decides);
+* an inference tensor written outside inference mode (PyTorch refuses the write): the checked path says so.
 
 A plan never changes an answer: the key holds every fact a check relied on (shape, stride, dtype and device of
 each tensor; the layout, the flags, the backend name); any value check that fails (a row past the table, a
 slot outside the cache, shared memory) sends the call down the checked path, which raises the error it
-always raised, with nothing written. Calls that trace or record autograd history, and cache writes that take
-positions, cu_seqlens or FP8 scales, or write the caches only, never use a plan.
+always raised, with nothing written. Calls that trace or record autograd history, inputs the checked path
+would copy or convert (a table not float32, positions not int64, a strided last axis or slot_mapping, a scale
+tensor not float32), backends other than the C loop, cache writes without q, and QK-norm with cu_seqlens
+never use a plan.
 """
 
 from __future__ import annotations
