@@ -680,7 +680,8 @@ def test_anything_the_shift_checks_relied_on_misses_its_plan(change):
 
 # ---- apply_rotary_qk_and_cache with positions, cu_seqlens, FP8 caches -----------------------------------
 
-SERVING_FORMS = ("positions (T,)", "positions (B, S)", "cu_seqlens", "cu_seqlens, offsets per sequence")
+SERVING_FORMS = ("positions (T,)", "positions (B, S)", "cu_seqlens", "cu_seqlens, offsets per sequence",
+                 "one packed sequence (T,)")  # fmt: skip
 CACHE_KINDS = {  # cache dtype and its scales
     "float32": (torch.float32, {}),
     "e4m3, numbers": (torch.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
@@ -706,6 +707,11 @@ class Serving:
         if form.startswith("positions"):
             self.kw = dict(positions=torch.randint(0, 2048, lead, generator=g))
             self.rows = self.kw["positions"].numpy()
+        elif (
+            form == "one packed sequence (T,)"
+        ):  # (T, H, D) without cu_seqlens: rows offset .. offset + T - 1
+            self.kw = dict(offsets=1000)
+            self.rows = 1000 + np.arange(7)
         else:  # three packed sequences of 3, 0 and 4 tokens
             per_sequence = form.endswith("per sequence")
             offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
@@ -808,6 +814,7 @@ BAD_SERVING = [
      "positions: largest position 2048 is past the cos/sin table"),
     ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, -3, 10])),
      "offsets: expected values >= 0, got a minimum of -3"),  # the empty sequence's: no row reads it
+    ("one packed sequence (T,)", "float32", dict(offsets=2045), "positions: largest position 2051 is past"),
     ("positions (T,)", "float32", dict(slot_mapping=torch.tensor([3, 64, -1, 5, 6, 7, 8])),
      "slot_mapping: slot 64"),
     ("cu_seqlens", "e4m3, numbers", dict(slot_mapping=torch.tensor([3, 9, -1, 5, 9, 7, 8])),
