@@ -143,7 +143,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
     packed = not given and cu_seqlens is not None
     per_sequence = not given and not packed and type(offsets) is not int
     steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    packed_steps = np.arange(tokens, dtype=np.int64) if packed or cu_seqlens is not None else None
+    packed_steps = None if cu_seqlens is None else np.arange(tokens, dtype=np.int64)  # (tokens,)
     # The tensors the memory rule reads, in the order of the run's `tensors`, and each one's pointer word in
     # the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches, cos, sin, the slots, the
     # positions, the scale tensors, then word 14 (read by the memory check alone): the per-sequence offsets,
@@ -151,20 +151,8 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
     tensor_offsets = type(offsets) is not int
     extra = offsets if tensor_offsets else cu_seqlens
     second = cu_seqlens if tensor_offsets else None
-    candidates = (
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        like.cos,
-        like.sin,
-        like.slots,
-        positions,
-        k_scale,
-        v_scale,
-        extra,
-    )
+    candidates = (q, k, v, k_cache, v_cache, like.cos, like.sin, like.slots, positions, k_scale, v_scale,
+                  extra)  # fmt: skip
     all_words = (4, 7, 10, 8, 11, 0, 1, 3, 2, 9, 12, 14)
     order = tuple(i for i, t in enumerate(candidates) if t is not None)
     words = tuple(all_words[i] for i in order)
