@@ -117,8 +117,8 @@ def shift_cache_(
 
 def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend, *,
             checked: bool) -> FusedLaunch:  # fmt: skip
-    """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place; the launch
-    run.
+    """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place; returns the
+    launch it ran (the model of a launch plan: :func:`ropekit.fused.planned.shift_plan`).
     checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
     is checked here."""
     impl = named_backend(backend, "fused")
