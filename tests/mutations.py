@@ -480,6 +480,15 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "qk_norm, planned: cu_seqlens not checked against qkv",
+        "ropekit/fused/planned.py",
+        "                        (cu_seqlens, 0)):  # fmt: skip\n",
+        "                        ):  # fmt: skip\n",
+        (
+            "tests/fused/test_planned.py::test_a_planned_packed_qk_norm_step_whose_qkv_holds_cu_seqlens_or_offsets_raises_the_checked_error",
+        ),
+    ),
+    Mutation(
         "shift, planned: no memory check of the cache against the tables and slots",
         "ropekit/fused/planned.py",
         "            return None  # the cache meets a table or the slots: the checked path decides\n",

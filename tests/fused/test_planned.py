@@ -957,3 +957,82 @@ def test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_e
     )
     assert message_got.startswith(message), message_got
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs are never written
+
+
+# ---- qk_norm_rotary_ with cu_seqlens, and per-sequence offsets over several tokens ------------------------
+
+
+def test_a_steady_qk_norm_step_with_per_sequence_offsets_over_several_tokens_takes_its_plan():
+    """Its rows (offsets[b] + t) are made per call; the plan read them after they were freed (the C loop then
+    saw other values, found a row outside the table and sent every call to the checked path)."""
+    qkv, weights, cos, sin, _ = qk_norm_inputs("offset")
+    qkv = torch.cat([qkv, qkv.flip(0), qkv], dim=1)  # (4, 3, W): three tokens per sequence
+    kw = dict(offsets=torch.tensor([7, 100, 3, 2000]))
+    want = qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)  # plans the key
+    for _ in range(3):
+        got = qkv.clone()
+        calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))  # noqa: B023
+        assert "run" in calls and "resolve" not in calls and len(calls) <= CALL_BUDGET, calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def packed_qk_norm_step(per_sequence: bool):
+    """vLLM's packed (T, W) qkv of three sequences (3, 0 and 4 tokens) with cu_seqlens, its key planned."""
+    plan.clear_plans()
+    g = torch.Generator().manual_seed(5)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    weights = [1 + 0.1 * torch.randn(128, generator=g) for _ in range(2)]
+    qkv = torch.randn(7, 48 * 128, generator=g)
+    offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+    kw = dict(cu_seqlens=torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32),
+              offsets=offsets)  # fmt: skip
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    return qkv, weights, cos, sin, kw
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_steady_packed_qk_norm_step_with_cu_seqlens_takes_its_plan_and_equals_the_checked_path(
+    per_sequence,
+):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence)
+    got = qkv.clone()
+    version = got._version
+    calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "resolve" not in calls and "check_cu_seqlens" not in calls
+    assert got._version == version + 1
+    plan.clear_plans()
+    checked = qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert torch.equal(got, checked)
+    torch.testing.assert_close(got, qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch"),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+BAD_PACKED_QK_NORM = [
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    (False, dict(offsets=2045), "positions: largest position 2048 is past the cos/sin table"),
+    (True, dict(offsets=torch.tensor([5, -3, 10])), "offsets: expected values >= 0, got a minimum of -3"),
+    (True, dict(offsets=torch.tensor([5, 10, 2045])), "positions: largest position 2048 is past the cos/sin"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_PACKED_QK_NORM)
+def test_a_value_check_failing_on_a_planned_packed_qk_norm_step_raises_the_checked_error(
+    per_sequence, change, message
+):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    got = raises_as_checked(lambda: qk_norm_call(qkv, weights, cos, sin, kw | change), qkv)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("read", ["cu_seqlens", "offsets"])
+def test_a_planned_packed_qk_norm_step_whose_qkv_holds_cu_seqlens_or_offsets_raises_the_checked_error(read):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence=True)
+    storage, inside_qkv, inside = _in_memory_of(qkv, kw[read])
+    inside_qkv.copy_(qkv)
+    inside.copy_(kw[read])  # its values again, over qkv's last bytes
+    got = raises_as_checked(lambda: qk_norm_call(inside_qkv, weights, cos, sin, kw | {read: inside}), storage)
+    assert got.startswith(f"qkv: it is written and shares memory with {read}"), got

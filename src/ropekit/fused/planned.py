@@ -26,8 +26,7 @@ each tensor; the layout, the flags, the backend name); any value check that fail
 slot outside the cache, shared memory) sends the call down the checked path, which raises the error it
 always raised, with nothing written. Calls that trace or record autograd history, inputs the checked path
 would copy or convert (a table not float32, positions not int64, a strided last axis or slot_mapping, a scale
-tensor not float32), backends other than the C loop, cache writes without q, and QK-norm with cu_seqlens
-never use a plan.
+tensor not float32), backends other than the C loop, and cache writes without q never use a plan.
 """
 
 from __future__ import annotations
@@ -363,24 +362,29 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
                  offsets, cu_seqlens):  # fmt: skip
     """The plan of a call the checked path served on backend: ``run(qkv, q_weight, k_weight, cos, sin,
     positions, offsets, cu_seqlens)`` (the gate's arguments) -> qkv, or None; None when no plan serves its
-    kind (another backend than the C loop, cu_seqlens, an input the launch would convert)."""
+    kind (another backend than the C loop, an input the launch would convert; cu_seqlens: the rows of a
+    packed batch, :func:`_packed_rows`)."""
     weights = (q_weight, k_weight)
+    sequences = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else qkv.shape[0] if qkv.dim() == 3 else 1
     if (
         backend != "cpu"
-        or cu_seqlens is not None
         or qkv.dim() not in (2, 3)
         or not all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-        or not _plannable(qkv, weights, cos, sin, offsets, qkv.shape[:1] if qkv.dim() == 3 else (1,))
+        or not _plannable(qkv, weights, cos, sin, 0 if positions is not None else offsets, (sequences,))
         or (positions is not None and not (positions.dtype == torch.int64 and positions.is_contiguous()
                                            and positions.device == qkv.device))
+        or (cu_seqlens is not None and not (cu_seqlens.is_contiguous() and cu_seqlens.device == qkv.device))
     ):  # fmt: skip
         return None
     view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
     c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
     seq = view.shape[1]
-    per_sequence = positions is None and type(offsets) is not int
-    last_offset = cos.shape[0] - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+    table_len = cos.shape[0]
+    packed = positions is None and cu_seqlens is not None  # rows from cu_seqlens (_packed_rows)
+    per_sequence = positions is None and not packed and type(offsets) is not int
+    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
     steps = None if seq == 1 else torch.arange(seq, device=qkv.device)  # (seq,): per-sequence rows
+    packed_steps = None if cu_seqlens is None else np.arange(seq, dtype=np.int64)  # (T,)
     increment_version = torch._C._increment_version
     qkv_span, table_span = span(qkv), span(cos)
 
@@ -396,17 +400,26 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
         # contiguous here.
         lo = qkv.data_ptr()
         hi = lo + qkv_span
-        rows_read = positions if positions is not None else offsets if per_sequence else None
-        for t, size in ((q_weight, 0), (k_weight, 0), (cos, table_span), (sin, table_span), (rows_read, 0)):
+        rows_read = positions if positions is not None else None if type(offsets) is int else offsets
+        for t, size in ((q_weight, 0), (k_weight, 0), (cos, table_span), (sin, table_span), (rows_read, 0),
+                        (cu_seqlens, 0)):  # fmt: skip
             if t is not None:
                 start = t.data_ptr()
                 if start < hi and lo < start + (size or t.numel() * t.element_size()):
                     return None
+        made = None  # rows made here, alive until the loop returns (it reads them through a pointer)
         if positions is not None:
+            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
+                return None  # malformed cu_seqlens: the checked path says how
             rows, offset = positions.data_ptr(), 0
+        elif packed:
+            made = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
+            if made is None:
+                return None
+            rows, offset = made.ctypes.data, 0
         elif per_sequence:
-            rows = (offsets if steps is None else (offsets[:, None] + steps).view(-1)).data_ptr()
-            offset = 0
+            made = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
+            rows, offset = made.data_ptr(), 0
         elif 0 <= offsets <= last_offset:
             rows, offset = None, offsets
         else:
