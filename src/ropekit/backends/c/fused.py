@@ -120,7 +120,7 @@ static inline void stream_fence(void) {}
    all ones), with q's sign bit; the top bytes of four vectors gathered by two byte permutes. Streaming stores
    when stream (each row a whole number of 64-byte lines: the 21 MB a 4k prefill writes are read next by the
    attention, not by this loop). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) /* VBMI: the byte permutes */
 #define HAVE_FP8_ROW512 1
 INLINE __m512i fp8_top16(__m512 x, __m512 scale, __m512 fmax, __m512i min_normal, __m512i to_scaled,
                          __m512 unscale, int up) {
