@@ -480,14 +480,20 @@ def test_a_repeated_packed_call_is_served_by_its_plan_with_this_calls_offsets_an
 
 
 def test_packed_calls_with_positions_never_take_the_packed_gate(packed_planner):
-    """Explicit positions with cu_seqlens are rows already: no gate, no plan; the checked path serves them."""
+    """Explicit positions with cu_seqlens are rows already: they take the positions gate, never the packed
+    one; a backend whose plan takes no ``positions`` (this one) has no plan for them, so the checked path
+    serves every call."""
     from call_count import ropekit_calls
+    from ropekit.backends import plan
 
+    plan.clear_plans()
     cos, sin = RopeConfig(head_dim=8).cos_sin(TABLE_LEN)
     x, cu, pos = torch.randn(5, 2, 8), torch.tensor([0, 2, 5]), torch.tensor([4, 5, 0, 1, 2])
     for _ in range(2):
         calls = ropekit_calls(
             lambda: apply_rotary(x, cos, sin, positions=pos, cu_seqlens=cu, backend="packed_planner")
         )
-        assert "launch_planned" not in calls and "resolve" in calls
+        assert "resolve" in calls
     assert packed_planner.runs == []
+    kinds = {key[0]: run for key, run in plan._plans.items()}
+    assert "rotary_packed" not in kinds and kinds["rotary_positions"] is None
