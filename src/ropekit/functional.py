@@ -36,7 +36,7 @@ from ropekit.dtensor_inputs import (
     lift,
 )
 from ropekit.positions import Positions, resolve
-from ropekit.tables import token_tables
+from ropekit.tables import plain_tables, token_tables
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
@@ -49,6 +49,8 @@ from ropekit.validation import (
 )
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
+
+_PLAIN = dict(per_token=False, full_width=False)  # the table form a launch plan takes
 
 
 def apply_rotary_qk(
@@ -142,6 +144,12 @@ def apply_rotary(
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
     interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
     gated, key = False, None
+    if forms["per_token"] is not False or forms["full_width"] is not False:
+        # HF's, Liger's, Megatron's, vLLM's M-RoPE rows: the plain table form, when it certainly is one
+        plain = plain_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
+        if plain is not None:
+            cos, sin, offsets = plain
+            forms = _PLAIN
     if (
         forms["per_token"] is False and forms["full_width"] is False and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
