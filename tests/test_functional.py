@@ -571,7 +571,7 @@ def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_pat
 @pytest.mark.parametrize("form", ["batched", "packed"])
 def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_offset_one(form):
     """Issue 25: a decode step with explicit positions ((B, 1), or a packed batch's (T,) with cu_seqlens)
-    is a lookup and one launch, as the int-offset step (6 calls on the C loop; 24 and 29 before: the checked
+    is a lookup and one launch, as the int-offset step (6 calls on the C loop; 92 and 108 before: the checked
     path every call)."""
     from call_count import ropekit_calls
 
