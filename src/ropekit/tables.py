@@ -25,6 +25,8 @@ from ropekit.validation import check_bool, check_movable, check_table_pair, chec
 __all__ = ["half_width", "per_token_table", "plain_tables", "row_starts", "token_tables"]
 
 Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 # (batch, seq, device) -> arange(0, batch * seq, seq): where each batch row's per-token rows start in the
 # flattened (B * S, W) table. Kept (a few per process), so a steady call builds no tensor.
 _starts: dict[tuple, torch.Tensor] = {}
@@ -176,15 +178,18 @@ def plain_tables(x, cos, sin, positions, offsets, cu_seqlens, interleaved, *, pe
     with its checks).
 
     Taken only where :func:`token_tables` would certainly accept the call and give the same rows: exact
-    types and flags, floating tables of one shape, dtype and device (x's), that need no gradient, R <= D;
-    full_width: an even width; per_token: no positions, offsets exactly 0, 4-D x (B, S, H, D) and rows (S, W)
-    or (1, S, W) or shared by the batch (offset 0), or (B, S, W) viewable as (B * S, W) (each batch row's
-    first row: :func:`row_starts`, per-sequence offsets). Packed per-token rows are left to token_tables
+    types and flags, floating tables of one shape, dtype and device (x's), that need no gradient, R <= D,
+    plain eager (no trace, no dispatch mode); full_width: an even width; per_token: no positions, offsets
+    exactly 0, 4-D x (B, S, H, D) and rows (S, W) or (1, S, W) or shared by the batch (offset 0), or
+    (B, S, W) viewable as (B * S, W) (each batch row's first row: :func:`row_starts`, per-sequence
+    offsets). Packed per-token rows are left to token_tables
     (their rows would be a positions tensor built per call). A call made of this form gives what the
     checked path gives the original call, and raises what it raises: every check token_tables makes holds.
     """
     if (
-        type(x) is not Tensor
+        _is_compiling()
+        or _dispatch_depth()  # a trace or a fake mode: row_starts must not keep its tensors
+        or type(x) is not Tensor
         or type(cos) is not Tensor
         or type(sin) is not Tensor
         or (interleaved is not True and interleaved is not False)
