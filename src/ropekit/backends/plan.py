@@ -260,6 +260,7 @@ def rotary_plan(
         def launch(q, k, cos, sin, offset):
             return impl.rotate_qk(q, k, cos, sin, None, **flags, offset=offset)
 
+    # an int offset's rows offset .. offset + S - 1 fit the table (packed: at least row offset)
     last_offset = cos.shape[0] - (1 if packed else q.shape[1])
     q_span, k_span, cos_span, sin_span = span(q), 0 if k is None else span(k), span(cos), span(sin)
     # per-sequence offsets or positions: bytes the kernel reads as it writes (0: none to meet)
