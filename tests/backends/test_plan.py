@@ -438,3 +438,40 @@ def test_explicit_positions_take_their_own_gate_keyed_by_their_layout():
     with pytest.raises(ValueError, match="offsets: expected 0 when positions is given"):
         apply_rotary_qk(q, k, cos, sin, positions=rows, offsets=1, backend="cpu")
     assert len([key for key in plan._plans if key[0] == "rotary_positions"]) == 2
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "float64", "strided rows"])
+def test_tables_the_kernel_does_not_read_as_they_are_are_converted_by_the_run_each_call(form):
+    """A plan on the C loop takes tables of another dtype or with strided rows (HF's bf16 rows, an
+    interleaved full-width table's every other column): its run converts them per call, as the backend's
+    rotate_qk does, so each call reads its own table's values, bit for bit the checked path's answer."""
+    from call_count import steady_step
+    from ropekit.backends.kernel_op import kernel_tables
+
+    q, k = _q_k()
+
+    def table(seed):
+        cos, sin = tables(16)
+        cos, sin = cos.roll(seed, 0), sin.roll(seed, 0)  # other rows at each position
+        if form == "strided rows":
+            return cos.repeat_interleave(2, -1)[:, ::2], sin.repeat_interleave(2, -1)[:, ::2]
+        dtype = torch.bfloat16 if form == "bfloat16" else torch.float64
+        return cos.to(dtype), sin.to(dtype)
+
+    first_table, second_table = table(0), table(5)
+    calls, first, _ = steady_step(lambda: apply_rotary_qk(q, k, *first_table, offsets=3, backend="cpu"))
+    assert "run" in calls and "check_x" not in calls, calls
+    got = apply_rotary_qk(q, k, *second_table, offsets=3, backend="cpu")  # same layout: the plan
+    for table_pair, out in ((first_table, first), (second_table, got)):
+        want = BACKENDS["cpu"].rotate_qk(
+            q,
+            k,
+            *kernel_tables(*table_pair),
+            None,
+            interleaved=False,
+            conjugate=False,
+            inplace=False,
+            offset=3,
+        )
+        for g, w in zip(out, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

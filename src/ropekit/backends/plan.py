@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ropekit.backends.kernel_op import KernelBackend, kernel_tables
 from ropekit.validation import byte_extent, shares_memory
 
 __all__ = [
@@ -189,21 +190,24 @@ def rotary_plan(
     ``cu_seqlens``, ``run(q, k, cos, sin, offset, cu_seqlens)`` for a packed batch (q (T, H, D), an int
     offset or one per packed sequence: :data:`launch_rotary_packed`'s keys); or, with ``positions`` (the
     call's positions tensor, ``offset`` then unused), ``run(q, k, cos, sin, positions, cu_seqlens)`` for
-    :data:`launch_rotary_positions`' keys: int64 contiguous rows, (B, S) for 4-D q or (T,) for a packed q with
-    its cu_seqlens. None when this kind has no plan.
+    :data:`launch_rotary_positions`' keys: int64 contiguous rows, (B, S) for 4-D q or (T,) for a packed q
+    with its cu_seqlens. None when this kind has no plan.
 
     ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
-    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any other
-    gets its rotate_qk, flags bound (int offsets of 4-D q only). Positions are planned only by a backend whose
-    plan takes ``positions=True`` (its launch reads the rows in the kernel and checks every one before
-    anything is written: the C loop on the host, Triton by its launcher and its in-kernel flag; with
-    cu_seqlens, it checks cu_seqlens as the checked path does): a backend that would need the rows checked
-    for it (the torch backend, a registered one without that keyword) has none. The run checks what the key
-    cannot hold: an int offset against the table (``table_len - S``; packed, ``table_len - 1``: the launch
-    checks each sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it checks
-    cu_seqlens' values) and, in place, the memory rule from the call's addresses: q and k meet neither table
-    nor the per-sequence offsets nor the positions nor cu_seqlens, and share no element with each other
-    (decided exactly, once per byte distance k - q, which with the layouts the key fixes decides it).
+    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any
+    other gets its rotate_qk, flags bound (int offsets of 4-D q only). A kernel backend's tables that its
+    kernels do not read as they are (another dtype, a strided row) are converted in the run, as its
+    rotate_qk converts them (:func:`~ropekit.backends.kernel_op.kernel_tables`). Positions are planned only
+    by a backend whose plan takes ``positions=True`` (its launch reads the rows in the kernel and checks
+    every one before anything is written: the C loop on the host, Triton by its launcher and its in-kernel
+    flag; with cu_seqlens, it checks cu_seqlens as the checked path does): a backend that would need the
+    rows checked for it (the torch backend, a registered one without that keyword) has none. The run checks
+    what the key cannot hold: an int offset against the table (``table_len - S``; packed, ``table_len - 1``:
+    the launch checks each sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it
+    checks cu_seqlens' values) and, in place, the memory rule from the call's addresses: q and k meet
+    neither table nor the per-sequence offsets nor the positions nor cu_seqlens, and share no element with
+    each other (decided exactly, once per byte distance k - q, which with the layouts the key fixes decides
+    it).
     """
     packed = cu_seqlens is not None
     rows = positions is not None
@@ -249,8 +253,12 @@ def rotary_plan(
         if make is None or "positions" not in inspect.signature(make).parameters:
             return None  # rows it cannot check itself: the checked path checks them every call
         flags["positions"] = True
+    # A kernel backend reads float32 rows of unit stride: other tables (HF's bf16 rows, the every-other
+    # column of interleaved full-width rows) are converted per call, as its rotate_qk converts them.
+    read_cos, read_sin = kernel_tables(cos, sin) if isinstance(impl, KernelBackend) else (cos, sin)
+    convert = read_cos is not cos
     if make is not None:
-        launch = make(q, k, cos, sin, **flags)
+        launch = make(q, k, read_cos, read_sin, **flags)
         if launch is None:
             return None
     elif per_sequence or packed:
@@ -303,6 +311,8 @@ def rotary_plan(
                             shared[distance] = meet
                     if meet:
                         return None
+        if convert:  # after the memory rule, which the caller's tables obey
+            cos, sin = kernel_tables(cos, sin)
         if cu_seqlens is None:
             return launch(q, k, cos, sin, offset)
         return launch(q, k, cos, sin, offset, cu_seqlens)
