@@ -31,3 +31,19 @@ def ropekit_frames(fn, record) -> list:
     finally:
         sys.setprofile(None)
     return seen
+
+
+def steady_step(step) -> tuple[list[str], object, object]:
+    """(ropekit calls of a steady call of step, the first call's result, that call's result): step() once,
+    checked in full (it plans the kind), then again under the profiler."""
+    first = step()
+    got: list = []
+    calls = ropekit_calls(lambda: got.append(step()))
+    return calls, first, got[0]
+
+
+def assert_planned(calls: list[str], budget: int) -> None:
+    """A steady call that a launch plan served: its run, no positions resolved, no argument checked by the
+    checked path (check_x), at most ``budget`` ropekit calls."""
+    assert "run" in calls and "resolve" not in calls and "check_x" not in calls, calls
+    assert len(calls) <= budget, (len(calls), calls)

@@ -423,28 +423,87 @@ MUTATIONS += [
         ),
     ),
     Mutation(
-        "fused, planned: an inference q written in place outside inference mode",
+        "fused, planned: an inference q or cache written in place outside inference mode",
         "ropekit/fused/planned.py",
-        "        if q_inference and not torch.is_inference_mode_enabled():\n",
+        "        if (q_inference or caches_inference) and not torch.is_inference_mode_enabled():\n",
         "        if False:\n",
         (
             "tests/fused/test_cache.py::test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode",
+            "tests/fused/test_planned.py::test_caches_that_share_memory_or_an_inference_cache_after_a_plan_raise_the_checked_error",
         ),
     ),
     Mutation(
-        "fp8, planned: no check of a scale tensor's values",
+        "fused, planned: no check of a scale tensor's values (FP8 outputs and FP8 caches)",
         "ropekit/fused/planned.py",
-        "            if not (0 < min(q_values) and sum(q_values) < inf):\n",
-        "            if False:\n",
+        "                if not 0 < values < math.inf:\n",
+        "                if False:\n",
         (
             "tests/fused/test_planned.py::test_a_planned_fp8_step_with_an_invalid_scale_tensor_raises_the_checked_error",
+            "tests/fused/test_planned.py::test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing",
         ),
         also=(
             (
                 "ropekit/fused/planned.py",
-                "            if not (0 < min(k_values) and sum(k_values) < inf):\n",
-                "            if False:\n",
+                "            elif not (0 < min(values) and sum(values) < math.inf):\n",
+                "            elif False:\n",
             ),
+        ),
+    ),
+    Mutation(
+        "fused, planned: cu_seqlens' values unchecked (a packed batch's rows)",
+        "ropekit/fused/planned.py",
+        "    if cu[0] != 0 or cu[-1] != steps.shape[0] or (cu[1:] < cu[:-1]).any():\n",
+        "    if False:\n",
+        (
+            "tests/fused/test_planned.py::test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing",
+            "tests/fused/test_planned.py::test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_error",
+            "tests/fused/test_planned.py::test_a_planned_step_with_positions_and_cu_seqlens_still_checks_cu_seqlens",
+        ),
+    ),
+    Mutation(
+        "fused, planned: a negative offset of an empty packed sequence accepted",
+        "ropekit/fused/planned.py",
+        "        if first.min() < 0:\n",
+        "        if False:\n",
+        (
+            "tests/fused/test_planned.py::test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing",
+            "tests/fused/test_planned.py::test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_error",
+        ),
+    ),
+    Mutation(
+        "fused, planned: cu_seqlens beside per-sequence offsets not checked against the written tensors",
+        "ropekit/fused/planned.py",
+        "                if size and start < lo + second_span and lo < start + size:\n",
+        "                if False:\n",
+        (
+            "tests/fused/test_planned.py::test_a_tensor_the_planned_step_reads_inside_a_cache_raises_the_checked_error_and_writes_nothing",
+        ),
+    ),
+    Mutation(
+        "qk_norm, planned: cu_seqlens not checked against qkv",
+        "ropekit/fused/planned.py",
+        "                        (cu_seqlens, 0)):  # fmt: skip\n",
+        "                        ):  # fmt: skip\n",
+        (
+            "tests/fused/test_planned.py::test_a_planned_packed_qk_norm_step_whose_qkv_holds_cu_seqlens_or_offsets_raises_the_checked_error",
+        ),
+    ),
+    Mutation(
+        "shift, planned: no memory check of the cache against the tables and slots",
+        "ropekit/fused/planned.py",
+        "            return None  # the cache meets a table or the slots: the checked path decides\n",
+        "            pass\n",
+        (
+            "tests/fused/test_planned.py::test_a_planned_shift_whose_cache_holds_a_table_or_its_slots_raises_the_checked_error",
+        ),
+    ),
+    Mutation(
+        "shift, planned: an inference cache rotated outside inference mode",
+        "ropekit/fused/planned.py",
+        "        if inference and not torch.is_inference_mode_enabled():\n",
+        "        if False:\n",
+        (
+            "tests/fused/test_planned.py::test_a_planned_shift_bumps_the_version_once_and_refuses_an_inference_cache_outside_inference_mode",
         ),
     ),
     Mutation(

@@ -23,6 +23,8 @@ __all__ = [
     "check_matches_reference",
     "check_planned_packed_errors",
     "check_planned_packed_steps",
+    "check_planned_positions_errors",
+    "check_planned_positions_steps",
     "check_single_tensor",
     "make_inputs",
     "packed_inputs",
@@ -185,3 +187,71 @@ def check_planned_packed_errors(backend, form, cu_dtype):
                 messages.append(str(e))
         assert len(messages) == 2 and messages[0] == messages[1], (offsets, values, messages)
         assert torch.equal(q, before)
+
+
+def _positions_inputs(form, dtype=torch.float32, seed=11):
+    """q, k and the keyword arguments besides positions of one positions form: "batched" q (B, S, H, D)
+    with positions (B, S), "packed" q (T, H, D) with positions (T,) and int32 cu_seqlens."""
+    if form == "packed":
+        q, k, cu = packed_inputs([2, 0, 3], torch.int32, dtype, seed=seed)
+        return q, k, dict(cu_seqlens=cu)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 3, 12, generator=g).to(dtype)  # (batch, seq, heads, head_dim)
+    return q, torch.randn(2, 3, 1, 12, generator=g).to(dtype), {}
+
+
+def check_planned_positions_steps(monkeypatch, backend, form, inplace, dtype):
+    """Three steps with explicit positions of one shape (arbitrary rows: out of order, repeated, the table's
+    first and last): the first is checked and plans the key, the next are served by the plan, which hands the
+    positions to the kernel (``resolve`` never runs again). Every step equals the float64 reference within
+    the dtype's tolerance and the checked path (the torch backend) bit for bit; out of place leaves the
+    inputs untouched."""
+    from ropekit import functional
+
+    cos, sin = tables(8)  # rotary_dim 8 of head_dim 12: the tail passes through
+    q, k, kw = _positions_inputs(form, dtype)
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.randint(0, TABLE_LEN, q.shape[:-2], generator=g) for _ in range(3)]
+    steps[1].view(-1)[:2] = torch.tensor([TABLE_LEN - 1, 0])  # the table's last and first rows
+    wants = [apply_rotary_qk(q, k, cos, sin, positions=pos, **kw, backend="torch") for pos in steps]
+    for step, pos in enumerate(steps):
+        if step:
+            monkeypatch.setattr(functional, "resolve", None)  # a planned step never resolves positions
+        q_in, k_in = q.clone(), k.clone()
+        got = apply_rotary_qk(q_in, k_in, cos, sin, positions=pos, **kw, inplace=inplace, backend=backend)
+        for out, x, want in zip(got, (q, k), wants[step], strict=True):
+            assert_matches_reference(out, x, cos, sin, pos.numpy(), interleaved=False)
+            assert torch.equal(out, want)
+        assert (got[0].data_ptr() == q_in.data_ptr()) is inplace
+        if not inplace:
+            assert torch.equal(q_in, q) and torch.equal(k_in, k)
+
+
+def check_planned_positions_errors(backend, form):
+    """A position past the table or negative (and, packed, malformed cu_seqlens) after the key was planned:
+    the plan refuses it before anything is written, and the checked path raises exactly its message (the
+    torch backend's, which has no positions plan), in place as out of place."""
+    cos, sin = tables(8)  # 64 rows
+    q, k, kw = _positions_inputs(form)
+    good = torch.arange(q.shape[:-2].numel()).view(q.shape[:-2])
+    for inplace in (True, False):  # plans both keys
+        apply_rotary_qk(q, k, cos, sin, positions=good, **kw, inplace=inplace, backend=backend)
+    before_q, before_k = q.clone(), k.clone()
+    bad_calls = []
+    for value in (TABLE_LEN, -1, TABLE_LEN + 100):
+        pos = good.clone()
+        pos.view(-1)[-1] = value
+        bad_calls.append((pos, kw))
+    if form == "packed":
+        bad_calls.append((good, dict(cu_seqlens=torch.tensor([0, 2, 2, 4], dtype=torch.int32))))
+        bad_calls.append((good, dict(cu_seqlens=torch.tensor([0, 3, 2, 5], dtype=torch.int32))))
+    for pos, extra in bad_calls:
+        for inplace in (True, False):
+            messages = []
+            for name in ("torch", backend):
+                try:
+                    apply_rotary_qk(q, k, cos, sin, positions=pos, **extra, inplace=inplace, backend=name)
+                except ValueError as e:
+                    messages.append(str(e))
+            assert len(messages) == 2 and messages[0] == messages[1], (pos, extra, messages)
+            assert torch.equal(q, before_q) and torch.equal(k, before_k)

@@ -480,14 +480,114 @@ def test_a_repeated_packed_call_is_served_by_its_plan_with_this_calls_offsets_an
 
 
 def test_packed_calls_with_positions_never_take_the_packed_gate(packed_planner):
-    """Explicit positions with cu_seqlens are rows already: no gate, no plan; the checked path serves them."""
+    """Explicit positions with cu_seqlens are rows already: they take the positions gate, never the packed
+    one; a backend whose plan takes no ``positions`` (this one) has no plan for them, so the checked path
+    serves every call."""
     from call_count import ropekit_calls
+    from ropekit.backends import plan
 
+    plan.clear_plans()
     cos, sin = RopeConfig(head_dim=8).cos_sin(TABLE_LEN)
     x, cu, pos = torch.randn(5, 2, 8), torch.tensor([0, 2, 5]), torch.tensor([4, 5, 0, 1, 2])
     for _ in range(2):
         calls = ropekit_calls(
             lambda: apply_rotary(x, cos, sin, positions=pos, cu_seqlens=cu, backend="packed_planner")
         )
-        assert "launch_planned" not in calls and "resolve" in calls
+        assert "resolve" in calls
     assert packed_planner.runs == []
+    kinds = {key[0]: run for key, run in plan._plans.items()}
+    assert "rotary_packed" not in kinds and kinds["rotary_positions"] is None
+
+
+def _positions_step(backend, inplace, seed=6):
+    """A prefill-like call with explicit (B, S) positions, out of order and repeated."""
+    cos, sin = RopeConfig(head_dim=16).cos_sin(TABLE_LEN)
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(BATCH, SEQ, 4, 16, generator=g), torch.randn(BATCH, SEQ, 2, 16, generator=g)
+    positions = torch.randint(0, TABLE_LEN, (BATCH, SEQ), generator=g)
+    positions[0, :2] = torch.tensor([TABLE_LEN - 1, TABLE_LEN - 1])
+    return q, k, cos, sin, positions
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_repeated_call_with_positions_is_served_by_its_plan_and_equals_the_checked_path(backend, inplace):
+    """Issue 25: explicit positions take the positions gate; the second call of a kind is the plan (no
+    resolve, no checks), equal to the first (checked) call bit for bit and to the float64 reference."""
+    from call_count import ropekit_calls
+
+    q, k, cos, sin, positions = _positions_step(backend, inplace)
+    kw = dict(positions=positions, backend=backend)
+    checked = [t.clone() for t in (q, k)]
+    first = apply_rotary_qk(*checked, cos, sin, **kw, inplace=inplace)
+    planned = [t.clone() for t in (q, k)]
+    calls = ropekit_calls(lambda: apply_rotary_qk(*planned, cos, sin, **kw, inplace=inplace))
+    assert "launch_planned" in calls and "run" in calls and "resolve" not in calls, calls
+    again = apply_rotary_qk(*[t.clone() for t in (q, k)], cos, sin, **kw, inplace=inplace)
+    for got, want, x in zip(again, first, (q, k), strict=True):
+        assert torch.equal(got, want)
+        assert_matches_reference(got, x, cos, sin, positions.numpy(), interleaved=False)
+    if inplace:  # the profiled call wrote its own inputs, as the checked call did
+        assert torch.equal(planned[0], checked[0]) and torch.equal(planned[1], checked[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("bad", ["past", "negative"])
+def test_a_planned_positions_call_raises_the_checked_paths_error_and_writes_nothing(bad, inplace):
+    """A position past the table or negative, after its key was planned: exactly the checked path's
+    ValueError (the torch backend's, which has no positions plan), and neither q nor k changed."""
+    q, k, cos, sin, positions = _positions_step("cpu", inplace)
+    apply_rotary_qk(q.clone(), k.clone(), cos, sin, positions=positions, inplace=inplace, backend="cpu")
+    positions[1, 2] = TABLE_LEN if bad == "past" else -3
+    want = "largest position 32 is past" if bad == "past" else "expected values >= 0, got a minimum of -3"
+    before = (q.clone(), k.clone())
+    messages = []
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match=want) as err:
+            apply_rotary_qk(q, k, cos, sin, positions=positions, inplace=inplace, backend=backend)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_paths_error():
+    """The memory rule on the planned path: positions read by the kernel as it writes q in place must not
+    share q's bytes. A plan made for disjoint positions of the same layout refuses the call, and the checked
+    path raises its own error (the same as the torch backend's); nothing is written."""
+    q, k, cos, sin, positions = _positions_step("cpu", True)
+    apply_rotary_qk(q, k, cos, sin, positions=positions, inplace=True, backend="cpu")  # plans the key
+    inside = q.view(-1).view(torch.int64)[: BATCH * SEQ].view(BATCH, SEQ)  # int64 rows in q's own bytes
+    inside.copy_(positions)
+    before = (q.clone(), k.clone())
+    messages = []
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match="shares memory with positions") as err:
+            apply_rotary_qk(q, k, cos, sin, positions=inside, inplace=True, backend=backend)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_offset_one(form):
+    """Issue 25: a decode step with explicit positions ((B, 1), or a packed batch's (T,) with cu_seqlens)
+    is a lookup and one launch, as the int-offset step (6 calls on the C loop; 92 and 108 before: the checked
+    path every call)."""
+    from call_count import ropekit_calls
+
+    cos, sin = RopeConfig(head_dim=128).cos_sin(4096)
+    q, k = torch.randn(4, 1, 32, 128), torch.randn(4, 1, 8, 128)  # Llama-3-8B heads, 4 sequences
+    if form == "batched":
+        kw = dict(positions=torch.tensor([[1000], [7], [4000], [300]]))
+    else:
+        q, k = q[:, 0], k[:, 0]  # (T, heads, head_dim)
+        kw = dict(positions=torch.tensor([1000, 7, 4000, 300]), cu_seqlens=torch.arange(5, dtype=torch.int32))
+    int_q, int_k = torch.randn(4, 1, 32, 128), torch.randn(4, 1, 8, 128)
+    counts = {}
+    for name, step in (
+        ("int", lambda: apply_rotary_qk(int_q, int_k, cos, sin, offsets=1000, inplace=True)),
+        ("positions", lambda: apply_rotary_qk(q, k, cos, sin, **kw, inplace=True)),
+    ):
+        step()
+        counts[name] = len(ropekit_calls(step))
+    assert counts["positions"] <= counts["int"], counts

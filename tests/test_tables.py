@@ -143,3 +143,117 @@ def test_errors_name_the_argument_and_the_accepted_shapes():
         apply_rotary(x, *rows, per_token=1)
     with pytest.raises(ValueError, match=r"^cos and sin: expected the same shape"):
         apply_rotary(x, rows[0], rows[1][:1], per_token=True)
+
+
+def _per_token_forms(batch=3, seq=5, rotary_dim=8):
+    """Per-token rows of every form plain_tables takes, with each token's row in the flat table."""
+    cos, sin = tables(batch * seq, rotary_dim)
+    flat = np.arange(batch * seq).reshape(batch, seq)
+    shared = np.broadcast_to(np.arange(seq), (batch, seq))
+    return (
+        cos,
+        sin,
+        {
+            "batch": ((cos.view(batch, seq, -1), sin.view(batch, seq, -1)), flat),
+            "shared": ((cos[None, :seq], sin[None, :seq]), shared),
+            "shared_2d": ((cos[:seq], sin[:seq]), shared),
+            "expanded": (
+                (cos[None, :seq].expand(batch, -1, -1), sin[None, :seq].expand(batch, -1, -1)),
+                shared,
+            ),
+        },
+    )
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("width", ["half", "full"])
+@pytest.mark.parametrize("token_shape", ["batch", "shared", "shared_2d", "expanded"])
+def test_a_repeated_per_token_call_is_served_by_a_plan_and_equals_the_checked_path(
+    monkeypatch, assert_matches_reference, token_shape, width, inplace
+):
+    """Issue 25: per-token (and full-width) rows, as HF, Liger, Megatron and vLLM's M-RoPE pass them, are
+    the plain table plus an int 0 or each batch row's start (tables.plain_tables): the second call is the
+    launch plan (no token_tables, no resolve), bit for bit the checked path's answer (plain_tables switched
+    off) and the float64 reference's within float32 tolerance."""
+    from call_count import ropekit_calls
+    from ropekit import functional
+
+    g = torch.Generator().manual_seed(4)
+    x, k = torch.randn(3, 5, 4, 12, generator=g), torch.randn(3, 5, 2, 12, generator=g)
+    cos, sin, forms = _per_token_forms()
+    (c, s), pos = forms[token_shape]
+    if width == "full":
+        c, s = full(c, False), full(s, False)
+    kw = dict(per_token=True, full_width=width == "full", inplace=inplace, backend="cpu")
+
+    def step():
+        return apply_rotary_qk(x.clone(), k.clone(), c, s, **kw)
+
+    first = step()
+    calls = ropekit_calls(step)
+    assert "run" in calls and "token_tables" not in calls and "resolve" not in calls, calls
+    planned = step()
+    monkeypatch.setattr(functional, "plain_tables", lambda *args, **kwargs: None)
+    checked = step()  # the checked path, as every call took it before
+    for got, want, again, inp in zip(planned, checked, first, (x, k), strict=True):
+        assert torch.equal(got, want) and torch.equal(again, want)
+        assert_matches_reference(got, inp, cos, sin, pos, interleaved=False)
+
+
+def test_plain_tables_takes_only_the_forms_token_tables_certainly_accepts():
+    """plain_tables answers the plain form (views of the caller's rows) for the forms it knows, and None
+    for anything token_tables would refuse, convert or read differently: the checked path then decides."""
+    from ropekit.tables import plain_tables, row_starts
+
+    x = torch.randn(3, 5, 4, 12)
+    _, _, forms = _per_token_forms()
+    (rows_c, rows_s), _ = forms["batch"]
+    plain = dict(per_token=True, full_width=False)
+    c, s, off = plain_tables(x, rows_c, rows_s, None, 0, None, False, **plain)
+    assert c.shape == (15, 4) and c.data_ptr() == rows_c.data_ptr() and off is row_starts(3, 5, x.device)
+    assert torch.equal(off, torch.tensor([0, 5, 10]))
+    (shared_c, shared_s), _ = forms["expanded"]
+    c, s, off = plain_tables(x, shared_c, shared_s, None, 0, None, False, **plain)
+    assert c.shape == (5, 4) and s.data_ptr() == shared_s.data_ptr() and off == 0 and type(off) is int
+    wide_c, wide_s = full(rows_c, True), full(rows_s, True)
+    c, _, _ = plain_tables(x, wide_c, wide_s, None, 0, None, True, per_token=True, full_width=True)
+    assert torch.equal(c, rows_c.reshape(15, 4)) and c.data_ptr() == wide_c.data_ptr()
+    refused = {
+        "positions": dict(positions=torch.zeros(3, 5, dtype=torch.long)),
+        "offsets": dict(offsets=3),
+        "offsets tensor": dict(offsets=torch.zeros(3, dtype=torch.long)),
+        "bool offsets": dict(offsets=False),
+        "a flag not a bool": dict(interleaved=0),
+        "per_token not a bool": dict(per_token=1),
+        "other shapes": dict(sin=rows_s[:, :4]),
+        "integer rows": dict(cos=rows_c.long(), sin=rows_s.long()),
+        "rows that need grad": dict(cos=rows_c.clone().requires_grad_()),
+        "too wide": dict(x=x[..., :6]),
+        "other rows": dict(x=x[:, :4]),
+        "3-D x": dict(x=x[0]),
+        "not viewable": dict(cos=rows_c.transpose(0, 1).contiguous().transpose(0, 1), sin=rows_s),
+        "odd full width": dict(full_width=True, cos=rows_c[..., :3], sin=rows_s[..., :3]),
+        "full-width rows not 2-D": dict(per_token=False, full_width=True),
+    }
+    for name, change in refused.items():
+        args = dict(x=x, cos=rows_c, sin=rows_s, positions=None, offsets=0, interleaved=False, **plain)
+        args.update(change)
+        call = [args.pop(n) for n in ("x", "cos", "sin", "positions", "offsets")]
+        flag = args.pop("interleaved")
+        assert plain_tables(*call, None, flag, **args) is None, name
+
+
+def test_a_planned_per_token_kind_keeps_the_checked_paths_errors():
+    """After a per-token call of a kind was planned, calls of the same layout that token_tables refuses
+    still get its messages (plain_tables leaves them to it)."""
+    x = torch.randn(2, 5, 3, 8)
+    cos, sin = tables(10, 8)
+    rows = cos.view(2, 5, 4), sin.view(2, 5, 4)
+    apply_rotary(x, *rows, per_token=True, backend="cpu")
+    apply_rotary(x, *rows, per_token=True, backend="cpu")  # served by the plan
+    with pytest.raises(ValueError, match=r"^offsets: expected 0 with per_token=True"):
+        apply_rotary(x, *rows, per_token=True, offsets=3, backend="cpu")
+    with pytest.raises(ValueError, match=r"^positions: expected None with per_token=True"):
+        apply_rotary(x, *rows, per_token=True, positions=torch.zeros(2, 5, dtype=torch.long), backend="cpu")
+    with pytest.raises(ValueError, match=r"^per_token: expected a bool"):
+        apply_rotary(x, *rows, per_token=1, backend="cpu")

@@ -19,7 +19,13 @@ import torch
 from ropekit.autograd import RotaryFunction, RotaryQKFunction
 from ropekit.backends import BACKENDS, Backend, select_backend
 from ropekit.backends.kernel_op import MAX_HALF
-from ropekit.backends.plan import keep, launch_rotary, launch_rotary_packed, rotary_plan
+from ropekit.backends.plan import (
+    keep,
+    launch_rotary,
+    launch_rotary_packed,
+    launch_rotary_positions,
+    rotary_plan,
+)
 from ropekit.dtensor_inputs import (
     POSITIONS,
     ROTATED,
@@ -30,7 +36,7 @@ from ropekit.dtensor_inputs import (
     lift,
 )
 from ropekit.positions import Positions, resolve
-from ropekit.tables import token_tables
+from ropekit.tables import plain_tables, token_tables
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
@@ -43,6 +49,8 @@ from ropekit.validation import (
 )
 
 __all__ = ["apply_rotary", "apply_rotary_qk"]
+
+_PLAIN = dict(per_token=False, full_width=False)  # the table form a launch plan takes
 
 
 def apply_rotary_qk(
@@ -136,14 +144,25 @@ def apply_rotary(
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
     interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
     gated, key = False, None
+    if forms["per_token"] is not False or forms["full_width"] is not False:
+        # HF's, Liger's, Megatron's, vLLM's M-RoPE rows: the plain table form, when it certainly is one
+        plain = plain_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
+        if plain is not None:
+            cos, sin, offsets = plain
+            forms = _PLAIN
     if (
-        positions is None
-        and forms["per_token"] is False
-        and forms["full_width"] is False
-        and flags["rotary_position"] == "first"
+        forms["per_token"] is False and forms["full_width"] is False and flags["rotary_position"] == "first"
     ):  # a decode or prefill step seen before: its launch plan (ropekit.backends.plan)
         gated = True
-        if cu_seqlens is None:
+        if positions is not None:  # explicit rows, (B, S) or packed (T,): their own gate
+            if type(offsets) is int and offsets == 0:
+                out, key = launch_rotary_positions(
+                    q, k, cos, sin, positions, cu_seqlens, interleaved=interleaved, inplace=inplace,
+                    backend=backend, conjugate=inverse,
+                )  # fmt: skip
+            else:
+                out = None  # positions with offsets: the checked path refuses them
+        elif cu_seqlens is None:
             out, key = launch_rotary(
                 q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
                 conjugate=inverse,
@@ -160,12 +179,17 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
-    # What the plan reads in the kernel: per-sequence offsets (a decode step), a packed batch's cu_seqlens
-    # with its int or per-sequence offsets.
-    read = key is not None and cos is table_cos and (cu_seqlens is not None or type(offsets) is torch.Tensor)
+    # What the plan reads in the kernel: explicit positions (with a packed batch's cu_seqlens, checked),
+    # per-sequence offsets (a decode step), a packed batch's cu_seqlens with its int or per-sequence offsets.
+    read = (
+        key is not None
+        and cos is table_cos
+        and (positions is not None or cu_seqlens is not None or type(offsets) is torch.Tensor)
+    )
     return apply_resolved(
         q, k, cos, sin, pos, backend=backend, **flags, gated=gated, plan_key=key,
         offsets=offsets if read else None, cu_seqlens=cu_seqlens if read else None,
+        positions=positions if read else None,
     )  # fmt: skip
 
 
@@ -185,6 +209,7 @@ def apply_resolved(
     plan_key: tuple | None = None,
     offsets: int | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     swap: tuple[int, int] | None = None,
     table_grows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,6 +232,9 @@ def apply_resolved(
         cu_seqlens: the packed batch's cu_seqlens pos was resolved from (no positions, rows of the caller's
             own table), offsets then its int or per-sequence offsets; or None. The plan kept under
             ``plan_key`` reads both in the kernel (no positions tensor built).
+        positions: the explicit positions tensor pos was resolved from (rows of the caller's own table;
+            with ``cu_seqlens``, a packed batch's), or None: the plan kept under ``plan_key`` hands them to
+            the kernel as they are, and the backend checks every row (and cu_seqlens) before it writes.
         swap, table_grows: how the plan kept under ``plan_key`` serves its caller (the module): its key
             holds the caller's tensors, of which q and k are ``t.transpose(*swap)``; the caller grows its
             table for rows past it (:func:`ropekit.backends.plan.rotary_plan`).
@@ -271,11 +299,15 @@ def apply_resolved(
         if plan_key is not None:  # plan the next call like this one
             if offsets is not None:  # per-sequence or packed: the plan reads the offsets, not these rows
                 offset = offsets
-            plannable = cos is table_cos and (offsets is not None or (rows is None and type(offset) is int))
+            plannable = cos is table_cos and (
+                positions is not None or offsets is not None or (rows is None and type(offset) is int)
+            )
             flags = dict(
                 interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens, swap=swap,
                 table_grows=table_grows,
             )  # fmt: skip
+            if positions is not None:
+                flags["positions"] = positions
             keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:

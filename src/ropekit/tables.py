@@ -22,7 +22,14 @@ import torch
 
 from ropekit.validation import check_bool, check_movable, check_table_pair, check_tables, describe
 
-__all__ = ["half_width", "per_token_table", "token_tables"]
+__all__ = ["half_width", "per_token_table", "plain_tables", "row_starts", "token_tables"]
+
+Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+# (batch, seq, device) -> arange(0, batch * seq, seq): where each batch row's per-token rows start in the
+# flattened (B * S, W) table. Kept (a few per process), so a steady call builds no tensor.
+_starts: dict[tuple, torch.Tensor] = {}
 
 
 def half_width(
@@ -151,3 +158,82 @@ def token_tables(
         check_movable("sin", sin, x.device)
         cos, sin = cos.to(x.device), sin.to(x.device)
     return per_token_table(cos, sin, tuple(x.shape[:-2]), x.shape[-1])
+
+
+def row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """arange(0, batch * seq, seq) on device, int64 (batch,): each batch row's first row in per-token rows
+    (B, S, W) seen as a (B * S, W) table; the same tensor for the same arguments (at most 64 kept)."""
+    key = (batch, seq, device)
+    starts = _starts.get(key)
+    if starts is None:
+        if len(_starts) >= 64:
+            _starts.clear()
+        starts = _starts[key] = torch.arange(0, batch * seq, seq, device=device)  # (batch,)
+    return starts
+
+
+def plain_tables(x, cos, sin, positions, offsets, cu_seqlens, interleaved, *, per_token, full_width):
+    """The common table forms as the plain form, for the launch-plan gate: ``(cos, sin, offsets)``, cos and
+    sin (rows, R/2) views of the caller's, or None for any other call (:func:`token_tables` then turns it,
+    with its checks).
+
+    Taken only where :func:`token_tables` would certainly accept the call and give the same rows: exact
+    types and flags, floating tables of one shape, dtype and device (x's), that need no gradient, R <= D,
+    plain eager (no trace, no dispatch mode); full_width: an even width; per_token: no positions, offsets
+    exactly 0, 4-D x (B, S, H, D) and rows (S, W) or (1, S, W) or shared by the batch (offset 0), or
+    (B, S, W) viewable as (B * S, W) (each batch row's first row: :func:`row_starts`, per-sequence
+    offsets). Packed per-token rows are left to token_tables
+    (their rows would be a positions tensor built per call). A call made of this form gives what the
+    checked path gives the original call, and raises what it raises: every check token_tables makes holds.
+    """
+    if (
+        _is_compiling()
+        or _dispatch_depth()  # a trace or a fake mode: row_starts must not keep its tensors
+        or type(x) is not Tensor
+        or type(cos) is not Tensor
+        or type(sin) is not Tensor
+        or (interleaved is not True and interleaved is not False)
+        or (per_token is not True and per_token is not False)
+        or (full_width is not True and full_width is not False)
+        or cos.shape != sin.shape
+        or cos.dtype != sin.dtype
+        or not cos.is_floating_point()
+        or cos.device != x.device
+        or sin.device != x.device
+        or cos.requires_grad
+        or sin.requires_grad
+        or not cos.dim()
+    ):
+        return None
+    if full_width:
+        width = cos.shape[-1]
+        if width == 0 or width % 2:
+            return None
+        cos, sin = (
+            (cos[..., ::2], sin[..., ::2])
+            if interleaved
+            else (cos[..., : width // 2], sin[..., : width // 2])
+        )
+    width = cos.shape[-1]
+    if not 0 < 2 * width <= (x.shape[-1] if x.dim() else 0):
+        return None
+    if not per_token:
+        return (cos, sin, offsets) if cos.dim() == 2 else None
+    if positions is not None or type(offsets) is not int or offsets != 0 or cu_seqlens is not None:
+        return None
+    if x.dim() != 4:
+        return None
+    batch, seq = x.shape[0], x.shape[1]
+    lead = cos.shape[:-1]
+    if lead == (seq,):
+        return cos, sin, 0  # row s serves token s of every batch row
+    if len(lead) != 2 or lead[1] != seq:
+        return None
+    if lead[0] == 1 or (lead[0] == batch and batch > 1 and cos.stride(0) == 0 and sin.stride(0) == 0):
+        return cos[0], sin[0], 0  # (S, W): one row set, shared by the batch
+    if lead[0] != batch:
+        return None
+    if cos.stride(0) != seq * cos.stride(1) or sin.stride(0) != seq * sin.stride(1):
+        return None  # not viewable as (B * S, W) rows
+    rows = batch * seq
+    return cos.view(rows, width), sin.view(rows, width), row_starts(batch, seq, x.device)

@@ -385,3 +385,112 @@ def test_a_packed_call_takes_its_own_gate_and_a_backend_without_a_packed_plan_ke
         assert "launch_planned" in calls and "resolve" in calls
     for got, want in zip(step(), first, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _PositionsRecorder:
+    """A backend whose plan takes explicit positions and records what it was asked for."""
+
+    name = "positions_recorder"
+
+    def __init__(self):
+        self.asked = []
+
+    def plan(
+        self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None,
+        positions=False,
+    ):  # fmt: skip
+        self.asked.append((per_sequence, cu_seqlens, positions))
+        return lambda *args: ("launched", args[4])
+
+
+def test_a_positions_plan_hands_the_calls_positions_to_the_backends_launch():
+    """rotary_plan with positions: a backend whose plan takes ``positions`` plans the launch (with
+    cu_seqlens for a packed (T,) form), and the run passes this call's positions on; positions the kernels
+    cannot read as they are (another dtype, shape or layout) have no plan, and neither do backends that
+    cannot check rows themselves (the torch backend, a plan without the keyword)."""
+    cos, sin = tables(16)
+    q, k = _q_k()  # (2, 3, heads, 16)
+    flags = dict(interleaved=False, inplace=False, conjugate=False)
+    impl = _PositionsRecorder()
+    rows = torch.arange(6).view(2, 3)
+    run = plan.rotary_plan(impl, q, k, cos, sin, 0, **flags, positions=rows)
+    assert impl.asked == [(False, None, True)]
+    other = rows.flip(0).contiguous()
+    assert run(q, k, cos, sin, other) == ("launched", other)
+    qp, kp, cu = _packed()
+    packed_rows = torch.arange(qp.shape[0])
+    assert plan.rotary_plan(impl, qp, kp, cos, sin, 0, **flags, positions=packed_rows, cu_seqlens=cu)
+    assert impl.asked[-1] == (False, cu, True)
+    for refused in (rows.int(), rows.t(), rows[:1], rows.view(-1)):
+        assert plan.rotary_plan(impl, q, k, cos, sin, 0, **flags, positions=refused) is None
+    for backend in (BACKENDS["torch"], _PackedRecorder()):
+        assert plan.rotary_plan(backend, q, k, cos, sin, 0, **flags, positions=rows) is None
+
+
+def test_a_positions_plan_refuses_an_in_place_q_or_k_that_meets_the_positions():
+    """The memory rule in a positions plan's run: the kernel reads the positions as it writes q and k, so
+    positions in either one's bytes never launch (the checked path decides)."""
+    cos, sin = tables(16)
+    q, k = _q_k()
+    flags = dict(interleaved=False, inplace=True, conjugate=False)
+    rows = torch.arange(6).view(2, 3)
+    run = plan.rotary_plan(_PositionsRecorder(), q, k, cos, sin, 0, **flags, positions=rows)
+    assert run(q, k, cos, sin, rows) == ("launched", rows)
+    for holder in (q, k):
+        inside = holder.view(-1).view(torch.int64)[:6].view(2, 3)  # int64 rows in its own bytes
+        assert run(q, k, cos, sin, inside) is None
+
+
+def test_explicit_positions_take_their_own_gate_keyed_by_their_layout():
+    """apply_rotary_qk with positions goes through launch_rotary_positions (one gate(...) use): its key
+    holds the positions' layout, so another dtype is another key; with non-zero offsets (refused by the
+    checked path) no key is handed out."""
+    clear_backend_cache()
+    cos, sin = tables(16)
+    q, k = _q_k()
+    rows = torch.arange(6).view(2, 3)
+    apply_rotary_qk(q, k, cos, sin, positions=rows, backend="cpu")
+    apply_rotary_qk(q, k, cos, sin, positions=rows.int(), backend="cpu")
+    keys = [key for key in plan._plans if key[0] == "rotary_positions"]
+    assert len(keys) == 2
+    assert {plan._plans[key] is None for key in keys} == {False, True}  # int32 rows: converted, no plan
+    with pytest.raises(ValueError, match="offsets: expected 0 when positions is given"):
+        apply_rotary_qk(q, k, cos, sin, positions=rows, offsets=1, backend="cpu")
+    assert len([key for key in plan._plans if key[0] == "rotary_positions"]) == 2
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "float64", "strided rows"])
+def test_tables_the_kernel_does_not_read_as_they_are_are_converted_by_the_run_each_call(form):
+    """A plan on the C loop takes tables of another dtype or with strided rows (HF's bf16 rows, an
+    interleaved full-width table's every other column): its run converts them per call, as the backend's
+    rotate_qk does, so each call reads its own table's values, bit for bit the checked path's answer."""
+    from call_count import steady_step
+    from ropekit.backends.kernel_op import kernel_tables
+
+    q, k = _q_k()
+
+    def table(seed):
+        cos, sin = tables(16)
+        cos, sin = cos.roll(seed, 0), sin.roll(seed, 0)  # other rows at each position
+        if form == "strided rows":
+            return cos.repeat_interleave(2, -1)[:, ::2], sin.repeat_interleave(2, -1)[:, ::2]
+        dtype = torch.bfloat16 if form == "bfloat16" else torch.float64
+        return cos.to(dtype), sin.to(dtype)
+
+    first_table, second_table = table(0), table(5)
+    calls, first, _ = steady_step(lambda: apply_rotary_qk(q, k, *first_table, offsets=3, backend="cpu"))
+    assert "run" in calls and "check_x" not in calls, calls
+    got = apply_rotary_qk(q, k, *second_table, offsets=3, backend="cpu")  # same layout: the plan
+    for table_pair, out in ((first_table, first), (second_table, got)):
+        want = BACKENDS["cpu"].rotate_qk(
+            q,
+            k,
+            *kernel_tables(*table_pair),
+            None,
+            interleaved=False,
+            conjugate=False,
+            inplace=False,
+            offset=3,
+        )
+        for g, w in zip(out, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

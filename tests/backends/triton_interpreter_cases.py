@@ -21,6 +21,8 @@ from rotary_cases import (
     check_matches_reference,
     check_planned_packed_errors,
     check_planned_packed_steps,
+    check_planned_positions_errors,
+    check_planned_positions_steps,
     check_single_tensor,
     packed_inputs,
     tables,
@@ -458,3 +460,41 @@ def test_triton_packed_decode_step_takes_no_more_ropekit_calls_than_an_int_offse
         assert "resolve" not in calls and "check_x" not in calls, calls
         counts[form] = len(calls)
     assert counts["packed_int"] <= counts["int"] and counts["packed_per_sequence"] <= counts["int"], counts
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_triton_positions_steps_are_planned_and_read_in_the_kernel(monkeypatch, form, inplace):
+    """Issue 25: explicit positions, (B, S) or packed (T,) with cu_seqlens, are checked once, then planned:
+    the kernel reads the positions tensor (ROWS_POSITIONS); every step equals the reference and the torch
+    backend bit for bit (rotary_cases.check_planned_positions_steps)."""
+    check_planned_positions_steps(monkeypatch, "triton", form, inplace, torch.float32)
+
+
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_triton_planned_positions_keep_the_checked_paths_errors(form):
+    """A position past the table or negative, or malformed cu_seqlens, after the key was planned: refused
+    before the launch, then the checked path's exact message; nothing written."""
+    check_planned_positions_errors("triton", form)
+
+
+def test_triton_positions_decode_step_takes_no_more_ropekit_calls_than_an_int_offset_one():
+    """Issue 25 ("a plan for every offset form"): under the interpreter, a steady decode step with explicit
+    positions (B, 1) is no more Python calls inside ropekit than one with an int offset (it went through
+    the checked path every call: resolve, the host checks, the backend's launch)."""
+    from call_count import ropekit_calls
+
+    cos, sin = tables(16)
+    q, k = _decode_inputs(batch=4, seq=1)
+    positions = torch.tensor([[3], [9], [17], [30]])  # (batch, 1)
+    counts = {}
+    for form, kw in (("int", dict(offsets=9)), ("positions", dict(positions=positions))):
+
+        def step(kw=kw):
+            return apply_rotary_qk(q, k, cos, sin, **kw, inplace=True, backend="triton")
+
+        step()  # the first call is checked in full and plans the next
+        calls = ropekit_calls(step)
+        assert "resolve" not in calls and "check_x" not in calls, calls
+        counts[form] = len(calls)
+    assert counts["positions"] <= counts["int"], counts

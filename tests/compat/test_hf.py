@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
+from ropekit import RopeConfig
 from ropekit.compat.hf import ROPE_INIT_FUNCTIONS, apply_rotary_pos_emb, rope_config_validation
 
 from .conftest import as_table, force_backend, llama_tables, signature_of, spy_cpu_kernel
@@ -332,3 +333,24 @@ def test_rope_config_validation_without_original_length_does_what_transformers_f
     assert got_scale == pytest.approx(want_scale, rel=1e-6)
     with pytest.raises(KeyError):  # the method, unstandardised: not what the function does
         copy.deepcopy(config).validate_rope()
+
+
+def test_a_steady_bfloat16_decode_step_is_planned_and_equals_its_checked_first_call():
+    """Issue 25: HF's rows come in the model's dtype; bf16 rows (B, 1, D) are converted to float32 by the
+    plan's run, as the checked path converts them, so a steady bf16 decode step is a launch plan (8 ropekit
+    calls; 71 before), bit for bit its first (checked) call."""
+    from call_count import assert_planned, steady_step
+
+    cos, sin = RopeConfig(head_dim=64).cos_sin(4096)
+    at = torch.tensor([1000, 7, 4000, 300])
+    rows_cos = torch.cat([cos[at]] * 2, -1)[:, None].bfloat16()  # (B, 1, D), full width
+    rows_sin = torch.cat([sin[at]] * 2, -1)[:, None].bfloat16()
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 8, 1, 64, generator=g).bfloat16()  # (B, H, 1, D)
+    k = torch.randn(4, 2, 1, 64, generator=g).bfloat16()
+    calls, first, planned = steady_step(lambda: apply_rotary_pos_emb(q, k, rows_cos, rows_sin, backend="cpu"))
+    assert_planned(calls, 9)
+    want = hf_apply_rotary_pos_emb(q.float(), k.float(), rows_cos.float(), rows_sin.float())
+    for got, again, w in zip(planned, first, want, strict=True):
+        assert torch.equal(got, again)
+        torch.testing.assert_close(got.float(), w, rtol=1.6e-2, atol=1e-2)  # bf16 outputs

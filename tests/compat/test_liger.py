@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ropekit import RopeConfig
 from ropekit.compat.liger import (
     LigerRopeFunction,
     liger_rotary_pos_emb,
@@ -269,3 +270,24 @@ def test_agrees_with_real_liger_kernel_under_the_interpreter(tier):
     pytest.importorskip("liger_kernel")
     here = Path(__file__).parent
     run_interpreter_cases(here / "liger_peer_cases.py", cwd=here.parent.parent, timeout=600, tier=tier)
+
+
+@pytest.mark.parametrize("rows", ["batch", "shared"])
+def test_a_steady_decode_step_is_planned_and_equals_its_checked_first_call(rows):
+    """Issue 25: Liger's per-token rows (B, 1, D) or (1, 1, D) reach the core's gate as a plain table
+    (ropekit.tables.plain_tables): a steady decode step is its launch plan (13 ropekit calls; 75 and 27
+    before, the checked path every step), bit for bit its first (checked) call, and HF's answer."""
+    from call_count import assert_planned, steady_step
+
+    table_cos, table_sin = RopeConfig(head_dim=64).cos_sin(4096)
+    at = torch.tensor([1000, 7, 4000, 300] if rows == "batch" else [1000])  # each sequence's position
+    cos = torch.cat([table_cos[at]] * 2, -1)[:, None]  # (B or 1, 1, D): HF's full-width rows
+    sin = torch.cat([table_sin[at]] * 2, -1)[:, None]
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(4, 8, 1, 64, generator=g), torch.randn(4, 2, 1, 64, generator=g)  # (B, H, 1, D)
+    calls, first, planned = steady_step(lambda: liger_rotary_pos_emb(q, k, cos, sin, backend="cpu"))
+    assert_planned(calls, 14)
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    for got, again, w in zip(planned, first, want, strict=True):
+        assert torch.equal(got, again)
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)

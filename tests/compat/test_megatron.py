@@ -146,3 +146,30 @@ def test_float64_angles_take_cos_and_sin_in_float64_before_the_cast():
         t.double().transpose(0, 1).numpy(), positions[None, :, None], theta
     )  # (B, S, H, D)
     np.testing.assert_allclose(got.transpose(0, 1).numpy(), want, rtol=0, atol=1e-5)  # float32's rounding
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_steady_decode_step_is_planned_and_equals_its_checked_first_call(
+    interleaved, assert_matches_reference
+):
+    """Issue 25: Megatron's per-token angles of one decode token (1, 1, 1, R) reach the core's gate as a
+    plain table (ropekit.tables.plain_tables): the steady step is its launch plan (19 ropekit calls; 34
+    before, the checked path every step; interleaved rows are every other value, a strided table the plan's
+    run converts as the checked path does), bit for bit its first call and the reference."""
+    from call_count import assert_planned, steady_step
+
+    t = torch.randn(1, BATCH, HEADS, KV_CHANNELS, generator=torch.Generator().manual_seed(3))  # (S, B, H, D)
+    freqs = megatron_freqs(1, KV_CHANNELS, interleaved, offsets=torch.tensor([1000.0]))  # (1, 1, 1, R)
+    calls, first, planned = steady_step(lambda: apply_rotary_pos_emb(t, freqs, interleaved, backend="cpu"))
+    assert_planned(calls, 20)
+    assert torch.equal(planned, first)
+    angles = freqs[0, 0, 0, 0::2] if interleaved else freqs[0, 0, 0, : KV_CHANNELS // 2]  # (R/2,)
+    cos, sin = angles.double().cos()[None].float(), angles.double().sin()[None].float()
+    assert_matches_reference(
+        planned.transpose(0, 1),
+        t.transpose(0, 1),
+        cos,
+        sin,
+        np.zeros((BATCH, 1), int),
+        interleaved=interleaved,
+    )

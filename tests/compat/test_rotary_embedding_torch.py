@@ -182,3 +182,18 @@ def test_signatures_are_the_peers():
         ("seq_dim", -2),
         ("freqs_seq_dim", None),
     ]
+
+
+def test_a_steady_apply_rotary_emb_is_planned_and_equals_its_checked_first_call():
+    """Issue 25: apply_rotary_emb's per-token rows (one batch row of every token) reach the core's gate as a
+    plain table (ropekit.tables.plain_tables): its interleaved rows are read as they are, so the steady call
+    is a launch plan (9 ropekit calls; 24 before), bit for bit its first call, and the peer's answer."""
+    from call_count import assert_planned, steady_step
+
+    rope = RotaryEmbedding(dim=32)
+    freqs = rope(torch.arange(9.0) + 1000)  # (9, 32): positions 1000 .. 1008
+    t = torch.randn(2, 4, 9, 32, generator=torch.Generator().manual_seed(6))  # (B, H, S, D)
+    calls, first, planned = steady_step(lambda: apply_rotary_emb(freqs, t, backend="cpu"))
+    assert_planned(calls, 10)
+    assert torch.equal(planned, first)
+    torch.testing.assert_close(planned, peer.apply_rotary_emb(freqs, t), **TOL)

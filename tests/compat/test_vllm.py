@@ -644,3 +644,38 @@ def test_a_backend_with_a_per_sequence_plan_serves_the_steady_in_place_step_thro
     with pytest.raises(ValueError, match=r"^positions: largest position 64 is past the cos/sin table"):
         rotary_embedding(bad, query, key, 64, cache, True, backend=backend.name)
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
+
+
+@pytest.mark.parametrize("entry", ["forward_native", "apply_rope_with_cos_sin_cache"])
+def test_a_steady_out_of_place_step_takes_the_positions_plan_and_keeps_the_checked_errors(entry):
+    """Issue 25: vLLM's out-of-place calls reach the core's positions gate on their (1, T, H, D) views: a
+    steady step is the plan (the C loop reads the positions; 11-13 ropekit calls, 63-65 before), bit for
+    bit the checked first call and the in-place op's answer; a position past the cache, once planned, still
+    raises the checked path's message (vLLM's names), and nothing is written."""
+    from call_count import assert_planned, steady_step
+
+    rope = get_rope(64, 512, True, {"rope_theta": 10000.0})
+    cache = rope.cos_sin_cache
+    g = torch.Generator().manual_seed(9)
+    positions = torch.tensor([500, 3, 511, 0])
+    query, key = torch.randn(4, 4 * 64, generator=g), torch.randn(4, 2 * 64, generator=g)
+    if entry == "forward_native":
+        step = lambda pos=positions: rope.forward_native(pos, query, key)  # noqa: E731
+    else:
+        step = lambda pos=positions: apply_rope_with_cos_sin_cache(pos, query, key, 64, cache)  # noqa: E731
+    before = query.clone(), key.clone()
+    calls, first, planned = steady_step(step)
+    assert_planned(calls, 14)
+    want = query.clone(), key.clone()
+    rotary_embedding(positions, *want, 64, cache, True)
+    for got, again, w in zip(planned, first, want, strict=True):
+        assert torch.equal(got, again) and torch.equal(got, w)
+    messages = []
+    for bad in (torch.tensor([500, 3, 512, 0]), torch.tensor([500, -1, 4, 0])):
+        for backend in ("torch", "cpu"):
+            with pytest.raises(ValueError) as err:
+                apply_rope_with_cos_sin_cache(bad, query, key, 64, cache, backend=backend)
+            messages.append(str(err.value))
+    assert messages[0] == messages[1] and messages[2] == messages[3], messages
+    assert messages[0].startswith("positions: largest position 512 is past the cos/sin table")
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])

@@ -265,3 +265,30 @@ def test_rope_dim_sets_the_rotary_width_as_in_vllm():
     assert rope.rotary_dim == 16 and rope.cos_sin_cache.shape == (32, 16)
     want = np.cos(np.arange(32)[:, None] * ref.inv_freq(16, 1e4))
     np.testing.assert_allclose(rope.cos_sin_cache[:, :8].double().numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_steady_m_rope_dual_chunk_and_fope_steps_are_planned():
+    """Issue 25: vLLM's M-RoPE (gathered per-token rows, now laid out by token), dual-chunk and FoPE calls
+    (explicit positions) reach the core's gate: each steady step is a launch plan (17, 49 and 16 ropekit
+    calls; 104, 319 and 102 before, the checked path every step), bit for bit its first call."""
+    from call_count import assert_planned, steady_step
+
+    positions = torch.tensor([40, 7, 63, 0])
+    q, k = _qk(4, 2, 1, 16, seed=4)
+    mrope = get_rope(16, 64, True, {"rope_theta": 500.0, "mrope_section": [2, 3, 3]}, torch.float32)
+    dual = get_rope(16, 64, True, {"rope_theta": 500.0}, torch.float32, {"chunk_size": 12, "local_size": 4})
+    params = {"rope_type": "default", "use_fope": True, "num_key_value_heads": 1, "num_inv_freq": 4}
+    fope = get_rope(16, 64, True, {**params, "fope_sep_head": True, "fope_init_factor": 0.1}, torch.float32)
+    steps = {
+        "mrope": (
+            lambda: mrope.forward_native(torch.stack([positions, positions.flip(0), positions]), q, k),
+            18,
+        ),
+        "dual": (lambda: dual.forward_native(positions, q, k), 50),
+        "fope": (lambda: fope.forward_native(positions, q, k), 17),
+    }
+    for name, (step, budget) in steps.items():
+        calls, first, planned = steady_step(step)
+        assert_planned(calls, budget)
+        for got, again in zip(planned, first, strict=True):
+            assert torch.equal(got, again), name

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fused_cases import FP8, check_fp8, check_fp8_mla, tables
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ropekit
 
@@ -170,3 +172,66 @@ def test_a_prefill_sized_call_runs_the_wide_loop_to_the_same_bytes(fp8_dtype, in
     want = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="torch", **kw)
     got = ropekit.apply_rotary_qk_fp8(q, k, cos, sin, interleaved=interleaved, backend="cpu", **kw)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+
+
+def cast_only(values: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """values (tokens, 1, 512) through the C loop's cast-only pass (MLA's nope part: value / scale, rounded),
+    as FP8 bytes; the rotated parts are 8 zeros a token."""
+    tokens = values.shape[0]
+    cos, sin = tables(8)
+    q, k = torch.zeros(tokens, 1, 8), torch.zeros(tokens, 1, 8)
+    outs = ropekit.apply_rotary_qk_fp8(
+        q, k, cos, sin, q_scale=scale, k_scale=scale, fp8_dtype=fp8_dtype, q_nope=values, k_nope=values,
+        positions=torch.zeros(tokens, dtype=torch.int64), backend="cpu",
+    )  # fmt: skip
+    assert torch.equal(outs[2].view(torch.uint8), outs[3].view(torch.uint8))
+    return outs[2].view(torch.uint8)
+
+
+def assert_contract_bytes(got: torch.Tensor, values: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
+    """got == torch's (values / scale).clamp(-max, max).to(fp8) byte for byte; a NaN is 0x7f with the sign."""
+    fmax = torch.finfo(fp8_dtype).max
+    want = (
+        (values / torch.tensor(scale, dtype=torch.float32)).clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+    )
+    nan = values.isnan()
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.equal(got[nan] & 0x7F, torch.full_like(got[nan], 0x7F))
+    assert torch.equal(got[nan] >> 7, (values[nan].view(torch.int32) < 0).to(torch.uint8))
+
+
+# Every float32 bit pattern (NaN, inf, subnormals); scales finite and > 0 in float32, subnormal ones included.
+BITS = st.lists(st.integers(0, (1 << 32) - 1), min_size=64, max_size=64)
+SCALES = st.floats(min_value=2.0**-149, max_value=2.0**127, width=32, allow_subnormal=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits=BITS, scale=SCALES, fp8_dtype=st.sampled_from(FP8), wide=st.booleans())
+def test_the_c_quotient_and_rounding_follow_the_contract_at_any_scale(bits, scale, fp8_dtype, wide):
+    """Issue 25: the C loop's FP8 rows (the 512-bit one with its own division, clamp and rounding for calls of
+    WIDE_ELEMENTS or more, the generic one below) against torch's ``(x / scale).clamp(-max, max).to(fp8)``
+    for any float32 bit patterns and any float32 scale: quotients past the format's range, under its
+    smallest subnormal, ties of the rounding after the division."""
+    word = torch.tensor(bits, dtype=torch.int64)
+    pattern = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).view(torch.float32)
+    tokens = 4096 if wide else 8  # wide: 2 x 4096 x 512 FP8 elements, exactly WIDE_ELEMENTS
+    values = pattern.repeat(tokens * 512 // 64).reshape(tokens, 1, 512)
+    assert (2 * values.numel() >= WIDE_ELEMENTS) == wide
+    assert_contract_bytes(cast_only(values, scale, fp8_dtype), values, scale, fp8_dtype)
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_every_float32_through_both_c_rows_equals_torchs_cast(fp8_dtype):
+    """All 2^32 float32 values through the C loop's FP8 rows at scale 1, the generic row (calls below
+    WIDE_ELEMENTS) and the 512-bit one, equal torch's ``clamp(-max, max).to(fp8)`` byte for byte (a NaN is
+    0x7f with its sign). About 8 minutes of CPU time (15 of wall clock on the shared 2-core machine)."""
+    chunk = 1 << 23  # float32 bit patterns per wide call (2 x 4M FP8 elements); the narrow calls take 1/8
+    for start in range(0, 1 << 32, chunk):
+        word = torch.arange(start, start + chunk, dtype=torch.int64)
+        values = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).view(torch.float32)
+        wide = cast_only(values.reshape(-1, 1, 512), 1.0, fp8_dtype).reshape(-1)
+        narrow = torch.cat([cast_only(part.reshape(-1, 1, 512), 1.0, fp8_dtype).reshape(-1)
+                            for part in values.chunk(8)])  # fmt: skip
+        assert torch.equal(wide, narrow)
+        assert_contract_bytes(wide, values, 1.0, fp8_dtype)

@@ -5,12 +5,15 @@ checked path's error with nothing written, and anything a check relied on misses
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from fused_cases import contract_bytes, float32_rotation
 
 import ropekit
 from call_count import ropekit_calls
 from ropekit.backends import clear_backend_cache, plan
+from rotary_reference import assert_matches_reference
 
 # The issue-25 budget: Python calls inside ropekit per steady-state fused decode step.
 CALL_BUDGET = 8
@@ -160,9 +163,10 @@ def test_anything_a_check_relied_on_misses_the_plan(change):
         q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots,
         **({"offsets": offsets} | kw), inplace=True, backend="cpu",
     )  # fmt: skip
-    if match is None:
-        step()
+    if match is None:  # a new kind: its first call takes the checked path (positions: then its own plan)
         assert "check_slots" in ropekit_calls(step)
+        if change == "float64 table":
+            assert "check_slots" in ropekit_calls(step)
     else:
         with pytest.raises(ValueError, match=match):
             step()
@@ -503,3 +507,532 @@ def test_planned_positions_past_the_table_negative_or_with_an_offset_raise_the_c
         with pytest.raises(ValueError, match=match):
             fp8_call(q, k, cos, sin, offset, scales, positions=bad, **nope)
     assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, 0, scales, positions=positions, **nope))
+
+
+# ---- shift_cache_ ----------------------------------------------------------------------------------------
+
+# The shift's steady call: shift_cache_, its gate, the plan's run and the C loop's packed call.
+SHIFT_CALL_BUDGET = 4
+
+
+def shift_inputs(layout: str, with_slots: bool, dtype=torch.float32, seed: int = 0):
+    """A key cache of 64 slots (8 kv heads, head_dim 128) in layout, its tables and slots to shift."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(SHAPES[layout], generator=g).to(dtype)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    slots = torch.tensor([3, 17, -1, 40, 63]) if with_slots else None
+    return cache, cos, sin, slots
+
+
+def shift(cache, cos, sin, delta, slots, layout="nhd", backend="cpu", **kw):
+    return ropekit.shift_cache_(
+        cache, cos, sin, delta, cache_layout=layout, slots=slots, backend=backend, **kw
+    )
+
+
+def checked_shift(cache, cos, sin, delta, slots, layout="nhd", **kw):
+    """The checked path's answer (no plan held): a shifted copy of cache."""
+    plan.clear_plans()
+    out = cache.clone()
+    shift(out, cos, sin, delta, slots, layout, **kw)
+    return out
+
+
+def slot_rows(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """(num_slots, heads, head_dim): slot s = page * page_size + index."""
+    return {"flat": cache, "nhd": cache.flatten(0, 1), "hnd": cache.transpose(1, 2).flatten(0, 1)}[layout]
+
+
+def planned_shift(layout="nhd", with_slots=True, delta=7, dtype=torch.float32):
+    """Inputs whose shift_cache_ key has a plan (one call made, on a copy), to call again with others."""
+    plan.clear_plans()
+    cache, cos, sin, slots = shift_inputs(layout, with_slots, dtype)
+    shift(cache.clone(), cos, sin, delta, slots, layout)
+    assert "run" in ropekit_calls(lambda: shift(cache.clone(), cos, sin, delta, slots, layout))
+    return cache, cos, sin, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [-13, 0, 300])
+@pytest.mark.parametrize("with_slots", [False, True])
+@pytest.mark.parametrize("layout", ["flat", "nhd", "hnd"])
+def test_a_steady_shift_makes_at_most_4_ropekit_calls_and_equals_the_checked_path(
+    layout, with_slots, delta, dtype
+):
+    """Planned with delta 7, served with another delta (of either sign: the key holds delta's type only):
+    the checked path's bytes, and the float64 rotation by delta of the slots shifted, the others untouched."""
+    cache, cos, sin, slots = planned_shift(layout, with_slots, delta=7, dtype=dtype)
+    got, before = cache.clone(), slot_rows(cache, layout).clone()
+    calls = ropekit_calls(lambda: shift(got, cos, sin, delta, slots, layout))
+    assert len(calls) <= SHIFT_CALL_BUDGET, calls
+    assert "run" in calls and "cache_view" not in calls and "check_slots" not in calls  # the plan served it
+    assert torch.equal(got, checked_shift(cache, cos, sin, delta, slots, layout))
+    moved = torch.arange(64) if slots is None else slots[slots >= 0]
+    rows = slot_rows(got, layout)
+    assert_matches_reference(rows[moved], before[moved], cos, sin, np.full(len(moved), abs(delta)),
+                             interleaved=False, conjugate=delta < 0)  # fmt: skip
+    others = torch.ones(64, dtype=torch.bool)
+    others[moved] = False
+    assert torch.equal(rows[others], before[others])
+
+
+def test_a_planned_interleaved_shift_equals_the_checked_path():
+    plan.clear_plans()
+    cache, cos, sin, slots = shift_inputs("nhd", True)
+    shift(cache.clone(), cos, sin, 5, slots, interleaved=True)
+    got = cache.clone()
+    assert "run" in ropekit_calls(lambda: shift(got, cos, sin, -9, slots, interleaved=True))
+    assert torch.equal(got, checked_shift(cache, cos, sin, -9, slots, interleaved=True))
+    assert not torch.equal(got, checked_shift(cache, cos, sin, -9, slots))  # the pairing is in the key
+
+
+def same_bits(tensors, others) -> bool:
+    """Whether each tensor holds exactly the other's bytes (NaN bit patterns included)."""
+    pairs = zip(tensors, others, strict=True)
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+
+
+def raises_as_checked(step, *written):
+    """step() raises on the planned path exactly the error the checked path (no plan) raises, and neither
+    writes anything into the tensors ``written``; returns the message."""
+    before = [t.clone() for t in written]
+    with pytest.raises(ValueError) as planned:
+        step()
+    assert same_bits(written, before)
+    plan.clear_plans()
+    with pytest.raises(ValueError) as checked:
+        step()
+    assert same_bits(written, before)
+    assert type(planned.value) is type(checked.value) and str(planned.value) == str(checked.value)
+    return str(planned.value)
+
+
+@pytest.mark.parametrize("delta", [2048, -2048, 5000])
+def test_a_planned_shift_past_the_table_raises_the_checked_error_and_writes_nothing(delta):
+    cache, cos, sin, slots = planned_shift()
+    message = raises_as_checked(lambda: shift(cache, cos, sin, delta, slots), cache)
+    assert message.startswith(f"delta: |delta| = {abs(delta)} is past the cos/sin table")
+
+
+@pytest.mark.parametrize("bad", [[3, 64, -1, 40, 63], [3, 17, -2, 40, 63], [3, 17, -1, 17, 63]])
+def test_a_planned_shift_with_a_slot_outside_the_cache_or_given_twice_raises_the_checked_error(bad):
+    cache, cos, sin, _ = planned_shift()
+    message = raises_as_checked(lambda: shift(cache, cos, sin, 7, torch.tensor(bad)), cache)
+    assert message.startswith("slots: slot ")
+    shift(cache, cos, sin, 7, torch.tensor([-1, -1, -1, 5, 6]))  # -1 may repeat: the plan serves it
+
+
+@pytest.mark.parametrize("read", ["cos", "sin", "slots"])
+def test_a_planned_shift_whose_cache_holds_a_table_or_its_slots_raises_the_checked_error(read):
+    """The memory rule from this call's addresses: the tables and slots keep the planned layouts, and lie
+    inside the cache's memory."""
+    cache, cos, sin, slots = planned_shift()
+    storage = torch.randn(cache.numel() + cos.numel())
+    k_cache = storage.as_strided(cache.shape, cache.stride(), 0)
+    if read == "slots":
+        inside = storage[-2 * len(slots) :].view(torch.int64)  # (5,) int64 over the cache's last floats
+        inside.copy_(slots)
+        slots = inside
+        k_cache = storage.as_strided(cache.shape, cache.stride(), cos.numel())
+    else:
+        table = storage.as_strided(cos.shape, cos.stride(), 1000)  # inside the cache, the planned layout
+        table.copy_(cos if read == "cos" else sin)
+        cos, sin = (table, sin) if read == "cos" else (cos, table)
+    message = raises_as_checked(lambda: shift(k_cache, cos, sin, 7, slots), storage)
+    assert message.startswith(f"k_cache: it is written and shares memory with {read}")
+
+
+def test_a_planned_shift_bumps_the_version_once_and_refuses_an_inference_cache_outside_inference_mode():
+    cache, cos, sin, slots = planned_shift()
+    version = cache._version
+    shift(cache, cos, sin, 7, slots)
+    assert cache._version == version + 1
+    with torch.inference_mode():
+        frozen = cache.clone()
+    message = raises_as_checked(lambda: shift(frozen, cos, sin, 7, slots), frozen)
+    assert message.startswith("k_cache: an inference tensor")
+    shift(cache.clone(), cos, sin, 7, slots)  # plans the key again
+    with torch.inference_mode():
+        assert "run" in ropekit_calls(lambda: shift(frozen, cos, sin, 7, slots))
+    assert torch.equal(frozen, checked_shift(cache, cos, sin, 7, slots))
+
+
+@pytest.mark.parametrize("change", ["layout", "dtype", "strided slots", "float64 table", "torch backend"])
+def test_anything_the_shift_checks_relied_on_misses_its_plan(change):
+    cache, cos, sin, slots = planned_shift()
+    kw = dict(layout="nhd")
+    if change == "layout":  # the same tensor read as another layout (32 slots of 16 heads): another key
+        kw["layout"], slots = "hnd", torch.tensor([3, 17, -1, 20, 31])
+    elif change == "dtype":
+        cache = cache.half()
+    elif change == "strided slots":  # the checked path reads a contiguous copy: never planned
+        slots = torch.stack([slots, slots], dim=-1)[:, 0]
+    elif change == "float64 table":  # converted per call by the checked path: never planned
+        cos, sin = cos.double(), sin.double()
+    else:
+        kw["backend"] = "torch"
+    got = cache.clone()
+    assert "cache_view" in ropekit_calls(lambda: shift(got, cos, sin, 7, slots, **kw))  # the checked path
+    if change not in ("layout", "dtype"):  # a kind no plan serves: the checked path again
+        assert "cache_view" in ropekit_calls(lambda: shift(cache.clone(), cos, sin, 7, slots, **kw))
+    assert torch.equal(got, checked_shift(cache, cos, sin, 7, slots, **kw))
+
+
+# ---- apply_rotary_qk_and_cache with positions, cu_seqlens, FP8 caches -----------------------------------
+
+SERVING_FORMS = ("positions (T,)", "positions (B, S)", "cu_seqlens", "cu_seqlens, offsets per sequence",
+                 "one packed sequence (T,)")  # fmt: skip
+CACHE_KINDS = {  # cache dtype and its scales
+    "float32": (torch.float32, {}),
+    "e4m3, numbers": (torch.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
+    "e4m3, 0-d tensors": (torch.float8_e4m3fn, dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))),
+    "e5m2, per head": (
+        torch.float8_e5m2, dict(k_scale=torch.linspace(0.5, 2.0, 8), v_scale=torch.linspace(1.0, 3.0, 8))
+    ),
+}  # fmt: skip
+
+
+class Serving:
+    """One step of apply_rotary_qk_and_cache in a form the launch plan once refused (Llama-3-8B heads, a
+    cache of 64 slots in "nhd"): rows, every token's table row (the float64 reference's positions)."""
+
+    def __init__(self, form: str, cache: str = "float32", seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.cos, self.sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+        lead = (3, 2) if form == "positions (B, S)" else (7,)
+        self.q, self.k, self.v = (torch.randn(*lead, h, 128, generator=g) for h in (32, 8, 8))
+        slots = torch.randperm(64, generator=g)[: self.k.shape[:-2].numel()]
+        slots[1] = -1  # padding: skipped
+        self.slots = slots.reshape(lead)
+        if form.startswith("positions"):
+            self.kw = dict(positions=torch.randint(0, 2048, lead, generator=g))
+            self.rows = self.kw["positions"].numpy()
+        elif (
+            form == "one packed sequence (T,)"
+        ):  # (T, H, D) without cu_seqlens: rows offset .. offset + T - 1
+            self.kw = dict(offsets=1000)
+            self.rows = 1000 + np.arange(7)
+        else:  # three packed sequences of 3, 0 and 4 tokens
+            per_sequence = form.endswith("per sequence")
+            offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+            cu = torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32)
+            self.kw = dict(cu_seqlens=cu, offsets=offsets)
+            starts = offsets.tolist() if per_sequence else [offsets] * 3
+            self.rows = np.concatenate([starts[s] + np.arange(n) for s, n in enumerate((3, 0, 4))])
+        self.cache_dtype, scales = CACHE_KINDS[cache]
+        self.kw |= scales
+        self.caches = [torch.randn(SHAPES["nhd"], generator=g).to(self.cache_dtype) for _ in range(2)]
+
+    def __call__(self, q=None, caches=None, inplace=True, backend="cpu", **changes):
+        """The step on q and caches (copies of this step's when None) -> (q's result, the caches)."""
+        q = self.q.clone() if q is None else q
+        caches = [c.clone() for c in self.caches] if caches is None else caches
+        kw = dict(k=self.k, v=self.v, cos=self.cos, sin=self.sin, slot_mapping=self.slots) | self.kw | changes
+        k, v, cos, sin = (kw.pop(name) for name in ("k", "v", "cos", "sin"))
+        out = ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=caches[0], v_cache=caches[1], inplace=inplace, backend=backend, **kw
+        )
+        return out, caches
+
+    def planned(self, inplace=True) -> Serving:
+        """This step's key with a plan (its first call, on copies, made it)."""
+        plan.clear_plans()
+        self(inplace=inplace)
+        assert "run" in ropekit_calls(lambda: self(inplace=inplace))
+        return self
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("cache", list(CACHE_KINDS))
+@pytest.mark.parametrize("form", SERVING_FORMS)
+def test_a_steady_step_with_positions_cu_seqlens_or_fp8_scales_takes_its_plan_and_equals_the_checked_path(
+    form, cache, inplace
+):
+    step = Serving(form, cache)
+    plan.clear_plans()
+    checked = step(inplace=inplace)  # the checked path; it plans the key
+    q, caches, got = step.q.clone(), [c.clone() for c in step.caches], []
+    calls = ropekit_calls(lambda: got.append(step(q, caches, inplace=inplace)))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and not {"resolve", "check_cu_seqlens", "check_scale", "check_slots"} & set(calls)
+    out, caches = got[0]
+    assert (out is q) == inplace and torch.equal(out, checked[0])
+    assert same_bits(caches, checked[1])
+    # The float64 reference for q and k, the FP8 rounding contract for FP8 caches; v is copied.
+    assert_matches_reference(out, step.q, step.cos, step.sin, step.rows, interleaved=False)
+    written = step.slots.reshape(-1) >= 0
+    slots = step.slots.reshape(-1)[written]
+    k, v = (t.reshape(-1, 8, 128)[written] for t in (step.k, step.v))
+    k_rows, v_rows = (c.flatten(0, 1)[slots] for c in caches)  # (written tokens, heads, head_dim)
+    if step.cache_dtype == torch.float32:
+        assert_matches_reference(k_rows, k, step.cos, step.sin, step.rows.reshape(-1)[written.numpy()],
+                                 interleaved=False)  # fmt: skip
+        assert torch.equal(v_rows, v)
+    else:
+        r = float32_rotation(k, step.cos, step.sin, step.rows.reshape(-1)[written.numpy()], False)
+        assert torch.equal(k_rows.view(torch.uint8), contract_bytes(r, step.kw["k_scale"], step.cache_dtype))
+        assert torch.equal(v_rows.view(torch.uint8), contract_bytes(v, step.kw["v_scale"], step.cache_dtype))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert same_bits([c.flatten(0, 1)[untouched] for c in caches],
+                     [c.flatten(0, 1)[untouched] for c in step.caches])  # fmt: skip
+
+
+def test_a_planned_step_tells_autograd_what_it_wrote_with_positions_and_an_fp8_cache():
+    step = Serving("positions (T,)", "e4m3, 0-d tensors").planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    versions = [t._version for t in (q, *caches)]
+    assert "run" in ropekit_calls(lambda: step(q, caches))
+    assert [t._version for t in (q, *caches)] == [n + 1 for n in versions]
+
+
+def _in_memory_of(cache: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(storage, a cache like cache, a tensor like t with t's values) where t's bytes are the cache's last."""
+    storage = torch.zeros(cache.numel() * cache.element_size(), dtype=torch.uint8)
+    inside = storage[storage.numel() - t.numel() * t.element_size() :].view(t.dtype)
+    inside = inside.view(t.shape) if t.dim() else inside.squeeze(0)
+    inside.copy_(t)
+    return storage, storage.view(cache.dtype).view(cache.shape), inside
+
+
+# (form, cache kind, the change, the start of the checked path's message)
+BAD_SERVING = [
+    ("positions (T,)", "float32", dict(positions=torch.tensor([0, 7, 2048, 1, 3, 9, 4])),
+     "positions: largest position 2048 is past the cos/sin table"),
+    ("positions (B, S)", "float32", dict(positions=torch.tensor([[0, 7], [-1, 2], [3, 4]])),
+     "positions: expected values >= 0, got a minimum of -1"),
+    ("positions (T,)", "float32", dict(offsets=5), "offsets: expected 0 when positions is given"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([0, 4, 3, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    ("cu_seqlens", "float32", dict(cu_seqlens=torch.tensor([1, 3, 3, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    ("cu_seqlens", "float32", dict(offsets=2045), "positions: largest position 2048 is past the cos/sin"),
+    ("cu_seqlens", "float32", dict(offsets=1 << 63), "offsets: expected a non-negative int or an integer"),
+    ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, 10, 2045])),
+     "positions: largest position 2048 is past the cos/sin table"),
+    ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, -3, 10])),
+     "offsets: expected values >= 0, got a minimum of -3"),  # the empty sequence's: no row reads it
+    ("one packed sequence (T,)", "float32", dict(offsets=2045), "positions: largest position 2051 is past"),
+    ("positions (T,)", "float32", dict(slot_mapping=torch.tensor([3, 64, -1, 5, 6, 7, 8])),
+     "slot_mapping: slot 64"),
+    ("cu_seqlens", "e4m3, numbers", dict(slot_mapping=torch.tensor([3, 9, -1, 5, 9, 7, 8])),
+     "slot_mapping: slot 9 is given twice (tokens 1 and 4)"),
+    ("cu_seqlens", "e4m3, 0-d tensors", dict(k_scale=torch.tensor(0.0)), "k_scale: expected every value"),
+    ("positions (T,)", "e5m2, per head", dict(v_scale=torch.tensor([1.0] * 7 + [float("nan")])),
+     "v_scale: expected every value"),
+    ("positions (B, S)", "e4m3, 0-d tensors", dict(v_scale=torch.tensor(float("inf"))),
+     "v_scale: expected every value"),
+    ("cu_seqlens, offsets per sequence", "e5m2, per head", dict(k_scale=-torch.ones(8)),
+     "k_scale: expected every value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("form", "cache", "change", "message"), BAD_SERVING)
+def test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing(
+    form, cache, change, message
+):
+    step = Serving(form, cache).planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    got = raises_as_checked(lambda: step(q, caches, **change), q, *caches)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("form", SERVING_FORMS)
+def test_caches_that_share_memory_or_an_inference_cache_after_a_plan_raise_the_checked_error(form):
+    step = Serving(form, "e4m3, 0-d tensors").planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    message = raises_as_checked(lambda: step(q, [caches[0], caches[0]]), q, caches[0])
+    assert message.startswith("v_cache: the call writes k_cache and v_cache, which share memory")
+    with torch.inference_mode():
+        frozen = [c.clone() for c in caches]
+    step.planned()
+    message = raises_as_checked(lambda: step(q, frozen), q, *frozen)
+    assert message.startswith("k_cache: an inference tensor")
+    step.planned()
+    with torch.inference_mode():  # there it is allowed: the plan serves it, as the checked path would
+        assert "run" in ropekit_calls(lambda: step(q.clone(), frozen))
+    assert same_bits(frozen, step()[1])
+
+
+@pytest.mark.parametrize(
+    ("form", "read"),
+    [
+        ("positions (T,)", "positions"),
+        ("positions (B, S)", "positions"),
+        ("cu_seqlens", "cu_seqlens"),  # read by the memory check alone (the C loop's word 14)
+        ("cu_seqlens, offsets per sequence", "cu_seqlens"),  # with per-sequence offsets: checked in Python
+        ("cu_seqlens, offsets per sequence", "offsets"),
+        ("positions (T,)", "k_scale"),
+    ],
+)
+def test_a_tensor_the_planned_step_reads_inside_a_cache_raises_the_checked_error_and_writes_nothing(
+    form, read
+):
+    """The memory rule from this call's addresses: positions, cu_seqlens, per-sequence offsets or a scale
+    tensor, in the planned layout, lying in the value cache's memory."""
+    step = Serving(form, "e4m3, 0-d tensors").planned()
+    q = step.q.clone()
+    storage, v_cache, inside = _in_memory_of(step.caches[1], step.kw[read])
+    k_cache = step.caches[0].clone()
+    message = raises_as_checked(lambda: step(q, [k_cache, v_cache], **{read: inside}), q, k_cache, storage)
+    assert message.startswith(f"v_cache: it is written and shares memory with {read}"), message
+
+
+def test_a_planned_step_with_positions_and_cu_seqlens_still_checks_cu_seqlens():
+    """positions are the rows; cu_seqlens given beside them is checked all the same (the checked path's
+    resolve does), so a malformed one raises on the planned path too."""
+    step = Serving("positions (T,)")
+    step.kw["cu_seqlens"] = torch.tensor([0, 3, 3, 7])
+    step.planned()
+    q, caches = step.q.clone(), [c.clone() for c in step.caches]
+    message = raises_as_checked(lambda: step(q, caches, cu_seqlens=torch.tensor([0, 4, 3, 7])), q, *caches)
+    assert message.startswith("cu_seqlens: expected non-decreasing offsets")
+
+
+# ---- apply_rotary_qk_fp8 with cu_seqlens ------------------------------------------------------------------
+
+
+def packed_fp8_cu_step(per_sequence: bool, nope_width: int = 0):
+    """A packed batch of three sequences (3, 0 and 4 tokens: one is empty) with cu_seqlens, 16 q and 2 k
+    heads of 64; with nope_width, DeepSeek's MLA parts. Returns the inputs and every token's row."""
+    plan.clear_plans()
+    q, k, cos, sin, _, nope = packed_fp8_step(nope_width)
+    q, k = torch.cat([q, q[:2]]), torch.cat([k, k[:2]])  # (7, H, 64)
+    nope = {name: torch.cat([t, t[:2]]) for name, t in nope.items()}
+    offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+    starts = offsets.tolist() if per_sequence else [offsets] * 3
+    rows = np.concatenate([starts[s] + np.arange(n) for s, n in enumerate((3, 0, 4))])
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32)
+    return q, k, cos, sin, offsets, dict(cu_seqlens=cu, **nope), rows
+
+
+@pytest.mark.parametrize("nope_width", [0, 32])
+@pytest.mark.parametrize("scales", list(SCALES)[:2])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_steady_fp8_step_with_cu_seqlens_takes_its_plan_and_meets_the_rounding_contract(
+    per_sequence, scales, nope_width
+):
+    q, k, cos, sin, offsets, kw, rows = packed_fp8_cu_step(per_sequence, nope_width)
+    checked = fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)  # the checked path; plans the key
+    got = []
+    calls = ropekit_calls(lambda: got.append(fp8_call(q, k, cos, sin, offsets, SCALES[scales], **kw)))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and not {"resolve", "check_cu_seqlens", "check_scale"} & set(calls)
+    assert same_bytes(got[0], checked) and len(got[0]) == 4
+    q_scale, k_scale = (torch.as_tensor(SCALES[scales][name]) for name in ("q_scale", "k_scale"))
+    want = [contract_bytes(float32_rotation(x, cos, sin, rows, False), s, torch.float8_e4m3fn)
+            for x, s in ((q, q_scale), (k, k_scale))]  # fmt: skip
+    want += [contract_bytes(kw[name], s, torch.float8_e4m3fn) for name, s in (("q_nope", q_scale),
+             ("k_nope", k_scale))]  # fmt: skip
+    assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(got[0], want, strict=True))
+
+
+BAD_FP8_PACKED = [
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 2, 7], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets"),
+    (False, dict(offsets=2045), "positions: largest position 2048 is past the cos/sin table"),
+    (True, dict(offsets=torch.tensor([5, 10, 2045])), "positions: largest position 2048 is past the cos/sin"),
+    (True, dict(offsets=torch.tensor([5, -3, 10])), "offsets: expected values >= 0, got a minimum of -3"),
+    (True, dict(q_scale=torch.tensor(float("nan"))), "q_scale: expected every value"),
+    (False, dict(k_scale=torch.tensor(-2.0)), "k_scale: expected every value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_FP8_PACKED)
+def test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_error(
+    per_sequence, change, message
+):
+    q, k, cos, sin, offsets, kw, _ = packed_fp8_cu_step(per_sequence)
+    scales = SCALES["0-d tensors"]
+    fp8_call(q, k, cos, sin, offsets, scales, **kw)
+    assert "run" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, scales, **kw))
+    args = dict(offsets=offsets) | scales | kw | change
+    before = q.clone(), k.clone()
+    message_got = raises_as_checked(
+        lambda: ropekit.apply_rotary_qk_fp8(q, k, cos, sin, backend="cpu", **args)
+    )
+    assert message_got.startswith(message), message_got
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs are never written
+
+
+# ---- qk_norm_rotary_ with cu_seqlens, and per-sequence offsets over several tokens ------------------------
+
+
+def test_a_steady_qk_norm_step_with_per_sequence_offsets_over_several_tokens_takes_its_plan():
+    """Its rows (offsets[b] + t) are made per call; the plan read them after they were freed (the C loop then
+    saw other values, found a row outside the table and sent every call to the checked path)."""
+    qkv, weights, cos, sin, _ = qk_norm_inputs("offset")
+    qkv = torch.cat([qkv, qkv.flip(0), qkv], dim=1)  # (4, 3, W): three tokens per sequence
+    kw = dict(offsets=torch.tensor([7, 100, 3, 2000]))
+    want = qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)  # plans the key
+    for _ in range(3):
+        got = qkv.clone()
+        calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))  # noqa: B023
+        assert "run" in calls and "resolve" not in calls and len(calls) <= CALL_BUDGET, calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def packed_qk_norm_step(per_sequence: bool):
+    """vLLM's packed (T, W) qkv of three sequences (3, 0 and 4 tokens) with cu_seqlens, its key planned."""
+    plan.clear_plans()
+    g = torch.Generator().manual_seed(5)
+    cos, sin = ropekit.RopeConfig(head_dim=128).cos_sin(2048)
+    weights = [1 + 0.1 * torch.randn(128, generator=g) for _ in range(2)]
+    qkv = torch.randn(7, 48 * 128, generator=g)
+    offsets = torch.tensor([5, 1000, 2040]) if per_sequence else 100
+    kw = dict(cu_seqlens=torch.tensor([0, 3, 3, 7], dtype=torch.int64 if per_sequence else torch.int32),
+              offsets=offsets)  # fmt: skip
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    return qkv, weights, cos, sin, kw
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_steady_packed_qk_norm_step_with_cu_seqlens_takes_its_plan_and_equals_the_checked_path(
+    per_sequence,
+):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence)
+    got = qkv.clone()
+    version = got._version
+    calls = ropekit_calls(lambda: qk_norm_call(got, weights, cos, sin, kw))
+    assert len(calls) <= CALL_BUDGET, calls
+    assert "run" in calls and "resolve" not in calls and "check_cu_seqlens" not in calls
+    assert got._version == version + 1
+    plan.clear_plans()
+    checked = qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert torch.equal(got, checked)
+    torch.testing.assert_close(got, qk_norm_call(qkv.clone(), weights, cos, sin, kw, backend="torch"),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+BAD_PACKED_QK_NORM = [
+    (False, dict(cu_seqlens=torch.tensor([0, 3, 3, 6], dtype=torch.int32)),
+     "cu_seqlens: expected non-decreasing offsets from 0 to total_tokens (7)"),
+    (False, dict(offsets=2045), "positions: largest position 2048 is past the cos/sin table"),
+    (True, dict(offsets=torch.tensor([5, -3, 10])), "offsets: expected values >= 0, got a minimum of -3"),
+    (True, dict(offsets=torch.tensor([5, 10, 2045])), "positions: largest position 2048 is past the cos/sin"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_PACKED_QK_NORM)
+def test_a_value_check_failing_on_a_planned_packed_qk_norm_step_raises_the_checked_error(
+    per_sequence, change, message
+):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    got = raises_as_checked(lambda: qk_norm_call(qkv, weights, cos, sin, kw | change), qkv)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("read", ["cu_seqlens", "offsets"])
+def test_a_planned_packed_qk_norm_step_whose_qkv_holds_cu_seqlens_or_offsets_raises_the_checked_error(read):
+    qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence=True)
+    storage, inside_qkv, inside = _in_memory_of(qkv, kw[read])
+    inside_qkv.copy_(qkv)
+    inside.copy_(kw[read])  # its values again, over qkv's last bytes
+    got = raises_as_checked(lambda: qk_norm_call(inside_qkv, weights, cos, sin, kw | {read: inside}), storage)
+    assert got.startswith(f"qkv: it is written and shares memory with {read}"), got

@@ -31,6 +31,7 @@ __all__ = [
     "Launch",
     "check_launch",
     "check_packed_rows",
+    "kernel_tables",
     "plain_eager",
     "register_op",
     "row_error",
@@ -167,6 +168,15 @@ def check_packed_rows(cu_seqlens: torch.Tensor, offsets, tokens: int, table_len:
         check_cu_seqlens(cu_seqlens, tokens)  # raises its message
     if lowest < 0 or top > table_len:
         raise row_error(lowest if lowest < 0 else top - 1, table_len)
+
+
+def kernel_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as the kernels read them: float32 rows of unit stride. A table of another dtype (bf16 rows
+    from HF, float64), or the every-other-column view of an interleaved full-width table, is converted (per
+    call); a row-sliced view is read in place."""
+    if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return cos.float().contiguous(), sin.float().contiguous()
+    return cos, sin
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -386,10 +396,7 @@ class KernelBackend:
         # Plain eager tensors skip the op dispatcher (tens of microseconds, most of a decode step); anything
         # that traces (torch.compile, fake tensors, dispatch modes) goes through the registered ops.
         direct = plain_eager(q)
-        if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-            # The kernels read float32 rows of unit stride: a float64 table, or the every-other-column view of
-            # an interleaved full-width table, is converted per call. Row-sliced views are read in place.
-            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cos, sin = kernel_tables(cos, sin)
         args = (q, k, cos, sin, positions, interleaved, conjugate, offset)
         if inplace:
             if not direct:  # the op's ADInplaceOrView kernel bumps the version counters

@@ -22,13 +22,24 @@ Shape notation: B batch, S sequence, H heads, D head_dim.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 
+from ropekit.backends.kernel_op import KernelBackend, kernel_tables
 from ropekit.validation import byte_extent, shares_memory
 
-__all__ = ["clear_plans", "gate", "keep", "launch_rotary", "launch_rotary_packed", "rotary_plan", "span"]
+__all__ = [
+    "clear_plans",
+    "gate",
+    "keep",
+    "launch_rotary",
+    "launch_rotary_packed",
+    "launch_rotary_positions",
+    "rotary_plan",
+    "span",
+]
 
 # Plans kept before the cache starts over: a process sees a handful of (shape, layout) kinds; a workload
 # whose shapes never repeat (variable-length prefill) must not grow this without bound.
@@ -137,6 +148,13 @@ launch_rotary_packed = gate(
     "q k? cos sin offset# cu_seqlens",
     "interleaved:bool inplace:bool backend:str conjugate:bool",
 )
+# Explicit positions (every token's table row): (B, S) for q (B, S, H, D), or (T,) for a packed q (T, H, D)
+# with its cu_seqlens (which the run's launch checks, as the checked path does): apply_rotary(_qk).
+launch_rotary_positions = gate(
+    "rotary_positions",
+    "q k? cos sin positions cu_seqlens?",
+    "interleaved:bool inplace:bool backend:str conjugate:bool",
+)
 
 
 def keep(key: tuple | None, run: Callable | None) -> None:
@@ -165,22 +183,33 @@ def rotary_plan(
     inplace: bool,
     conjugate: bool,
     cu_seqlens=None,
+    positions=None,
     swap: tuple[int, int] | None = None,
     table_grows: bool = False,
 ):
     """The run of one rotation key, ``run(q, k, cos, sin, offset)`` -> (q_out, k_out) or None, after the
     checked path served the call with an int offset or per-sequence offsets (4-D q); or, with
     ``cu_seqlens``, ``run(q, k, cos, sin, offset, cu_seqlens)`` for a packed batch (q (T, H, D), an int
-    offset or one per packed sequence: :data:`launch_rotary_packed`'s keys). None when this kind has no plan.
+    offset or one per packed sequence: :data:`launch_rotary_packed`'s keys); or, with ``positions`` (the
+    call's positions tensor, ``offset`` then unused), ``run(q, k, cos, sin, positions, cu_seqlens)`` for
+    :data:`launch_rotary_positions`' keys: int64 contiguous rows, (B, S) for 4-D q or (T,) for a packed q
+    with its cu_seqlens. None when this kind has no plan.
 
     ``impl`` is the backend it chose; a backend with a ``plan(q, k, cos, sin, *, interleaved, conjugate,
-    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any other
-    gets its rotate_qk, flags bound (int offsets of 4-D q only). The run checks what the key cannot hold: an
-    int offset against the table (``table_len - S``; packed, ``table_len - 1``: the launch checks each
-    sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it checks cu_seqlens' values)
-    and, in place, the memory rule from the call's addresses: q and k meet neither table nor the
-    per-sequence offsets nor cu_seqlens, and share no element with each other (decided exactly, once per
-    byte distance k - q, which with the layouts the key fixes decides it).
+    inplace, per_sequence=False, cu_seqlens=None)`` method gives its own launch (or None: no plan); any
+    other gets its rotate_qk, flags bound (int offsets of 4-D q only). A kernel backend's tables that its
+    kernels do not read as they are (another dtype, a strided row) are converted in the run, as its
+    rotate_qk converts them (:func:`~ropekit.backends.kernel_op.kernel_tables`). Positions are planned only
+    by a backend whose plan takes ``positions=True`` (its launch reads the rows in the kernel and checks
+    every one before anything is written: the C loop on the host, Triton by its launcher and its in-kernel
+    flag; with cu_seqlens, it checks cu_seqlens as the checked path does): a backend that would need the
+    rows checked for it (the torch backend, a registered one without that keyword) has none. The run checks
+    what the key cannot hold: an int offset against the table (``table_len - S``; packed, ``table_len - 1``:
+    the launch checks each sequence's rows, on the host for CPU tensors, in the kernel otherwise, as it
+    checks cu_seqlens' values) and, in place, the memory rule from the call's addresses: q and k meet
+    neither table nor the per-sequence offsets nor the positions nor cu_seqlens, and share no element with
+    each other (decided exactly, once per byte distance k - q, which with the layouts the key fixes decides
+    it).
 
     ``swap``: the key was built from the caller's own tensors and q, k here are their (B, S, H, D) views
     ``t.transpose(*swap)`` (:class:`ropekit.RotaryEmbedding`'s "bhsd" and "sbhd" layouts): the run takes the
@@ -192,6 +221,7 @@ def rotary_plan(
     caller's checked path grows the table); on a device the kernel would flag them instead.
     """
     packed = cu_seqlens is not None
+    rows = positions is not None
     if (
         cos.device != q.device
         or q.dim() != (3 if packed else 4)
@@ -207,7 +237,16 @@ def rotary_plan(
         and cu_seqlens.device == q.device
     ):
         return None
-    per_sequence = type(offset) is not int
+    if rows:  # one row per token, read by the kernel as they are (the checked path converts any other)
+        offset = positions
+        if not (
+            positions.dtype == torch.int64
+            and positions.shape == q.shape[:-2]
+            and positions.is_contiguous()
+            and positions.device == q.device
+        ):
+            return None
+    per_sequence = not rows and type(offset) is not int
     if packed and per_sequence and table_grows and not q.is_cpu:
         return None
     if per_sequence and not (
@@ -223,8 +262,16 @@ def rotary_plan(
         flags["per_sequence"] = True
     if packed:
         flags["cu_seqlens"] = cu_seqlens  # its length and dtype are the key's
+    if rows:
+        if make is None or "positions" not in inspect.signature(make).parameters:
+            return None  # rows it cannot check itself: the checked path checks them every call
+        flags["positions"] = True
+    # A kernel backend reads float32 rows of unit stride: other tables (HF's bf16 rows, the every-other
+    # column of interleaved full-width rows) are converted per call, as its rotate_qk converts them.
+    read_cos, read_sin = kernel_tables(cos, sin) if isinstance(impl, KernelBackend) else (cos, sin)
+    convert = read_cos is not cos
     if make is not None:
-        launch = make(q, k, cos, sin, **flags)
+        launch = make(q, k, read_cos, read_sin, **flags)
         if launch is None:
             return None
     elif per_sequence or packed:
@@ -240,7 +287,8 @@ def rotary_plan(
     # grows: every one of the T tokens' rows, offset + T - 1 at most)
     last_offset = cos.shape[0] - ((q.shape[0] if table_grows else 1) if packed else q.shape[1])
     q_span, k_span, cos_span, sin_span = span(q), 0 if k is None else span(k), span(cos), span(sin)
-    offsets_span = span(offset) if per_sequence and offset.numel() else 0  # 0: no bytes to meet
+    # per-sequence offsets or positions: bytes the kernel reads as it writes (0: none to meet)
+    offsets_span = span(offset) if (per_sequence or rows) and offset.numel() else 0
     cu_span = span(cu_seqlens) if packed else 0
     shared: dict[int, bool] = {}  # k - q byte distance -> whether q and k share an element
 
@@ -258,7 +306,7 @@ def rotary_plan(
             ):
                 return None  # q's bytes meet a table's: the checked path decides, and raises
             for index, index_span in ((offset, offsets_span), (cu_seqlens, cu_span)):
-                if index_span:  # per-sequence offsets, cu_seqlens: read by the kernel as it writes
+                if index_span:  # per-sequence offsets, positions, cu_seqlens: read by the kernel as it writes
                     lo = index.data_ptr()
                     if (lo < q_lo + q_span and q_lo < lo + index_span) or (
                         k is not None and lo < k.data_ptr() + k_span and k.data_ptr() < lo + index_span
@@ -279,6 +327,8 @@ def rotary_plan(
                             shared[distance] = meet
                     if meet:
                         return None
+        if convert:  # after the memory rule, which the caller's tables obey
+            cos, sin = kernel_tables(cos, sin)
         if cu_seqlens is None:
             return launch(q, k, cos, sin, offset)
         return launch(q, k, cos, sin, offset, cu_seqlens)

@@ -41,6 +41,7 @@ from ropekit.compat._common import peer_names
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary_qk
 from ropekit.hf_config import load_hf_config, rope_layer_types
+from ropekit.tables import row_starts
 from ropekit.validation import check_int, describe
 
 __all__ = ["ROPE_INIT_FUNCTIONS", "apply_rotary_pos_emb", "rope_config_validation"]
@@ -224,21 +225,6 @@ def _warn_as_transformers(d: dict[str, Any], layer_type: str | None, rope_type: 
         )
 
 
-# (batch, seq, device) -> arange(0, batch * seq, seq): where each batch row's per-token rows start in the
-# flattened table. Kept (a few per process), so a steady call builds no tensor.
-_starts: dict[tuple, torch.Tensor] = {}
-
-
-def _row_starts(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    key = (batch, seq, device)
-    starts = _starts.get(key)
-    if starts is None:
-        if len(_starts) >= 64:
-            _starts.clear()
-        starts = _starts[key] = torch.arange(0, batch * seq, seq, device=device)  # (batch,)
-    return starts
-
-
 def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
     (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
@@ -267,7 +253,7 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     elif rows[0] == batch and cos.is_contiguous() and sin.is_contiguous():
         cos_rows = cos.view(batch * seq, width)[:, :half]  # (B * S, D/2): row b * S + s, token (b, s)
         sin_rows = sin.view(batch * seq, width)[:, :half]
-        starts = _row_starts(batch, seq, q.device)
+        starts = row_starts(batch, seq, q.device)
     else:
         return None
     if unsqueeze_dim == 1:

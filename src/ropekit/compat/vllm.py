@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.c.rotary import pointer_launch
-from ropekit.backends.plan import MAX_PLANS, gate, keep, rotary_plan, span
+from ropekit.backends.plan import MAX_PLANS, gate, keep, launch_rotary_positions, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_resolved
@@ -132,10 +132,21 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
     cos, sin = _halves(c)
     interleaved = not is_neox
     rows = positions.view(1, tokens) if positions.is_contiguous() else positions.reshape(1, tokens)
+    positions_key = None
+    if not inplace:  # out of place (vLLM's forward_native): the core's positions gate, on these views
+        out, positions_key = launch_rotary_positions(
+            q, k, cos, sin, rows, None, interleaved=interleaved, inplace=False, backend=backend,
+            conjugate=False,
+        )  # fmt: skip
+        if out is not None:
+            return out
     try:  # not peer_names: a context manager costs a decode step more than all the checks above
         # The functional API's own two steps (apply_rotary_qk minus its table forms, which vLLM has none of).
         pos = resolve(q, positions=rows, name="query")
-        out = apply_resolved(q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend)
+        out = apply_resolved(
+            q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend,
+            gated=positions_key is not None, plan_key=positions_key, positions=rows,
+        )  # fmt: skip
     except ValueError as err:
         raise renamed(err, _NAMES, within=True) from None
     if plan_key is not None:  # checked and served: later steps of this kind take the plan

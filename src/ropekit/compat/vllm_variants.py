@@ -86,7 +86,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         _check_rows("positions", positions, cache.shape[0])
         cos, sin = _halves(cache)  # (P, R/2) each
         axis = self.axis_of_pair.to(positions.device)
-        rows = positions[axis].T  # (T, R/2): the row each token's pair j reads
+        # (T, R/2): the row each token's pair j reads, laid out by token so that the gathered rows are too
+        # (a kernel reads unit-stride rows: a launch plan takes them as they are)
+        rows = positions.T[:, axis]
         pair = torch.arange(axis.shape[0], device=positions.device)
         return cos[rows, pair], sin[rows, pair]
 

@@ -31,7 +31,7 @@ __all__ = ["apply_rotary_qk_fp8"]
 # k_number, its value in the key: the checked path proved it).
 _launch_planned = gate(
     "apply_rotary_qk_fp8",
-    "q k cos sin q_scale? k_scale? q_nope? k_nope? positions? offsets# cu_seqlens!",
+    "q k cos sin q_scale? k_scale? q_nope? k_nope? positions? offsets# cu_seqlens?",
     "q_number:number? k_number:number? fp8_dtype:dtype interleaved:bool backend:str",
 )
 

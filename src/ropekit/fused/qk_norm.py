@@ -57,7 +57,7 @@ _NORMS = ("head", "all_heads")
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
 _launch_planned = gate(
     "qk_norm_rotary_",
-    "qkv q_weight k_weight cos sin positions? offsets# cu_seqlens!",
+    "qkv q_weight k_weight cos sin positions? offsets# cu_seqlens?",
     "num_q_heads:int num_kv_heads:int head_dim:int eps:number interleaved:bool weight_offset:number norm:str "
     "cast_before_weight:bool? backend:str",
 )

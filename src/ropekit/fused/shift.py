@@ -13,10 +13,17 @@ import torch
 from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
+from ropekit.backends.plan import gate, keep
 from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view, pages
+from ropekit.fused.planned import shift_plan
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
 
 __all__ = ["shift_cache_"]
+
+# The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
+_launch_planned = gate(
+    "shift_cache_", "k_cache cos sin delta# slots?", "cache_layout:str interleaved:bool backend:str"
+)
 
 
 def shift_cache_(
@@ -51,6 +58,11 @@ def shift_cache_(
             the table, slots that are not int64 (n,), outside [-1, num_slots) or given twice, tables or
             slots that share the cache's memory, or an unusable backend.
     """
+    done, key = _launch_planned(k_cache, cos, sin, delta, slots, cache_layout=cache_layout,
+                                interleaved=interleaved, backend=backend)  # fmt: skip
+    if done is not None:  # a shift seen before: its launch plan (ropekit.fused.planned.shift_plan)
+        return k_cache
+    planned = (k_cache, cos, sin, delta, slots)
     check_bool("interleaved", interleaved)
     delta = check_int("delta", delta, minimum=-(1 << 62), expected="an int (positions to move by)")
     if not isinstance(k_cache, torch.Tensor) or not k_cache.is_floating_point() or k_cache.dtype.itemsize < 2:
@@ -95,14 +107,18 @@ def shift_cache_(
         cos, sin = cos.to(k_cache.device), sin.to(k_cache.device)
     args = (k_cache, cos, sin, delta, cache_layout, flat_slots, interleaved, name)
     if plain_eager(k_cache):
-        _launch(*args, checked=True)
+        launch = _launch(*args, checked=True)
+        if key is not None:  # plan the next call like this one
+            keep(key, shift_plan(name, launch, *planned))
     else:  # traced: the registered op, one node of a compiled graph
         _OP(*args)
     return k_cache
 
 
-def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend, *, checked: bool) -> None:
-    """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place.
+def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend, *,
+            checked: bool) -> FusedLaunch:  # fmt: skip
+    """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place; returns the
+    launch it ran (the model of a launch plan: :func:`ropekit.fused.planned.shift_plan`).
     checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
     is checked here."""
     impl = named_backend(backend, "fused")
@@ -132,12 +148,13 @@ def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend,
         if text.startswith("slot_mapping:"):
             raise ValueError("slots:" + text.removeprefix("slot_mapping:")) from None
         raise
+    return launch
 
 
 # torch.ops.ropekit.shift_cache_: k_cache rotated in place.
 _OP = register_op(
     "shift_cache_",
-    lambda *args: _launch(*args, checked=False),
+    lambda *args: _launch(*args, checked=False) and None,
     lambda *args: None,
     mutates_args=("k_cache",),
     schema=(

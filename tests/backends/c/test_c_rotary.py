@@ -17,6 +17,8 @@ from rotary_cases import (
     check_matches_reference,
     check_planned_packed_errors,
     check_planned_packed_steps,
+    check_planned_positions_errors,
+    check_planned_positions_steps,
     check_single_tensor,
     packed_inputs,
     tables,
@@ -191,3 +193,20 @@ def test_cpu_packed_decode_step_is_as_few_ropekit_calls_as_an_int_offset_one():
         assert "resolve" not in calls, calls
         counts[form] = len(calls)
     assert counts["packed_per_sequence"] <= counts["int"], counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_cpu_positions_steps_are_planned_and_read_by_the_loop(monkeypatch, form, inplace, dtype):
+    """Issue 25: explicit positions, (B, S) or packed (T,) with cu_seqlens, on the C loop are checked once,
+    then planned: the loop reads the positions tensor itself (rotary_cases.check_planned_positions_steps:
+    the reference, and the torch backend bit for bit)."""
+    check_planned_positions_steps(monkeypatch, "cpu", form, inplace, dtype)
+
+
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_cpu_planned_positions_keep_the_checked_paths_errors(form):
+    """A position past the table or negative, or malformed cu_seqlens, after the key was planned: the loop
+    refuses it before writing, and the checked path raises exactly its message."""
+    check_planned_positions_errors("cpu", form)

@@ -10,8 +10,8 @@ or to FP8 bytes. Table rows and slots are all checked before the first write. Th
 FP8 stores follow the rounding contract of :func:`ropekit.apply_rotary_qk_fp8` bit for bit: the float32
 rotation r (each product and sum rounded, no FMA: ``-ffp-contract=off``), then the float32 quotient
 ``r / scale`` (a division, never a multiplication by a reciprocal), clamped to the format's largest finite
-value (NaN stays NaN), then rounded to nearest even into the format's bits (by one float32 addition onto the
-FP8 grid: the C source says how; equal to an integer rounding for all 2^32 inputs). Built with
+value (NaN stays NaN), then rounded to nearest even into the format's bits (by one float32 FMA onto the FP8
+grid: the C source says how; equal to an integer rounding for all 2^32 inputs). Built with
 :mod:`ropekit.backends.c.build` (shared cache, checks and lock).
 """
 
@@ -36,11 +36,13 @@ _SOURCE = (
 /* float32 -> FP8 bits, round to nearest even, after clamping to +-max (NaN stays NaN): branch-free, so the
    store loops vectorise. E4M3: float8_e4m3fn (bias 7, 3 mantissa bits, max 448); E5M2: float8_e5m2 (bias 15,
    2 mantissa bits, max 57344). |v|, clamped, lies in a binade E (at least the smallest normal's, so the
-   subnormals share its step); adding 2^(E + 23 - mantissa bits) makes the float32 ulp of the sum the FP8
-   step there, so the float addition itself rounds to nearest even, and the sum's low bits count the steps:
-   the code is the binade's first code plus that count (a carry into the next binade included). Equal to
-   the integer rounding it replaced for all 2^32 inputs of both formats (checked exhaustively), at half the
-   instructions. */
+   subnormals share its step). SCALE = 2^(bias - 127) moves |v| to a float32 whose exponent field is the
+   format's; magic = 2^(E + 23 - mantissa bits) * SCALE makes the float32 ulp of |v| * SCALE + magic the
+   scaled FP8 step, so the FMA's one rounding is the round to nearest even at the step, and the sum less
+   magic (exact) is the rounded value, scaled: a normal float32 whose top bits are the format's exponent and
+   mantissa, or for the format's subnormals a float32 subnormal whose top mantissa bits are the code (a carry
+   into the next binade included). Equal, for all 2^32 inputs of both formats (checked exhaustively), to the
+   float addition it replaced and to the integer rounding before that; 2-3 instructions fewer a vector. */
 #ifdef _OPENMP
 #include <omp.h>
 #else /* a build without OpenMP: the pragma is ignored and one thread takes every token */
@@ -50,25 +52,27 @@ static inline int omp_get_num_threads(void) { return 1; }
 #define INLINE static inline __attribute__((always_inline))
 #define REPEATED (INT64_MIN + 1)
 #define MEETS (INT64_MIN + 2)
-#define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, FIRST) \
+#define DEFINE_FP8(NAME, FMAX_BITS, MIN_NORMAL, SHIFT, SCALE, TO_SCALED) \
 INLINE uint32_t NAME(float v) { \
     uint32_t u; memcpy(&u, &v, 4); \
     uint32_t a = u & 0x7fffffffu; \
     uint32_t c = a < FMAX_BITS ? a : FMAX_BITS; /* |v| clamped to the largest finite (inf too; NaN below) */ \
     uint32_t e = c & 0x7f800000u; \
     e = e > MIN_NORMAL ? e : MIN_NORMAL; /* its binade, at least the smallest normal's */ \
-    uint32_t magic = e + ((uint32_t)(SHIFT) << 23); \
+    uint32_t magic = e - (TO_SCALED); /* 2^(E + SHIFT) * SCALE: the FP8 step is the float32 ulp there */ \
     float x, m; memcpy(&x, &c, 4); memcpy(&m, &magic, 4); \
-    float sum = x + m; /* rounded to the FP8 step, to nearest even */ \
-    uint32_t steps; memcpy(&steps, &sum, 4); \
-    uint32_t r = (e >> (SHIFT)) - (FIRST) + (steps - magic); \
-    r = a > 0x7f800000u ? 0x7fu : r; \
-    return r | ((u >> 24) & 0x80u); \
+    float r = __builtin_fmaf(x, SCALE, m) - m; /* |v| * SCALE rounded to the step, to nearest even */ \
+    uint32_t code; memcpy(&code, &r, 4); \
+    code >>= (SHIFT); /* the float32 exponent field is the format's, its top mantissa bits the format's */ \
+    code = a > 0x7f800000u ? 0x7fu : code; \
+    return code | ((u >> 24) & 0x80u); \
 }
-DEFINE_FP8(fp8_e4m3, 0x43e00000u, 0x3c800000u, 20, 968u) /* 448; 2^-6; code of 2^E is ((E+7) << 3) */
-DEFINE_FP8(fp8_e5m2, 0x47600000u, 0x38800000u, 21, 452u) /* 57344; 2^-14; code of 2^E is ((E+15) << 2) */
+/* 448; 2^-6; SCALE 2^(7 - 127): a float32 of the format's exponent bias 7 */
+DEFINE_FP8(fp8_e4m3, 0x43e00000u, 0x3c800000u, 20, 0x1p-120f, (120u - 20u) << 23)
+/* 57344; 2^-14; SCALE 2^(15 - 127) */
+DEFINE_FP8(fp8_e5m2, 0x47600000u, 0x38800000u, 21, 0x1p-112f, (112u - 21u) << 23)
 /* o[j] = FP8 bits of x[j] / scale for j < n, in one pass (measured as fast as forming 32-bit lanes first and
-   narrowing in a second loop; the 512-bit variant of the loops, below, narrows in one instruction). */
+   narrowing in a second loop; the 512-bit loops, below, take fp8_row512 for rows of 64-byte multiples). */
 INLINE void fp8_row(const float *x, uint8_t *o, int64_t n, float scale, int kind) {
     if (kind == 1)
         for (int64_t j = 0; j < n; ++j) o[j] = (uint8_t)fp8_e4m3(x[j] / scale);
@@ -107,6 +111,61 @@ static inline void stream_fence(void) { _mm_sfence(); }
 static inline int streamable(const void *dst, int64_t row, int64_t head_stride) { return 0; }
 static inline void stream_row(void *o, const void *x, int64_t bytes) { memcpy(o, x, (size_t)bytes); }
 static inline void stream_fence(void) {}
+#endif
+/* fp8_row with 512-bit vectors, for the wide loops (FP8 stores of WIDE_ELEMENTS or more) and n a multiple of
+   64: the same bytes in fewer instructions than GCC makes of fp8_row (the C loop at prefill-4k FP8 with its
+   data in cache: ~41 -> ~34 ns a head). Per 16 floats: the quotient q (a division, as fp8_row); c = min(|q|,
+   max) (NaN stays NaN: MINPS returns its second operand); DEFINE_FP8's rounding (c * SCALE + magic, one FMA);
+   the code shifted to the top byte and clamped there to 0x7f, which only a NaN passes (its exponent field is
+   all ones), with q's sign bit; the top bytes of four vectors gathered by two byte permutes. Streaming stores
+   when stream (each row a whole number of 64-byte lines: the 21 MB a 4k prefill writes are read next by the
+   attention, not by this loop). */
+#if defined(__AVX512F__) && defined(__AVX512VBMI__) /* VBMI: the byte permutes */
+#define HAVE_FP8_ROW512 1
+INLINE __m512i fp8_top16(__m512 x, __m512 scale, __m512 fmax, __m512i min_normal, __m512i to_scaled,
+                         __m512 unscale, int up) {
+    const __m512 q = _mm512_div_ps(x, scale);
+    const __m512 c = _mm512_min_ps(fmax, _mm512_abs_ps(q)); /* a NaN |q| is MINPS's second operand: kept */
+    const __m512i bits = _mm512_castps_si512(c);
+    const __m512i e = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7f800000)), min_normal);
+    const __m512 m = _mm512_castsi512_ps(_mm512_sub_epi32(e, to_scaled));
+    const __m512 r = _mm512_sub_ps(_mm512_fmadd_ps(c, unscale, m), m);
+    const __m512i top = _mm512_min_epu32(_mm512_sll_epi32(_mm512_castps_si512(r), _mm_cvtsi32_si128(up)),
+                                         _mm512_set1_epi32(0x7f000000));
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u); /* 0xd8: sign ? q : top, bit by bit */
+    return _mm512_ternarylogic_epi32(top, _mm512_castps_si512(q), sign, 0xd8);
+}
+INLINE void fp8_row512(const float *x, uint8_t *o, int64_t n, float scale, int kind, int stream) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 fmax = _mm512_set1_ps(kind == 1 ? 448.0f : 57344.0f);
+    const __m512i min_normal = _mm512_set1_epi32(kind == 1 ? 0x3c800000 : 0x38800000);
+    const __m512i to_scaled = _mm512_set1_epi32((int)(kind == 1 ? (120u - 20u) << 23 : (112u - 21u) << 23));
+    const __m512 unscale = _mm512_set1_ps(kind == 1 ? 0x1p-120f : 0x1p-112f);
+    const int up = kind == 1 ? 4 : 3; /* code << up: its 7 bits at 24..30 */
+    const __m512i top_bytes = _mm512_set_epi8(
+        127, 123, 119, 115, 111, 107, 103, 99, 95, 91, 87, 83, 79, 75, 71, 67,
+        63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3,
+        127, 123, 119, 115, 111, 107, 103, 99, 95, 91, 87, 83, 79, 75, 71, 67,
+        63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3);
+    for (int64_t j = 0; j < n; j += 64) {
+        __m512i v[4];
+        for (int i = 0; i < 4; ++i)
+            v[i] = fp8_top16(_mm512_loadu_ps(x + j + 16 * i), vscale, fmax, min_normal, to_scaled, unscale,
+                             up);
+        const __m512i low = _mm512_permutex2var_epi8(v[0], top_bytes, v[1]);
+        const __m512i high = _mm512_permutex2var_epi8(v[2], top_bytes, v[3]);
+        const __m512i bytes = _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1);
+        if (stream)
+            _mm512_stream_si512((__m512i *)(o + j), bytes);
+        else
+            _mm512_storeu_si512(o + j, bytes);
+    }
+}
+#else
+#define HAVE_FP8_ROW512 0
+INLINE void fp8_row512(const float *x, uint8_t *o, int64_t n, float scale, int kind, int stream) {
+    fp8_row(x, o, n, scale, kind);
+}
 #endif
 INLINE void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
@@ -161,7 +220,7 @@ static int ranges_meet(const uint64_t *p, const int64_t *m) {
     return 0;
 }
 
-#define DEFINE_FUSED(NAME, T, LOAD, STORE) \
+#define DEFINE_FUSED(NAME, T, LOAD, STORE, WIDE) \
 /* One head: buf[0 : 2 half] = its rotation (when rotate), in float32; with load_tail, buf[2 half : width] = \
    the features that pass through. */ \
 INLINE void NAME##_rotate(const T *x, float *buf, int64_t width, int64_t half, int rotate, \
@@ -242,10 +301,16 @@ INLINE void NAME##_token_body(const T *src, int64_t src_h, \
         } \
         return; \
     } \
+    /* the wide loops' rows of 64-byte multiples: fp8_row512, streamed when every row starts a cache line */ \
+    const int row512 = HAVE_FP8_ROW512 && (WIDE) && width % 64 == 0; \
+    const int stream = row512 && mode == SCRATCH && streamable(dst, width, dst_h); \
     for (int64_t h = 0; h < heads; ++h) { \
         NAME##_prefetch(src, next, h + ahead, heads, src_h, row); \
         NAME##_rotate(src + h * src_h, buf, width, half, rotate, interleaved, c, s, 1); \
-        fp8_row(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
+        if (row512) \
+            fp8_row512(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind, stream); \
+        else \
+            fp8_row(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
     } \
 } \
 /* The common head shapes as compile-time constants: the per-head loops then unroll without remainders, \
@@ -365,9 +430,9 @@ int64_t NAME(const uint64_t *p, const int64_t *a) { \
     return -1; \
 }
 
-DEFINE_FUSED(fused_f32_narrow, float, F32_LOAD, F32_STORE)
-DEFINE_FUSED(fused_f16_narrow, _Float16, F16_LOAD, F16_STORE)
-DEFINE_FUSED(fused_bf16_narrow, uint16_t, bf16_load, bf16_store)
+DEFINE_FUSED(fused_f32_narrow, float, F32_LOAD, F32_STORE, 0)
+DEFINE_FUSED(fused_f16_narrow, _Float16, F16_LOAD, F16_STORE, 0)
+DEFINE_FUSED(fused_bf16_narrow, uint16_t, bf16_load, bf16_store, 0)
 #if defined(__GNUC__) && !defined(__clang__)
 /* The same loops with 512-bit vectors where the CPU has them (GCC's default on Intel is 256), run only for
    FP8 stores of at least WIDE_ELEMENTS: prefill FP8 is compute-bound, ~13% faster so. Not for every call:
@@ -376,9 +441,9 @@ DEFINE_FUSED(fused_bf16_narrow, uint16_t, bf16_load, bf16_store)
    12.7 us). */
 #pragma GCC push_options
 #pragma GCC target("prefer-vector-width=512")
-DEFINE_FUSED(fused_f32_wide, float, F32_LOAD, F32_STORE)
-DEFINE_FUSED(fused_f16_wide, _Float16, F16_LOAD, F16_STORE)
-DEFINE_FUSED(fused_bf16_wide, uint16_t, bf16_load, bf16_store)
+DEFINE_FUSED(fused_f32_wide, float, F32_LOAD, F32_STORE, 1)
+DEFINE_FUSED(fused_f16_wide, _Float16, F16_LOAD, F16_STORE, 1)
+DEFINE_FUSED(fused_bf16_wide, uint16_t, bf16_load, bf16_store, 1)
 #pragma GCC pop_options
 #define WIDE_ELEMENTS ((int64_t)1 << 22)
 static int wide(const int64_t *a) {

@@ -54,15 +54,21 @@ static inline int64_t cu_at(const void *cu, int cu32, int64_t i) {
     return cu32 ? (int64_t)((const int32_t *)cu)[i] : ((const int64_t *)cu)[i];
 }
 
+/* Whether cu (n + 1 entries) fails to run from 0 to tokens without decreasing. */
+static int cu_malformed(const void *cu, int cu32, int64_t n, int64_t tokens) {
+    if (cu_at(cu, cu32, 0) != 0 || cu_at(cu, cu32, n) != tokens) return 1;
+    for (int64_t s = 0; s < n; ++s)
+        if (cu_at(cu, cu32, s + 1) < cu_at(cu, cu32, s)) return 1;
+    return 0;
+}
+
 /* -1 if cu (n + 1 entries) runs from 0 to tokens without decreasing and every sequence's rows, its offset
    (offsets[s], or offset when offsets is NULL) + [0, length), lie in [0, table_len) (a negative offset fails
    even for an empty sequence, as the checked path refuses it); -3 if cu is malformed; else the first token of
    a sequence whose rows do not fit. Nothing is written before it returns. */
 static int64_t check_packed(const void *cu, int cu32, int64_t n, const int64_t *offsets, int64_t offset,
                             int64_t tokens, int64_t table_len) {
-    if (cu_at(cu, cu32, 0) != 0 || cu_at(cu, cu32, n) != tokens) return -3;
-    for (int64_t s = 0; s < n; ++s)
-        if (cu_at(cu, cu32, s + 1) < cu_at(cu, cu32, s)) return -3;
+    if (cu_malformed(cu, cu32, n, tokens)) return -3;
     for (int64_t s = 0; s < n; ++s) {
         int64_t start = cu_at(cu, cu32, s), length = cu_at(cu, cu32, s + 1) - start;
         int64_t off = offsets ? offsets[s] : offset;
@@ -128,7 +134,8 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
    (the scratch rows' size), -3 for malformed cu_seqlens, else the first token whose table row (pos[token]; \
    pos[batch row] + its index in the sequence with per_seq; offset + that index when pos is NULL; packed (cu \
    not NULL, batch 1): its index in its sequence s + pos[s], or + offset when pos is NULL) is outside \
-   [0, table_len); nothing is written then. */ \
+   [0, table_len); nothing is written then. With cu and pos but not per_seq, pos holds a row per token \
+   (a launch plan's explicit positions of a packed batch): cu is checked (-3 if malformed), not read. */ \
 int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos, const float *sin, \
              const int64_t *pos, const void *cu, const int64_t *a, int64_t offset, int64_t nthreads) { \
     const int64_t *st = a, batch = a[12], seq = a[13], q_heads = a[14], k_heads = a[15]; \
@@ -146,7 +153,9 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
        0.80 -> 0.70 x copy_ (2-core Xeon, one thread). */ \
     const int direct = tokens * (q_heads + k_heads) * (2 * half + tail) <= DIRECT_ELEMENTS; \
     if (half < 1 || half > ROPEKIT_MAX_HALF) return -2; \
-    if (cu) { /* a packed batch: cu_seqlens and each sequence's rows */ \
+    const int cu_rows = cu && (per_seq || !pos); /* rows from cu_seqlens (else, with cu, one per token) */ \
+    if (cu && !cu_rows && cu_malformed(cu, cu32, n_seqs, tokens)) return -3; \
+    if (cu_rows) { /* a packed batch: cu_seqlens and each sequence's rows */ \
         int64_t bad = check_packed(cu, cu32, n_seqs, pos, offset, tokens, table_len); \
         if (bad != -1) return bad; \
     } else if (pos && per_seq) { /* pos[b]: sequence b's offset; its rows are pos[b] + t */ \
@@ -167,7 +176,7 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     for (int64_t token = 0; token < tokens; ++token) { \
         int64_t b = token / seq, t = token % seq; \
         int64_t row; \
-        if (cu) { /* b is 0, t the token's index in the batch */ \
+        if (cu_rows) { /* b is 0, t the token's index in the batch */ \
             int64_t sq = packed_sequence(cu, cu32, n_seqs, t); \
             row = t - cu_at(cu, cu32, sq) + (pos ? pos[sq] : offset); \
         } else { \
@@ -302,8 +311,9 @@ def pointer_launch(
     """The C loop bound to the integers of a launch on tensors laid out as these (shapes, strides, dtype,
     flags; a packed batch's cu_seqlens length and dtype): call(q, q_out, k, k_out, cos, sin, rows, offset,
     cu=None) with data pointers as ints (k, k_out, rows, cu may be None; rows: one offset per batch row, or
-    per packed sequence, with per_sequence, else None for offset + the token's index in its sequence; cu: the
-    packed batch's cu_seqlens, q then (1, T, H, D)) returns the loop's code: -1 done, else a row outside the
+    per packed sequence, with per_sequence, else a row per token (explicit positions; with cu, cu is then
+    checked, not read for rows) or None for offset + the token's index in its sequence; cu: the packed
+    batch's cu_seqlens, q then (1, T, H, D)) returns the loop's code: -1 done, else a row outside the
     table or malformed cu_seqlens, nothing written. The caller keeps the kernel wall: every tensor it points
     at is laid out as these."""
     function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
@@ -358,10 +368,26 @@ class CpuBackend(KernelBackend):
         reason = fused_cpu.unavailable_reason()
         return None if reason is None else f"cannot serve the fused op: {reason}"
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+    def plan(
+        self,
+        q,
+        k,
+        cos,
+        sin,
+        *,
+        interleaved,
+        conjugate,
+        inplace,
+        per_sequence=False,
+        cu_seqlens=None,
+        positions=False,
+    ):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
         call is the outputs, the data pointers and the C loop. With per_sequence, ``offset`` is an int64
-        tensor of one offset per batch row, read by the C loop itself (no positions tensor is built).
+        tensor of one offset per batch row, read by the C loop itself (no positions tensor is built). With
+        ``positions``, ``offset`` is the call's positions tensor (contiguous int64, one row per token: (B, S),
+        or (T,) with cu_seqlens, which the loop then checks and never reads for rows): the loop checks every
+        row before it writes.
         With ``cu_seqlens`` (a packed batch: q and k (T, H, D), an int offset or one per packed sequence),
         the run takes the call's cu_seqlens too, ``run(q, k, cos, sin, offset, cu_seqlens)``: the C loop
         checks it (from 0 to T, never decreasing) and each sequence's rows before it writes, then finds each
@@ -378,6 +404,7 @@ class CpuBackend(KernelBackend):
         if cu_seqlens is not None:  # (T, H, D) as the loop's (1, T, H, D)
             probes = tuple(None if t is None else t[None] for t in probes)
         call = pointer_launch(*probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
+        reads = per_sequence or positions  # offset is a tensor the loop reads
 
         def run(q, k, cos, sin, offset, cu_seqlens=None):
             if inplace:
@@ -392,8 +419,8 @@ class CpuBackend(KernelBackend):
                 None if k is None else k_out.data_ptr(),
                 cos.data_ptr(),
                 sin.data_ptr(),
-                offset.data_ptr() if per_sequence else None,
-                0 if per_sequence else offset,
+                offset.data_ptr() if reads else None,
+                0 if reads else offset,
                 None if cu_seqlens is None else cu_seqlens.data_ptr(),
             )
             if bad != -1:  # a row outside the table, malformed cu_seqlens (or a width past the bound)

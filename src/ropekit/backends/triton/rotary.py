@@ -23,6 +23,7 @@ from ropekit.backends.kernel_op import (
     check_packed_rows,
     row_error,
 )
+from ropekit.positions import check_cu_seqlens
 
 __all__ = ["TritonBackend", "error_flag", "flagged", "interpreter_enabled", "launch"]
 
@@ -247,16 +248,34 @@ class TritonBackend(KernelBackend):
     def __init__(self) -> None:
         super().__init__("triton", launch)
 
-    def plan(self, q, k, cos, sin, *, interleaved, conjugate, inplace, per_sequence=False, cu_seqlens=None):
+    def plan(
+        self,
+        q,
+        k,
+        cos,
+        sin,
+        *,
+        interleaved,
+        conjugate,
+        inplace,
+        per_sequence=False,
+        cu_seqlens=None,
+        positions=False,
+    ):
         """The launch for one key (:mod:`ropekit.backends.plan`), for an int offset and for per-sequence
         offsets alike: the launcher takes either (the kernel reads the offsets tensor and computes each
         token's row), so a decode step with per-sequence offsets is a lookup and one launch, as one with an
         int offset; no positions tensor is built. With ``cu_seqlens`` (a packed batch), q and k are
         (T, H, D) and the run takes the call's cu_seqlens too (``run(q, k, cos, sin, offset, cu_seqlens)``):
         the kernel finds each token's sequence in it, so a packed (varlen) step is a lookup and one launch
-        as well. None when the inputs need the conversions of :meth:`rotate_qk`. The run returns None,
-        having written nothing, when the launcher refuses a value on the host (an offset whose rows leave
-        the table, malformed cu_seqlens): the checked path then raises its own error."""
+        as well. With ``positions``, ``offset`` is the call's positions tensor (contiguous int64, a row per
+        token: (B, S), or (T,) with cu_seqlens), read by the kernel (ROWS_POSITIONS), which checks every row
+        as it does for the checked path; cu_seqlens, which the kernel does not read then, is checked as the
+        checked path checks it (:func:`ropekit.positions.check_cu_seqlens`: on the host for CPU tensors, a
+        device-side assert otherwise). None when the inputs need the conversions of :meth:`rotate_qk`. The
+        run returns None, having written nothing, when the launcher refuses a value on the host (an offset
+        or a position whose rows leave the table, malformed cu_seqlens): the checked path then raises its
+        own error."""
         units = [t.stride(-1) == 1 for t in (q, cos, sin) + (() if k is None else (k,))]
         if not all(units) or cos.dtype != torch.float32:
             return None
@@ -266,16 +285,19 @@ class TritonBackend(KernelBackend):
                 q_out, k_out = q, k
             else:
                 q_out, k_out = torch.empty_like(q), None if k is None else torch.empty_like(k)
+            rows, offset = (offset, 0) if positions else (None, offset)  # explicit positions: rows
             try:
                 if cu_seqlens is None:
-                    launch(q, k, q_out, k_out, cos, sin, None, offset, interleaved, conjugate)
+                    launch(q, k, q_out, k_out, cos, sin, rows, offset, interleaved, conjugate)
                 else:  # (T, H, D) as (1, T, H, D); in place, one view object is input and output
                     q4, k4 = q[None], None if k is None else k[None]
                     q_out4 = q4 if inplace else q_out[None]
                     k_out4 = k4 if inplace or k is None else k_out[None]
+                    if positions:  # rows (T,) read as (1, T); cu_seqlens checked as the checked path does
+                        check_cu_seqlens(cu_seqlens, q.shape[0])
                     launch(
-                        q4, k4, q_out4, k_out4, cos, sin, None, offset, interleaved, conjugate,
-                        cu_seqlens=cu_seqlens,
+                        q4, k4, q_out4, k_out4, cos, sin, rows, offset, interleaved, conjugate,
+                        cu_seqlens=None if positions else cu_seqlens,
                     )  # fmt: skip
             except ValueError:  # refused before the launch: nothing written
                 return None
