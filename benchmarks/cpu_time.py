@@ -44,6 +44,9 @@ TARGETS = [
     ("prefill-4k", "in place", "copy_", 0.7),
     ("decode-1", "RotaryEmbedding", "out of place", 1.15),
     ("decode", "RotaryEmbedding", "out of place", 1.15),  # issue 25: per-sequence offsets too
+    # issue 25: the module of Hugging Face's layout against the functional call on the same bhsd views
+    ("decode-1", "RotaryEmbedding bhsd", "out of place bhsd", 1.15),
+    ("decode", "RotaryEmbedding bhsd", "out of place bhsd", 1.15),
     ("decode-1", "compat.vllm", "in place", 1.1),
     # issue 25: each serving fusion against the unfused sequence it replaces (ropekit.tools.bench_fused)
     ("decode-1", "fused rope+cache", "unfused rope+cache", 0.6),
@@ -79,6 +82,12 @@ def rows(shape: str) -> dict[str, Callable[[], object]]:
     angle = case.angle[case.positions].unsqueeze(2)  # (B, S, 1, D/2)
     freqs_cis = torch.polar(torch.ones_like(angle), angle)
     calls["RotaryEmbedding"] = lambda: rope(q, k, **kw)
+    # Hugging Face's layout: (B, H, S, D) tensors; the functional call takes their (B, S, H, D) views
+    q_bhsd, k_bhsd = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    q_view, k_view = q_bhsd.transpose(1, 2), k_bhsd.transpose(1, 2)
+    rope_bhsd = ropekit.RotaryEmbedding(head_dim=case.shape.head_dim, base=500000.0, layout="bhsd")
+    calls["RotaryEmbedding bhsd"] = lambda: rope_bhsd(q_bhsd, k_bhsd, **kw)
+    calls["out of place bhsd"] = lambda: ropekit.apply_rotary_qk(q_view, k_view, cos, sin, **kw)
     calls["Meta complex"] = lambda: (meta_complex_rotary(q, freqs_cis), meta_complex_rotary(k, freqs_cis))
     from ropekit.compat.vllm import rotary_embedding
 

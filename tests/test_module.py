@@ -4,7 +4,9 @@ Its table policy is tested in test_table_cache.py."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from torch import nn
 
 from call_count import ropekit_calls
 from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
+from ropekit.backends.plan import clear_plans
 from ropekit.functional import apply_resolved
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -368,3 +371,244 @@ def test_a_plan_made_elsewhere_for_a_wider_head_never_serves_the_module():
         ValueError, match=r"^q: expected head_dim 16 \(this RotaryEmbedding's config\), got 24"
     ):
         rope(wide_q, wide_k, offsets=3)
+
+
+# Issue 25, one gate for every layout: bhsd / sbhd keys hold the caller's tensors (views of bshd), thd's hold
+# cu_seqlens; each form's planned call must be the checked path's answer, bit for bit, strides included.
+PLAN_LAYOUTS = ["bshd", "bhsd", "sbhd", "thd"]
+PACKED_LENS = [1, 2, 3]  # thd: three sequences, T = 6
+
+
+def _layout_step(layout: str, *, qkv: bool = False, dtype=torch.float32, seed: int = 3):
+    """q, k in the layout's shape, the keyword arguments it needs, and the (B, S) or (T,) view back:
+    ``bshd(out)`` is out as (B, S, H, D), or (T, H, D) for thd. With qkv, q and k are slices of one buffer
+    (not dense: empty_like lays their outputs out otherwise than their views')."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "thd":
+        total = sum(PACKED_LENS)
+        both = torch.randn(total, 6, 16, generator=g).to(dtype)  # (T, Hq + Hk, D)
+        cu = torch.tensor(np.cumsum([0, *PACKED_LENS]))
+        return both[:, :4], both[:, 4:], {"cu_seqlens": cu}, lambda t: t
+    axes = {"bshd": (3, 1, 6, 16), "bhsd": (3, 6, 1, 16), "sbhd": (1, 3, 6, 16)}[layout]
+    both = torch.randn(*axes, generator=g).to(dtype)  # the heads axis holds q's 4 heads, then k's 2
+    head_axis = 1 if layout == "bhsd" else 2
+    q, k = both.split([4, 2], dim=head_axis)
+    if not qkv:
+        q, k = q.contiguous(), k.contiguous()
+    swap = {"bhsd": (1, 2), "sbhd": (0, 1)}.get(layout)
+    return q, k, {}, (lambda t: t) if swap is None else (lambda t: t.transpose(*swap))
+
+
+def _positions(layout: str, offsets) -> np.ndarray:
+    """Each token's table row, in the (B, S) or (T,) order of the layout's bshd / thd view."""
+    if layout == "thd":
+        starts = [offsets] * 3 if isinstance(offsets, int) else offsets.tolist()
+        return np.concatenate([np.arange(n) + s for n, s in zip(PACKED_LENS, starts, strict=True)])
+    starts = [offsets] * 3 if isinstance(offsets, int) else offsets.tolist()
+    return np.array(starts)[:, None]  # (B, 1): one token each
+
+
+def _offsets(form: str):
+    return 7 if form == "int" else torch.tensor([5, 0, 900])
+
+
+def _call(rope, q, k, kwargs, offsets, inplace, pair):
+    """One module call on fresh copies (in place) or on q and k themselves; returns (outputs, inputs)."""
+    if inplace:
+        q, k = q.clone(), k.clone()
+    out = rope(q, k if pair else None, offsets=offsets, inplace=inplace, **kwargs)
+    return (out if pair else (out,)), (q, k)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["qk", "q-alone"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("form", ["int", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_every_layout_and_offset_form_is_planned_and_equals_the_checked_path(
+    assert_matches_reference, layout, dtype, form, inplace, pair
+):
+    """The second call of a kind is the module's gate and the plan's run (nothing resolved, no table
+    lookup, no checked path), and returns what the checked path returned: the same values bit for bit, the
+    same strides out of place, the caller's own tensors in place; both equal the float64 reference."""
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, bshd = _layout_step(layout, dtype=dtype)
+    offsets = _offsets(form)
+    clear_plans()
+    want, _ = _call(rope, q, k, kwargs, offsets, inplace, pair)  # the checked path; plans the next call
+    calls = ropekit_calls(lambda: _call(rope, q, k, kwargs, offsets, inplace, pair))
+    assert "run" in calls and not {"resolve", "lookup", "apply_resolved"} & set(calls), calls
+    got, given = _call(rope, q, k, kwargs, offsets, inplace, pair)
+    cos, sin = rope.config.cos_sin(1024)
+    for out, w, x, src in zip(got, want, given, (q, k), strict=False):
+        assert torch.equal(out, w) and out.stride() == w.stride() and out.shape == src.shape
+        if inplace:
+            assert out is x
+        assert_matches_reference(
+            bshd(out), bshd(src), cos, sin, _positions(layout, offsets), interleaved=False
+        )
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd", "thd"])
+def test_slices_of_one_qkv_buffer_are_planned_with_the_checked_paths_strides(layout, inplace):
+    """q and k sliced from one buffer are not dense: their outputs are laid out as the checked path lays
+    them out (through the views), and in place the buffer's other bytes stay as they were."""
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, _ = _layout_step(layout, qkv=True)
+    clear_plans()
+    want, _ = _call(rope, q, k, kwargs, 7, inplace, True)
+    got, given = _call(rope, q, k, kwargs, 7, inplace, True)  # planned
+    for out, w, x in zip(got, want, given, strict=True):
+        assert torch.equal(out, w) and out.stride() == w.stride()
+        if inplace:
+            assert out is x
+
+
+@pytest.mark.parametrize("form", ["int", "tensor"])
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_a_row_past_the_table_on_the_planned_path_grows_it_as_the_checked_path(
+    assert_matches_reference, layout, form
+):
+    """The module's table grows where the functional call would raise: a planned module given a row past
+    its 2048 rows (thd: a packed int offset whose last rows leave the table, though its first fits) serves
+    it through the checked path, grows the table to the length a fresh module reaches, and rotates by the
+    right rows."""
+    q, k, kwargs, bshd = _layout_step(layout)
+    planned = RotaryEmbedding(head_dim=16, layout=layout)
+    for _ in range(2):
+        planned(q, k, offsets=_offsets(form), **kwargs)
+    far = 2046 if form == "int" else torch.tensor([7, 2047, 5000])  # thd int: rows 2046 .. 2048
+    if layout != "thd" and form == "int":
+        far = 2048
+    got = planned(q, k, offsets=far, **kwargs)
+    fresh = RotaryEmbedding(head_dim=16, layout=layout)
+    want = fresh(q, k, offsets=far, **kwargs)
+    assert planned.cos.shape[0] == fresh.cos.shape[0] > 2048
+    cos, sin = rope_tables = planned.config.cos_sin(planned.cos.shape[0])
+    assert rope_tables and torch.equal(planned.cos, fresh.cos)
+    for out, w, src in zip(got, want, (q, k), strict=True):
+        assert torch.equal(out, w)
+        assert_matches_reference(bshd(out), bshd(src), cos, sin, _positions(layout, far), interleaved=False)
+
+
+def test_a_table_grown_by_one_module_never_lends_its_length_to_another_modules_plan():
+    """A call whose rows grew the table was looked up under the old table's shape: a plan kept under that
+    key with the grown table's length would let a module with a table of the old shape read past its rows.
+    Only a call served by the table its key holds plans the next one."""
+    q, k, _, _ = _layout_step("bshd")
+    grown, short = RotaryEmbedding(head_dim=16), RotaryEmbedding(head_dim=16)
+    grown(q, k, offsets=torch.tensor([1, 2, 5000]))  # grows grown's table past 5000 rows
+    far = torch.tensor([3, 4000, 6])
+    out_q, out_k = short(q, k, offsets=far)  # short's table: 2048 rows, then grown for row 4000
+    assert short.cos.shape[0] > 4000  # served by the checked path, not by a plan that read past 2048 rows
+    want_q, want_k = apply_rotary_qk(q, k, *short.config.cos_sin(4001), offsets=far)
+    assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)
+
+
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_a_modules_plan_never_serves_another_head_dim_or_layout(layout):
+    """Keys hold shapes, not the module's head_dim or layout: a plan proved for a 24-wide head (a table of
+    the same shape: rotary_dim 16) must not let a 16-wide module accept that head."""
+    g = torch.Generator().manual_seed(4)
+    shape = {"bshd": (3, 1, -1, 24), "bhsd": (3, -1, 1, 24), "sbhd": (1, 3, -1, 24), "thd": (6, -1, 24)}[
+        layout
+    ]
+    q = torch.randn(*(4 if n == -1 else n for n in shape), generator=g)  # heads at the -1
+    k = torch.randn(*(2 if n == -1 else n for n in shape), generator=g)
+    kwargs = {"cu_seqlens": torch.tensor([0, 1, 3, 6])} if layout == "thd" else {}
+    wide = RotaryEmbedding(head_dim=24, rotary_dim=16, layout=layout)
+    for _ in range(2):
+        wide(q, k, offsets=3, **kwargs)  # planned for the wide head
+    narrow = RotaryEmbedding(head_dim=16, layout=layout)
+    with pytest.raises(
+        ValueError, match=r"^q: expected head_dim 16 \(this RotaryEmbedding's config\), got 24"
+    ):
+        narrow(q, k, offsets=3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("layout", "bad", "message"),
+    [
+        ("bhsd", {"offsets": -1}, r"^offsets: expected"),
+        (
+            "sbhd",
+            {"offsets": torch.tensor([1, -4, 3])},
+            r"^offsets: expected values >= 0, got a minimum of -4",
+        ),
+        (
+            "thd",
+            {"offsets": torch.tensor([1, -4, 3])},
+            r"^offsets: expected values >= 0, got a minimum of -4",
+        ),
+        ("thd", {"offsets": -2}, r"^offsets: expected"),
+        ("thd", {"offsets": torch.tensor([1, 2])}, r"^offsets: expected"),
+        ("thd", {"cu_seqlens": torch.tensor([0, 1, 3, 5])}, r"^cu_seqlens: expected"),
+    ],
+)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_errors_on_the_planned_path_are_the_checked_paths_and_write_nothing(layout, bad, message, inplace):
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, _ = _layout_step(layout)
+    clear_plans()
+    messages = []
+    for _ in range(2):  # unplanned, then planned
+        rope(q.clone(), k.clone(), offsets=torch.tensor([1, 2, 3]), inplace=inplace, **kwargs)
+        rope(q.clone(), k.clone(), offsets=5, inplace=inplace, **kwargs)
+        qi, ki = q.clone(), k.clone()
+        with pytest.raises(ValueError, match=message) as error:
+            rope(qi, ki, **{"offsets": 0, **kwargs, **bad}, inplace=inplace)
+        assert torch.equal(qi, q) and torch.equal(ki, k)  # nothing written
+        messages.append(str(error.value))
+        clear_plans()
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("form", ["int", "tensor"])
+def test_a_steady_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plus_two(form):
+    counts = {}
+    for layout in PLAN_LAYOUTS:
+        rope = RotaryEmbedding(head_dim=16, layout=layout)
+        q, k, kwargs, _ = _layout_step(layout)
+        offsets = _offsets(form)
+        rope(q, k, offsets=offsets, **kwargs)
+        counts[layout] = len(ropekit_calls(lambda: rope(q, k, offsets=offsets, **kwargs)))  # noqa: B023
+    assert all(counts[layout] <= counts["bshd"] + 2 for layout in PLAN_LAYOUTS), counts
+    assert counts["bshd"] <= 5, counts
+
+
+def test_a_pickled_or_copied_module_rotates_as_the_original_and_is_planned():
+    """The gates are made per process, outside the module (a function made at run time cannot be pickled):
+    a module unpickled or deep-copied keeps rotating the same, and its steady step is planned."""
+    rope = RotaryEmbedding(head_dim=16, layout="bhsd")
+    q, k, _, _ = _layout_step("bhsd")
+    want = rope(q, k, offsets=7)
+    for other in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
+        other(q, k, offsets=7)
+        calls = ropekit_calls(lambda: other(q, k, offsets=7))  # noqa: B023
+        assert "run" in calls and "resolve" not in calls, calls
+        got = other(q, k, offsets=7)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_a_backend_whose_plan_reads_shapes_runs_on_views_of_the_callers_tensors(
+    assert_matches_reference, layout, dtype, inplace
+):
+    """The torch backend's plan (rotate_qk with the flags bound) reads its tensors' shapes and strides: the
+    run hands it (B, S, H, D) views made per call and returns what the checked path returns."""
+    rope = RotaryEmbedding(head_dim=16, layout=layout, backend="torch")
+    q, k, kwargs, bshd = _layout_step(layout, dtype=dtype)
+    rope(q, k, offsets=7)  # float64: the table is rebuilt in float64 (a call that changes it plans nothing)
+    clear_plans()
+    want, _ = _call(rope, q, k, kwargs, 7, inplace, True)
+    calls = ropekit_calls(lambda: _call(rope, q, k, kwargs, 7, inplace, True))
+    assert "through_views" in calls and "resolve" not in calls, calls
+    got, given = _call(rope, q, k, kwargs, 7, inplace, True)
+    cos, sin = rope.config.cos_sin(64, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    for out, w, x, src in zip(got, want, given, (q, k), strict=True):
+        assert torch.equal(out, w) and out.stride() == w.stride()
+        assert out is x if inplace else out.shape == src.shape
+        assert_matches_reference(bshd(out), bshd(src), cos, sin, _positions(layout, 7), interleaved=False)

@@ -210,6 +210,8 @@ def apply_resolved(
     offsets: int | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    swap: tuple[int, int] | None = None,
+    table_grows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The functional API after positions are resolved: the entry :class:`ropekit.RotaryEmbedding` shares.
 
@@ -233,6 +235,9 @@ def apply_resolved(
         positions: the explicit positions tensor pos was resolved from (rows of the caller's own table;
             with ``cu_seqlens``, a packed batch's), or None: the plan kept under ``plan_key`` hands them to
             the kernel as they are, and the backend checks every row (and cu_seqlens) before it writes.
+        swap, table_grows: how the plan kept under ``plan_key`` serves its caller (the module): its key
+            holds the caller's tensors, of which q and k are ``t.transpose(*swap)``; the caller grows its
+            table for rows past it (:func:`ropekit.backends.plan.rotary_plan`).
 
     Returns:
         (q_rotated, k_rotated or None).
@@ -297,7 +302,10 @@ def apply_resolved(
             plannable = cos is table_cos and (
                 positions is not None or offsets is not None or (rows is None and type(offset) is int)
             )
-            flags = dict(interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens)
+            flags = dict(
+                interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens, swap=swap,
+                table_grows=table_grows,
+            )  # fmt: skip
             if positions is not None:
                 flags["positions"] = positions
             keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)

@@ -5,6 +5,7 @@ Shape notation: B batch, S sequence, T packed tokens, H heads, D head_dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +31,23 @@ LAYOUT_SHAPES = {
 }
 # The axes swapped to view an input of each layout as (batch, seq, heads, head_dim); a swap is a view.
 _TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
-# The module's gate (backends.plan's one template, the rotation's arguments): its own op name keeps the plans
-# its checks proved apart from those of the functional call, which holds no head_dim to check.
-_launch_module = gate(
-    "rotary_module", "q k cos sin offset#", "interleaved:bool inplace:bool backend:str conjugate:bool"
-)
+# The module's gates (backends.plan's one template, the rotation's arguments), one per (layout, head_dim),
+# made at first use: the op name keeps the plans this module's checks proved (rank, head_dim, the layout's
+# reading of the caller's tensors) apart from the functional call's and from a module of another layout or
+# head_dim, so no plan made for a wider head with a table of this shape ever serves this module. Keys hold
+# the caller's own tensors (bhsd / sbhd: the plan's run sees them through the swap).
+_GATES: dict[str, Callable] = {}  # the gate's op name -> the gate
+_FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool"
+
+
+def _module_gate(layout: str, head_dim: int) -> Callable:
+    """The gate of modules of this layout and head_dim (made once per process). A packed ("thd") gate takes
+    cu_seqlens as a tensor; the others take it as None only."""
+    op = f"rotary_module {layout} {head_dim}"
+    if op not in _GATES:
+        packed = "cu_seqlens" if layout == "thd" else "cu_seqlens!"
+        _GATES[op] = gate(op, f"q k? cos sin offset# {packed}", _FLAGS)
+    return _GATES[op]
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,10 +107,12 @@ class RotaryEmbedding(nn.Module):
         self._rank = 3 if layout == "thd" else 4
         self._mrope = config.mrope_section is not None  # read every call: a plain attribute
         # Rows depend on positions only (no M-RoPE, no length-dependent frequencies): an int offset's steady
-        # step can go straight to the functional API once the table holds its rows, and, for a bshd q and k
-        # with the rotary part first, to its launch plan.
+        # step can go straight to the functional API once the table holds its rows, and, with the rotary part
+        # first, to its launch plan (every layout; "thd" with cu_seqlens).
         self._plain = not self._mrope and not config.length_dependent
-        self._planned = self._plain and layout == "bshd" and config.rotary_position == "first"
+        self._planned = self._plain and config.rotary_position == "first"
+        # made here, eagerly: a first call may be traced (making a gate is not graph code)
+        self._launch = _module_gate(layout, config.head_dim)  # not pickled: __getstate__
         self._interleaved = config.interleaved
 
     @classmethod
@@ -133,6 +148,15 @@ class RotaryEmbedding(nn.Module):
 
     cos = property(lambda self: self.cache.cos, doc="The cached cos table (table_len, rotary_dim // 2).")
     sin = property(lambda self: self.cache.sin, doc="The cached sin table (table_len, rotary_dim // 2).")
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_launch", None)  # a function made at run time: made again on loading
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._launch = _module_gate(self.layout, self.config.head_dim)
 
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
@@ -183,24 +207,23 @@ class RotaryEmbedding(nn.Module):
             ValueError: q or k not of the layout's rank or of another head_dim than the config's, "thd"
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
-        gated, plan_key = False, None  # whether this call went through the launch-plan gate, its answer
+        gated, plan_key, table = False, None, None  # whether this call went through the gate, its answer
         if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
-            self._planned and positions is None and cu_seqlens is None and inverse is False and k is not None
+            self._planned and positions is None and inverse is False
         ):  # fmt: skip
-            # The module's own gate: its plans are kept only after this module's checks (rank, head_dim)
-            # accepted a call, and the key holds q's and k's shapes, so no plan made by another caller (a
-            # wider head with a table of this shape) ever serves it. An int offset or per-sequence offsets:
-            # the plan's run checks an int against the table; per-sequence rows are checked by the kernel
-            # (the C loop before it writes; Triton flags them), and a row past the table misses here on the
+            # The module's own gate (_module_gate; cu_seqlens: a tensor for "thd", None for the others). An
+            # int offset or per-sequence offsets: the plan's run checks an int against the table (packed: all
+            # T rows); per-sequence rows are checked by the kernel (the C loop before it writes; Triton flags
+            # them; packed ones are planned on CPU tensors only), and a row past the table misses here on the
             # CPU, so the path below grows the table.
             tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
-            gated = True
-            out, plan_key = _launch_module(
-                q, k, tables["cos"], tables["sin"], offsets, interleaved=self._interleaved,
+            gated, table = True, tables["cos"]
+            out, plan_key = self._launch(
+                q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
                 inplace=inplace, backend=self.backend, conjugate=False,
             )  # fmt: skip
             if out is not None:
-                return out
+                return out if k is not None else out[0]
         rank, head_dim = self._rank, self.config.head_dim
         for name, t in (("q", q), ("k", k)):
             if t is None and name == "k":
@@ -228,13 +251,13 @@ class RotaryEmbedding(nn.Module):
             and 0 <= offsets and offsets + q_view.shape[1] <= cos.shape[0] and cos.device == q.device
             and cos.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
         ):  # fmt: skip
-            if k is None:
-                out_q, out_k = apply_rotary(q_view, cos, self.cache.sin, offsets=offsets, **kw), None
-            elif gated:  # through the gate already: on to the checked path
-                pos = resolve(q_view, offsets=offsets, name="q")
+            if gated:  # through the gate already: on to the checked path, which plans the next call
+                pos = resolve(q_view, offsets=offsets, name="x" if k is None else "q")
                 out_q, out_k = apply_resolved(
-                    q_view, k_view, cos, self.cache.sin, pos, **kw, gated=True, plan_key=plan_key
+                    q_view, k_view, cos, self.cache.sin, pos, **kw, gated=True, plan_key=plan_key, swap=swap
                 )
+            elif k is None:
+                out_q, out_k = apply_rotary(q_view, cos, self.cache.sin, offsets=offsets, **kw), None
             else:
                 out_q, out_k = apply_rotary_qk(q_view, k_view, cos, self.cache.sin, offsets=offsets, **kw)
         else:
@@ -243,10 +266,11 @@ class RotaryEmbedding(nn.Module):
             else:
                 pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
                 cos, sin, pos = self.cache.lookup(pos, q_view)
-                if (  # per-sequence offsets into the table itself: the steady step above serves the next
-                    gated and type(offsets) is torch.Tensor and cos is self.cache.cos
-                ):  # fmt: skip
-                    kw.update(gated=True, plan_key=plan_key, offsets=offsets)
+                if gated and cos is table:  # the table the key was made with (not grown): plan the next call
+                    kw.update(
+                        gated=True, plan_key=plan_key, offsets=offsets, cu_seqlens=cu_seqlens, swap=swap,
+                        table_grows=True,
+                    )  # fmt: skip
             out_q, out_k = apply_resolved(q_view, k_view, cos, sin, pos, **kw)
         if inplace:
             return q if k is None else (q, k)  # the caller's own tensors, whatever view the layout needed

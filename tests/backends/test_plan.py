@@ -333,6 +333,25 @@ def test_a_packed_plan_hands_cu_seqlens_to_the_backends_launch_and_checks_the_in
     assert plan.rotary_plan(impl, q[None], k[None], cos, sin, 3, **flags, cu_seqlens=cu) is None
 
 
+def test_a_growing_tables_packed_plan_serves_only_rows_inside_the_table_and_host_checked_offsets():
+    """table_grows (the module, which grows its table where the functional call raises): a packed int offset
+    launches only when all T rows fit (offset + T <= table_len, whatever the lengths), and per-sequence
+    offsets are planned on CPU tensors only, whose rows the launch checks on the host before it writes; off
+    the CPU (a kernel would flag the rows, not hand them back) there is no plan."""
+    cos, sin = tables(16)  # 64 rows
+    q, k, cu = _packed()  # T = 5
+    impl = _PackedRecorder()
+    flags = dict(interleaved=False, inplace=False, conjugate=False, cu_seqlens=cu, table_grows=True)
+    run = plan.rotary_plan(impl, q, k, cos, sin, 3, **flags)
+    assert run(q, k, cos, sin, 59, cu) == ("launched", 6)  # rows up to 63
+    assert run(q, k, cos, sin, 60, cu) is None  # its rows fit (the longest sequence is 3), T does not
+    offsets = torch.tensor([1, 2, 3])
+    assert plan.rotary_plan(impl, q, k, cos, sin, offsets, **flags) is not None
+    meta = [t.to("meta") for t in (q, k, cos, sin, offsets, cu)]
+    assert plan.rotary_plan(impl, *meta[:5], **{**flags, "cu_seqlens": meta[5]}) is None
+    assert plan.rotary_plan(impl, *meta[:4], 3, **{**flags, "cu_seqlens": meta[5]}) is not None
+
+
 def test_a_packed_plan_refuses_an_in_place_q_that_meets_cu_seqlens():
     """The memory rule in a packed plan's run: cu_seqlens is read by the kernel as it writes q, so an in-place
     q whose bytes hold cu_seqlens never launches (the checked path decides)."""

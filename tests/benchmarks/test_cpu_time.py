@@ -14,6 +14,13 @@ def test_one_round_on_tiny_prints_each_row_and_its_targets(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--shapes", "tiny", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    for row in ("out of place", "in place", "Meta complex", "clone", "RotaryEmbedding"):
+    for row in (
+        "out of place",
+        "in place",
+        "Meta complex",
+        "clone",
+        "RotaryEmbedding",
+        "RotaryEmbedding bhsd",
+    ):
         assert f"  {row} " in out
     assert "tiny       out of place     / Meta complex" in out

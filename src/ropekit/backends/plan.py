@@ -184,6 +184,8 @@ def rotary_plan(
     conjugate: bool,
     cu_seqlens=None,
     positions=None,
+    swap: tuple[int, int] | None = None,
+    table_grows: bool = False,
 ):
     """The run of one rotation key, ``run(q, k, cos, sin, offset)`` -> (q_out, k_out) or None, after the
     checked path served the call with an int offset or per-sequence offsets (4-D q); or, with
@@ -208,6 +210,15 @@ def rotary_plan(
     neither table nor the per-sequence offsets nor the positions nor cu_seqlens, and share no element with
     each other (decided exactly, once per byte distance k - q, which with the layouts the key fixes decides
     it).
+
+    ``swap``: the key was built from the caller's own tensors and q, k here are their (B, S, H, D) views
+    ``t.transpose(*swap)`` (:class:`ropekit.RotaryEmbedding`'s "bhsd" and "sbhd" layouts): the run takes the
+    caller's tensors and returns what the checked path returns for them (the caller's own tensors in place;
+    out of place, its outputs seen back through the swap). ``table_grows``: the caller grows its table for
+    rows past it (the module) where a plan would refuse them: a packed int offset is served only when
+    ``offset + T <= table_len`` (every row inside, whatever the lengths), and packed per-sequence offsets
+    only on CPU tensors, whose rows the launch checks on the host before it writes (it returns None, and the
+    caller's checked path grows the table); on a device the kernel would flag them instead.
     """
     packed = cu_seqlens is not None
     rows = positions is not None
@@ -236,6 +247,8 @@ def rotary_plan(
         ):
             return None
     per_sequence = not rows and type(offset) is not int
+    if packed and per_sequence and table_grows and not q.is_cpu:
+        return None
     if per_sequence and not (
         offset.dtype == torch.int64
         and offset.shape == ((cu_seqlens.shape[0] - 1,) if packed else q.shape[:1])
@@ -268,8 +281,11 @@ def rotary_plan(
         def launch(q, k, cos, sin, offset):
             return impl.rotate_qk(q, k, cos, sin, None, **flags, offset=offset)
 
-    # an int offset's rows offset .. offset + S - 1 fit the table (packed: at least row offset)
-    last_offset = cos.shape[0] - (1 if packed else q.shape[1])
+    if swap is not None:
+        launch = _in_caller_layout(impl, launch, q, k, swap, inplace)
+    # an int offset's rows offset .. offset + S - 1 fit the table (packed: at least row offset; a table that
+    # grows: every one of the T tokens' rows, offset + T - 1 at most)
+    last_offset = cos.shape[0] - ((q.shape[0] if table_grows else 1) if packed else q.shape[1])
     q_span, k_span, cos_span, sin_span = span(q), 0 if k is None else span(k), span(cos), span(sin)
     # per-sequence offsets or positions: bytes the kernel reads as it writes (0: none to meet)
     offsets_span = span(offset) if (per_sequence or rows) and offset.numel() else 0
@@ -318,3 +334,28 @@ def rotary_plan(
         return launch(q, k, cos, sin, offset, cu_seqlens)
 
     return run
+
+
+def _in_caller_layout(impl, launch, q, k, swap, inplace):
+    """``launch``, made for the (B, S, H, D) views q and k, as a launch on the caller's own tensors, of which
+    they are ``t.transpose(*swap)``. A backend whose plans read only their tensors' addresses (and allocate
+    outputs with ``empty_like``: ``plan_reads_pointers``) runs on the caller's tensors as they are, when
+    ``empty_like`` lays the caller's outputs out as it lays out the views' (dense inputs: the key fixes the
+    strides, so once here decides it); any other runs on views made per call, and its outputs are seen back
+    through the swap, as the checked path returns them."""
+    same_outputs = inplace or all(
+        t is None
+        or torch.empty_like(t.transpose(*swap)).stride() == torch.empty_like(t).transpose(*swap).stride()
+        for t in (q, k)
+    )
+    if getattr(impl, "plan_reads_pointers", False) and same_outputs:
+        return launch
+
+    def through_views(q, k, cos, sin, offset):
+        out = launch(q.transpose(*swap), None if k is None else k.transpose(*swap), cos, sin, offset)
+        if out is None or inplace:
+            return None if out is None else (q, k)  # in place: the caller's own tensors
+        out_q, out_k = out
+        return out_q.transpose(*swap), None if out_k is None else out_k.transpose(*swap)
+
+    return through_views

@@ -333,6 +333,10 @@ def _threads(q: torch.Tensor, k: torch.Tensor | None) -> int:
 
 
 class CpuBackend(KernelBackend):
+    # A plan's run reads its tensors' data pointers alone (the strides are the plan's) and allocates its
+    # outputs with empty_like: it serves the same memory through another view (ropekit.backends.plan).
+    plan_reads_pointers = True
+
     def __init__(self) -> None:
         super().__init__("cpu", launch)
 
