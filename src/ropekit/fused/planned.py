@@ -122,6 +122,47 @@ def _packed_rows(cu_seqlens: torch.Tensor, offsets, steps: np.ndarray, table_len
     return rows
 
 
+def _row_source(seq: int, tokens: int, table_len: int, positions, offsets, cu_seqlens, device):
+    """The rows a plan's C loop reads, for one key's form: ``rows(positions, offsets, cu_seqlens)`` ->
+    ``(pointer, offset, made)`` (the loop's positions pointer, 0 for an int offset; its int offset; rows made
+    here, to keep alive until the loop returns), or None, having read nothing more, when a value check the
+    key cannot hold fails (the checked path then raises its own error). The forms, as the checked path
+    resolves them (:func:`ropekit.positions.resolve`): positions, the rows themselves (offsets must be 0;
+    with cu_seqlens, its values are checked); a packed batch's rows (:func:`_packed_rows`); per-sequence
+    offsets, each sequence's rows ``offsets[b] + arange(seq)``; an int offset, checked against the table
+    here. Rows read through the pointer are checked against the table by the C loop."""
+    packed_steps = None if cu_seqlens is None else np.arange(tokens, dtype=np.int64)  # (tokens,)
+    if positions is not None:
+
+        def rows(positions, offsets, cu_seqlens):
+            if type(offsets) is not int or offsets != 0:
+                return None  # positions with offsets: the checked path refuses them
+            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
+                return None  # malformed cu_seqlens: the checked path says how
+            return positions.data_ptr(), 0, None
+
+    elif cu_seqlens is not None:
+
+        def rows(positions, offsets, cu_seqlens):
+            made = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
+            return None if made is None else (made.ctypes.data, 0, made)
+
+    elif type(offsets) is not int:
+        steps = None if seq == 1 else torch.arange(seq, device=device)  # (seq,): per-sequence rows
+
+        def rows(positions, offsets, cu_seqlens):
+            made = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
+            return made.data_ptr(), 0, made
+
+    else:
+        last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
+
+        def rows(positions, offsets, cu_seqlens):
+            return (0, offsets, None) if 0 <= offsets <= last_offset else None  # past the table: checked path
+
+    return rows
+
+
 def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets, cu_seqlens, k_scale,
                 v_scale, inplace: bool):  # fmt: skip
     """The run of one key: the value checks that cannot be planned, then the C loop (see the module doc).
@@ -136,13 +177,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
     exactly here, then launches again without the range check. A key whose ranges met once (views of one
     packed qkv buffer) decides here first from then on."""
     seq, tokens = like.seq, like.batch * like.seq
-    table_len = like.cos.shape[0]
-    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
-    given = positions is not None  # positions: the rows themselves (offsets must be 0)
-    packed = not given and cu_seqlens is not None
-    per_sequence = not given and not packed and type(offsets) is not int
-    steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    packed_steps = None if cu_seqlens is None else np.arange(tokens, dtype=np.int64)  # (tokens,)
+    rows_of = _row_source(seq, tokens, like.cos.shape[0], positions, offsets, cu_seqlens, q.device)
     # The tensors the memory rule reads, in the order of the run's `tensors`, and each one's pointer word in
     # the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches, cos, sin, the slots, the
     # positions, the scale tensors, then word 14 (read by the memory check alone): the per-sequence offsets,
@@ -182,25 +217,10 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
             return None  # PyTorch refuses this write: the checked path says so
         if check_scales and not _valid_scales(k_scale, v_scale):
             return None
-        rows = None  # rows made here, alive until the loop returns
-        if given:
-            if type(offsets) is not int or offsets != 0:
-                return None  # positions with offsets: the checked path refuses them
-            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
-                return None  # malformed cu_seqlens: the checked path says how
-            row_pointer, offset = positions.data_ptr(), 0
-        elif packed:
-            rows = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
-            if rows is None:
-                return None
-            row_pointer, offset = rows.ctypes.data, 0
-        elif per_sequence:
-            rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
-            row_pointer, offset = rows.data_ptr(), 0
-        elif 0 <= offsets <= last_offset:
-            row_pointer, offset = 0, offsets
-        else:
+        got = rows_of(positions, offsets, cu_seqlens)
+        if got is None:
             return None
+        row_pointer, offset, _made = got  # _made: rows made here, alive until the loop returns
         q_start = q.data_ptr()
         q_out = q if inplace else torch.empty_like(q)
         k_cache_start, v_cache_start = k_cache.data_ptr(), v_cache.data_ptr()
@@ -303,37 +323,17 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     made = [
         ch.scale if s is None else None for ch, s in zip(like.channels[:2], (q_scale, k_scale), strict=True)
     ]
-    seq = like.seq
-    table_len = like.cos.shape[0]
-    given = positions is not None  # positions: the rows themselves (offsets must be 0)
-    packed = not given and cu_seqlens is not None  # rows from cu_seqlens (_packed_rows)
-    per_sequence = not given and not packed and type(offsets) is not int
-    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
-    steps = None if seq == 1 else torch.arange(seq, device=q.device)  # (seq,): per-sequence rows
-    packed_steps = None if cu_seqlens is None else np.arange(like.batch * seq, dtype=np.int64)
+    rows_of = _row_source(
+        like.seq, like.batch * like.seq, like.cos.shape[0], positions, offsets, cu_seqlens, q.device
+    )
     check_scales = bool(tensor_scales)
     empty = torch.empty
 
     def run(q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens):
-        rows = None  # rows made here, alive until the loops return
-        if given:
-            if type(offsets) is not int or offsets != 0:
-                return None  # positions with offsets: the checked path refuses them
-            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
-                return None  # malformed cu_seqlens: the checked path says how
-            row_pointer, offset = positions.data_ptr(), 0
-        elif packed:
-            rows = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
-            if rows is None:
-                return None
-            row_pointer, offset = rows.ctypes.data, 0
-        elif per_sequence:
-            rows = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
-            row_pointer, offset = rows.data_ptr(), 0
-        elif 0 <= offsets <= last_offset:
-            row_pointer, offset = 0, offsets
-        else:
-            return None  # a row past the table: the checked path says which
+        got = rows_of(positions, offsets, cu_seqlens)
+        if got is None:
+            return None
+        row_pointer, offset, _made = got  # _made: rows made here, alive until the loops return
         if check_scales and not _valid_scales(q_scale, k_scale):
             return None
         q_ptr = made[0].data_ptr() if q_scale is None else q_scale.data_ptr()
@@ -378,19 +378,13 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
         return None
     view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
     c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
-    seq = view.shape[1]
-    table_len = cos.shape[0]
-    packed = positions is None and cu_seqlens is not None  # rows from cu_seqlens (_packed_rows)
-    per_sequence = positions is None and not packed and type(offsets) is not int
-    last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
-    steps = None if seq == 1 else torch.arange(seq, device=qkv.device)  # (seq,): per-sequence rows
-    packed_steps = None if cu_seqlens is None else np.arange(seq, dtype=np.int64)  # (T,)
+    rows_of = _row_source(
+        view.shape[1], view.shape[0] * view.shape[1], cos.shape[0], positions, offsets, cu_seqlens, qkv.device
+    )
     increment_version = torch._C._increment_version
     qkv_span, table_span = span(qkv), span(cos)
 
     def run(qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens):
-        if positions is not None and offsets != 0:
-            return None  # positions and offsets together: the checked path refuses them
         if cos.requires_grad or sin.requires_grad:
             return None  # refused in any grad mode (constants to qk_norm_rotary_): the checked path says so
         if qkv.is_inference() and not torch.is_inference_mode_enabled():
@@ -407,23 +401,10 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
                 start = t.data_ptr()
                 if start < hi and lo < start + (size or t.numel() * t.element_size()):
                     return None
-        made = None  # rows made here, alive until the loop returns (it reads them through a pointer)
-        if positions is not None:
-            if cu_seqlens is not None and _packed_rows(cu_seqlens, 0, packed_steps, table_len) is None:
-                return None  # malformed cu_seqlens: the checked path says how
-            rows, offset = positions.data_ptr(), 0
-        elif packed:
-            made = _packed_rows(cu_seqlens, offsets, packed_steps, table_len)
-            if made is None:
-                return None
-            rows, offset = made.ctypes.data, 0
-        elif per_sequence:
-            made = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
-            rows, offset = made.data_ptr(), 0
-        elif 0 <= offsets <= last_offset:
-            rows, offset = None, offsets
-        else:
+        got = rows_of(positions, offsets, cu_seqlens)
+        if got is None:
             return None
+        rows, offset, _made = got  # _made: rows made here, alive until the loop returns
         pointers = (qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr())
         code = c_loop(*pointers, rows, offset)
         if code != -1:  # a row outside the table, nothing written: the checked path says which
