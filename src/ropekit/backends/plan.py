@@ -85,22 +85,29 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
     Args:
         op: the op's name (its plans never meet another op's).
         args: the positional arguments, in the order the plan's run takes them: ``name`` a plain tensor,
-            ``name?`` a tensor or None, ``name#`` a tensor or an int, ``name!`` None (no plan serves a call
-            that gives it).
+            ``name?`` a tensor or None, ``name#`` a tensor or an int (its value goes to the run), ``name$`` a
+            tensor, a number (int or float: its value is in the key, as a flag's) or None, ``name!`` None (no
+            plan serves a call that gives it).
         flags: the keyword-only arguments, ``name:kind`` with kind bool, bool? (or None), int, number (int or
             float), number? (or None), dtype (a torch.dtype) or str; any other type takes the checked path.
     """
     names, plain, facts, grads = [], [], [], []  # pieces of the source; its own names start with _gate_
     for token in args.split():
-        name = token.rstrip("?#!")
+        name = token.rstrip("?#!$")
         names.append(name)
         layout = f"{name}.shape, {name}.stride(), {name}.dtype, {name}.device"
         if token.endswith("!"):  # no plan serves it given: None, or the checked path
             plain.append(f"{name} is None")
         elif token.endswith("?"):
-            plain.append(f"(type({name}) is Tensor or {name} is None)")
+            plain.append(f"({name} is None or type({name}) is Tensor)")
             facts.append(f"None if {name} is None else ({layout})")
             grads.append(f"({name} is not None and {name}.requires_grad)")
+        elif token.endswith("$"):  # a tensor, a number (its value in the key, as a flag's) or None
+            plain.append(
+                f"({name} is None or type({name}) is Tensor or type({name}) is float or type({name}) is int)"
+            )
+            facts.append(f"None if {name} is None else ({layout}) if type({name}) is Tensor else ({name},)")
+            grads.append(f"(type({name}) is Tensor and {name}.requires_grad)")
         elif token.endswith("#"):
             plain.append(f"(type({name}) is Tensor or type({name}) is int)")
             facts.append(f"int if type({name}) is int else ({layout})")

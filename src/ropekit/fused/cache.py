@@ -38,12 +38,12 @@ from ropekit.validation import (
 __all__ = ["apply_rotary_qk_and_cache"]
 
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
-# scale is a tensor (k_scale / v_scale, its values checked by the plan's run) or a number (k_number /
-# v_number, its value in the key: the checked path proved it).
+# scale (k_scale$ / v_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
+# the key: the checked path proved it).
 _launch_planned = gate(
     "apply_rotary_qk_and_cache",
-    "q? k v cos sin k_cache v_cache slot_mapping positions? offsets# cu_seqlens? k_scale? v_scale?",
-    "k_number:number? v_number:number? cache_layout:str interleaved:bool inplace:bool backend:str",
+    "q? k v cos sin k_cache v_cache slot_mapping positions? offsets# cu_seqlens? k_scale$ v_scale$",
+    "cache_layout:str interleaved:bool inplace:bool backend:str",
 )
 
 
@@ -101,17 +101,17 @@ def apply_rotary_qk_and_cache(
             misshaped or non-positive scale, a written tensor (q in place, the caches) that shares memory
             with another written or read one, or a backend that cannot serve the inputs.
     """
+    out, key = _launch_planned(
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale, v_scale,
+        cache_layout=cache_layout, interleaved=interleaved, inplace=inplace, backend=backend,
+    )  # fmt: skip
+    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
+        return out
+    # The plan's arguments: a scale given as a number is None there (its value is in the key).
     k_tensor = k_scale if type(k_scale) is torch.Tensor else None
     v_tensor = v_scale if type(v_scale) is torch.Tensor else None
     args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_tensor,
             v_tensor)  # fmt: skip
-    out, key = _launch_planned(
-        *args, k_number=None if k_tensor is not None else k_scale,
-        v_number=None if v_tensor is not None else v_scale, cache_layout=cache_layout,
-        interleaved=interleaved, inplace=inplace, backend=backend,
-    )  # fmt: skip
-    if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
-        return out
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)

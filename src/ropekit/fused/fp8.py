@@ -27,12 +27,12 @@ from ropekit.validation import check_bool, check_movable, check_tables, describe
 __all__ = ["apply_rotary_qk_fp8"]
 
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
-# scale is a tensor (q_scale / k_scale, its values checked by the plan's run) or a number (q_number /
-# k_number, its value in the key: the checked path proved it).
+# scale (q_scale$ / k_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
+# the key: the checked path proved it).
 _launch_planned = gate(
     "apply_rotary_qk_fp8",
-    "q k cos sin q_scale? k_scale? q_nope? k_nope? positions? offsets# cu_seqlens?",
-    "q_number:number? k_number:number? fp8_dtype:dtype interleaved:bool backend:str",
+    "q k cos sin q_scale$ k_scale$ q_nope? k_nope? positions? offsets# cu_seqlens?",
+    "fp8_dtype:dtype interleaved:bool backend:str",
 )
 
 
@@ -78,16 +78,16 @@ def apply_rotary_qk_fp8(
             that is not one of the two, a scale of the wrong shape or not > 0, or a backend that cannot serve
             the inputs.
     """
-    q_tensor = q_scale if type(q_scale) is torch.Tensor else None
-    k_tensor = k_scale if type(k_scale) is torch.Tensor else None
-    planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
     out, key = _launch_planned(
-        *planned, q_number=None if q_tensor is not None else q_scale,
-        k_number=None if k_tensor is not None else k_scale, fp8_dtype=fp8_dtype, interleaved=interleaved,
-        backend=backend,
+        q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens, fp8_dtype=fp8_dtype,
+        interleaved=interleaved, backend=backend,
     )  # fmt: skip
     if out is not None:  # a call seen before: its launch plan (ropekit.fused.planned.fp8_plan)
         return out
+    # The plan's arguments: a scale given as a number is None there (its value is in the key).
+    q_tensor = q_scale if type(q_scale) is torch.Tensor else None
+    k_tensor = k_scale if type(k_scale) is torch.Tensor else None
+    planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
     check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
     check_bool("interleaved", interleaved)
     if fp8_dtype not in FP8_KINDS:

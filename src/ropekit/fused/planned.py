@@ -74,10 +74,11 @@ def cache_plan(backend: str, like: FusedLaunch, q, k, v, cos, sin, k_cache, v_ca
                offsets, cu_seqlens, k_scale, v_scale, inplace: bool):  # fmt: skip
     """The plan of a call the checked path served with ``like`` (its launch) on backend:
     ``run(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale,
-    v_scale)`` (the gate's arguments; a scale given as a number is None there, its value is in the key) -> q
-    rotated, or None. None when no plan serves its kind: another backend than the C loop, an input the launch
-    copied or converted (a strided last axis, a table not float32, slots, positions, cu_seqlens or a scale
-    tensor not contiguous, positions or per-sequence offsets not int64, a scale not float32), no q."""
+    v_scale)`` (the gate's arguments: a scale given as a number reaches the run as it is, its value in the
+    key; here, None) -> q rotated, or None. None when no plan serves its kind: another backend than the C
+    loop, an input the launch copied or converted (a strided last axis, a table not float32, slots, positions,
+    cu_seqlens or a scale tensor not contiguous, positions or per-sequence offsets not int64, a scale not
+    float32), no q."""
     scales = tuple(s for s in (k_scale, v_scale) if s is not None)
     units = q is not None and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, v))
     sequences = like.batch if cu_seqlens is None else cu_seqlens.shape[0] - 1  # offsets: one per sequence
@@ -207,7 +208,8 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
         ch.scale if s is None else None for ch, s in zip(like.channels[1:], (k_scale, v_scale), strict=True)
     ]
     made_pointers = [0 if t is None else t.data_ptr() for t in made]
-    check_scales = k_scale is not None or v_scale is not None
+    k_tensor, v_tensor = k_scale is not None, v_scale is not None  # the key's: a tensor (else a number, None)
+    check_scales = k_tensor or v_tensor
 
     def run(q, k, v, cos, sin, k_cache, v_cache, slots, positions, offsets, cu_seqlens, k_scale, v_scale):
         nonlocal ranges_met
@@ -215,7 +217,7 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
         caches_inference = k_cache.is_inference() or v_cache.is_inference()
         if (q_inference or caches_inference) and not torch.is_inference_mode_enabled():
             return None  # PyTorch refuses this write: the checked path says so
-        if check_scales and not _valid_scales(k_scale, v_scale):
+        if check_scales and not _valid_scales(k_scale if k_tensor else None, v_scale if v_tensor else None):
             return None
         got = rows_of(positions, offsets, cu_seqlens)
         if got is None:
@@ -231,8 +233,8 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
                     return None  # they meet: the checked path decides
         pointers = (cos.data_ptr(), sin.data_ptr(), row_pointer, slots.data_ptr(), q_start,
                     q_start if inplace else q_out.data_ptr(), 0, k.data_ptr(), k_cache_start,
-                    made_pointers[0] if k_scale is None else k_scale.data_ptr(), v.data_ptr(), v_cache_start,
-                    made_pointers[1] if v_scale is None else v_scale.data_ptr())  # fmt: skip
+                    k_scale.data_ptr() if k_tensor else made_pointers[0], v.data_ptr(), v_cache_start,
+                    v_scale.data_ptr() if v_tensor else made_pointers[1])  # fmt: skip
         extra_start = 0
         if tensor_offsets:
             extra_start = offsets.data_ptr()
@@ -288,11 +290,11 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
              positions, offsets, cu_seqlens, fp8_dtype: torch.dtype):  # fmt: skip
     """The plan of an :func:`~ropekit.apply_rotary_qk_fp8` call the checked path served with ``launches``
     (its rope launch, then its nope launch in the MLA form) on backend: ``run(q, k, cos, sin, q_scale,
-    k_scale, q_nope, k_nope, positions, offsets, cu_seqlens)`` (the gate's arguments; a scale given as a
-    number is None there, its value is in the key) -> the FP8 outputs, or None. None when no plan serves its
-    kind: another backend than the C loop, an input the launch copied or converted (a strided last axis, a
-    table not float32, positions, cu_seqlens or a scale tensor not contiguous, positions or per-sequence
-    offsets not int64, a scale not float32), an empty q or k.
+    k_scale, q_nope, k_nope, positions, offsets, cu_seqlens)`` (the gate's arguments: a scale given as a
+    number reaches the run as it is, its value in the key; here, None) -> the FP8 outputs, or None. None when
+    no plan serves its kind: another backend than the C loop, an input the launch copied or converted (a
+    strided last axis, a table not float32, positions, cu_seqlens or a scale tensor not contiguous, positions
+    or per-sequence offsets not int64, a scale not float32), an empty q or k.
 
     The outputs are new tensors, so the memory rule has nothing to check (nothing the caller passed is
     written); the run checks the values a key cannot hold: an int offset against the table (positions,
@@ -326,6 +328,7 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     rows_of = _row_source(
         like.seq, like.batch * like.seq, like.cos.shape[0], positions, offsets, cu_seqlens, q.device
     )
+    q_tensor, k_tensor = q_scale is not None, k_scale is not None  # the key's: a tensor (else a number)
     check_scales = bool(tensor_scales)
     empty = torch.empty
 
@@ -334,10 +337,10 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
         if got is None:
             return None
         row_pointer, offset, _made = got  # _made: rows made here, alive until the loops return
-        if check_scales and not _valid_scales(q_scale, k_scale):
+        if check_scales and not _valid_scales(q_scale if q_tensor else None, k_scale if k_tensor else None):
             return None
-        q_ptr = made[0].data_ptr() if q_scale is None else q_scale.data_ptr()
-        k_ptr = made[1].data_ptr() if k_scale is None else k_scale.data_ptr()
+        q_ptr = q_scale.data_ptr() if q_tensor else made[0].data_ptr()
+        k_ptr = k_scale.data_ptr() if k_tensor else made[1].data_ptr()
         q_out = empty(q.shape, dtype=fp8_dtype, device=q.device)
         k_out = empty(k.shape, dtype=fp8_dtype, device=k.device)
         table = (cos.data_ptr(), sin.data_ptr(), row_pointer, 0)
