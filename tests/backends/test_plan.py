@@ -266,6 +266,32 @@ def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_tak
     plan.clear_plans()
 
 
+def test_a_scale_argument_is_keyed_by_a_tensors_layout_or_a_numbers_value_and_reaches_the_run_as_given():
+    """A ``name$`` argument (the FP8 scales): a tensor is keyed by its layout (its values go to the run), a
+    number (int or float) by its value, None as None; a bool, a string or a tensor subclass never reach a
+    plan (the checked path decides)."""
+    plan.clear_plans()
+    launch = plan.gate("test_scale", "x s$", "")
+    x, scale = torch.zeros(2), torch.tensor(0.5)
+    keys = {}
+    for given in (0.5, 2, None, scale):
+        out, keys[repr(given)] = launch(x, given)
+        assert out is None and keys[repr(given)] is not None
+        plan.keep(keys[repr(given)], lambda x, s: ("ran", s))
+    assert len(set(keys.values())) == 4  # each kind and value a key of its own
+    assert launch(x, 0.5) == (("ran", 0.5), None)
+    other = torch.tensor(3.0)  # another 0-d tensor: the same key, and the run reads this one
+    (ran, given), key = launch(x, other)
+    assert ran == "ran" and given is other and key is None
+    out, key = launch(x, 0.25)  # another value: another key
+    assert out is None and key not in keys.values()
+    out, key = launch(x, torch.ones(2))  # another layout: another key
+    assert out is None and key not in keys.values()
+    for refused in (launch(x, True), launch(x, "0.5"), launch(x, torch.nn.Parameter(scale))):
+        assert refused == (None, None)
+    plan.clear_plans()
+
+
 def test_a_number_or_none_flag_and_a_dtype_flag_are_keyed_by_value_and_exact_kind():
     """The FP8 op's flags: a scale given as a number (number?: an int, a float or None) and its FP8 dtype
     (dtype: a torch.dtype) are in the key by value; a bool, a string or a tensor in their place never reach a
