@@ -124,14 +124,15 @@ def _packed_rows(cu_seqlens: torch.Tensor, offsets, steps: np.ndarray, table_len
 
 
 def _row_source(seq: int, tokens: int, table_len: int, positions, offsets, cu_seqlens, device):
-    """The rows a plan's C loop reads, for one key's form: ``rows(positions, offsets, cu_seqlens)`` ->
-    ``(pointer, offset, made)`` (the loop's positions pointer, 0 for an int offset; its int offset; rows made
-    here, to keep alive until the loop returns), or None, having read nothing more, when a value check the
-    key cannot hold fails (the checked path then raises its own error). The forms, as the checked path
-    resolves them (:func:`ropekit.positions.resolve`): positions, the rows themselves (offsets must be 0;
-    with cu_seqlens, its values are checked); a packed batch's rows (:func:`_packed_rows`); per-sequence
-    offsets, each sequence's rows ``offsets[b] + arange(seq)``; an int offset, checked against the table
-    here. Rows read through the pointer are checked against the table by the C loop."""
+    """The rows a plan's C loop reads, for one key's form: ``(rows, last_offset)``. ``rows(positions,
+    offsets, cu_seqlens)`` -> ``(pointer, 0, made)`` (the loop's positions pointer; rows made here, to keep
+    alive until the loop returns), or None, having read nothing more, when a value check the key cannot hold
+    fails (the checked path then raises its own error). The forms, as the checked path resolves them
+    (:func:`ropekit.positions.resolve`): positions, the rows themselves (offsets must be 0; with cu_seqlens,
+    its values are checked); a packed batch's rows (:func:`_packed_rows`); per-sequence offsets, each
+    sequence's rows ``offsets[b] + arange(seq)``. Rows read through the pointer are checked against the table
+    by the C loop. An int offset's form has no rows function (None): the run checks ``0 <= offset <=
+    last_offset`` itself and passes the offset."""
     packed_steps = None if cu_seqlens is None else np.arange(tokens, dtype=np.int64)  # (tokens,)
     if positions is not None:
 
@@ -155,13 +156,9 @@ def _row_source(seq: int, tokens: int, table_len: int, positions, offsets, cu_se
             made = offsets if steps is None else (offsets[:, None] + steps).view(-1)  # (batch * seq,)
             return made.data_ptr(), 0, made
 
-    else:
-        last_offset = table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
-
-        def rows(positions, offsets, cu_seqlens):
-            return (0, offsets, None) if 0 <= offsets <= last_offset else None  # past the table: checked path
-
-    return rows
+    else:  # an int offset: the run checks it against the table itself (a decode step spares the call)
+        rows = None
+    return rows, table_len - seq  # an int offset's rows offset .. offset + seq - 1 fit the table
 
 
 def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets, cu_seqlens, k_scale,
@@ -178,7 +175,9 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
     exactly here, then launches again without the range check. A key whose ranges met once (views of one
     packed qkv buffer) decides here first from then on."""
     seq, tokens = like.seq, like.batch * like.seq
-    rows_of = _row_source(seq, tokens, like.cos.shape[0], positions, offsets, cu_seqlens, q.device)
+    rows_of, last_offset = _row_source(
+        seq, tokens, like.cos.shape[0], positions, offsets, cu_seqlens, q.device
+    )
     # The tensors the memory rule reads, in the order of the run's `tensors`, and each one's pointer word in
     # the C loop's launch (fused_cpu.plan): q's source, k's, v's, the caches, cos, sin, the slots, the
     # positions, the scale tensors, then word 14 (read by the memory check alone): the per-sequence offsets,
@@ -219,7 +218,10 @@ def _cache_plan(like: FusedLaunch, q, k, v, k_cache, v_cache, positions, offsets
             return None  # PyTorch refuses this write: the checked path says so
         if check_scales and not _valid_scales(k_scale if k_tensor else None, v_scale if v_tensor else None):
             return None
-        got = rows_of(positions, offsets, cu_seqlens)
+        got = (  # an int offset against the table here; any other form, its rows function
+            rows_of(positions, offsets, cu_seqlens) if rows_of else (0, offsets, None)
+            if 0 <= offsets <= last_offset else None
+        )  # fmt: skip
         if got is None:
             return None
         row_pointer, offset, _made = got  # _made: rows made here, alive until the loop returns
@@ -325,7 +327,7 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     made = [
         ch.scale if s is None else None for ch, s in zip(like.channels[:2], (q_scale, k_scale), strict=True)
     ]
-    rows_of = _row_source(
+    rows_of, last_offset = _row_source(
         like.seq, like.batch * like.seq, like.cos.shape[0], positions, offsets, cu_seqlens, q.device
     )
     q_tensor, k_tensor = q_scale is not None, k_scale is not None  # the key's: a tensor (else a number)
@@ -333,7 +335,10 @@ def fp8_plan(backend: str, launches: list[FusedLaunch], q, k, cos, sin, q_scale,
     empty = torch.empty
 
     def run(q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens):
-        got = rows_of(positions, offsets, cu_seqlens)
+        got = (  # an int offset against the table here; any other form, its rows function
+            rows_of(positions, offsets, cu_seqlens) if rows_of else (0, offsets, None)
+            if 0 <= offsets <= last_offset else None
+        )  # fmt: skip
         if got is None:
             return None
         row_pointer, offset, _made = got  # _made: rows made here, alive until the loops return
@@ -381,7 +386,7 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
         return None
     view = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)  # (B, S, W)
     c_loop = qk_norm_cpu.plan(view, cos, sin, spec)
-    rows_of = _row_source(
+    rows_of, last_offset = _row_source(
         view.shape[1], view.shape[0] * view.shape[1], cos.shape[0], positions, offsets, cu_seqlens, qkv.device
     )
     increment_version = torch._C._increment_version
@@ -404,7 +409,10 @@ def qk_norm_plan(backend: str, qkv, q_weight, k_weight, cos, sin, spec: qk_norm_
                 start = t.data_ptr()
                 if start < hi and lo < start + (size or t.numel() * t.element_size()):
                     return None
-        got = rows_of(positions, offsets, cu_seqlens)
+        got = (  # an int offset against the table here; any other form, its rows function
+            rows_of(positions, offsets, cu_seqlens) if rows_of else (0, offsets, None)
+            if 0 <= offsets <= last_offset else None
+        )  # fmt: skip
         if got is None:
             return None
         rows, offset, _made = got  # _made: rows made here, alive until the loop returns
