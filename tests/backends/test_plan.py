@@ -188,21 +188,26 @@ def test_an_output_large_enough_for_huge_pages_is_still_exact():
 
 
 def test_a_key_without_a_plan_is_not_planned_again_every_call(monkeypatch):
-    """float64 tables: the C loop has no plan for them (it reads float32 rows). The first call learns that;
-    later calls of the same key take the checked path without asking the backend again, and stay exact."""
+    """A backend whose plan answers None for a kind (here the C loop's, made to refuse): the first call
+    learns that and keeps None for its key; later calls of the same key take the checked path without
+    asking the backend again, and stay exact."""
     clear_backend_cache()
     asked = []
     cpu = BACKENDS["cpu"]
-    original = cpu.plan
-    monkeypatch.setattr(cpu, "plan", lambda *a, **kw: asked.append(1) or original(*a, **kw))
+    monkeypatch.setattr(cpu, "plan", lambda *a, **kw: asked.append(1))  # no plan for any kind
     q, k = torch.randn(1, 1, 4, 32), torch.randn(1, 1, 2, 32)
-    angle = torch.rand(16, 16, dtype=torch.float64) * 6.0
+    angle = torch.rand(16, 16) * 6.0
     cos, sin = angle.cos(), angle.sin()
     first = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")
+    assert len(asked) == 1 and None in plan._plans.values()
     for _ in range(3):
         again = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")
         torch.testing.assert_close(again, first, atol=0, rtol=0)
     assert len(asked) == 1
+    monkeypatch.undo()
+    clear_backend_cache()
+    planned = apply_rotary_qk(q, k, cos, sin, offsets=3, backend="cpu")  # the real plan, once kept
+    torch.testing.assert_close(planned, first, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
