@@ -273,8 +273,8 @@ def test_the_gate_keys_every_fact_a_check_reads_and_refuses_what_no_plan_may_tak
 
 def test_a_scale_argument_is_keyed_by_a_tensors_layout_or_a_numbers_value_and_reaches_the_run_as_given():
     """A ``name$`` argument (the FP8 scales): a tensor is keyed by its layout (its values go to the run), a
-    number (int or float) by its value, None as None; a bool, a string or a tensor subclass never reach a
-    plan (the checked path decides)."""
+    number (int or float) by its value, None as None; a bool, a string, a tensor subclass or a tensor that
+    requires grad never reach a plan (the checked path decides)."""
     plan.clear_plans()
     launch = plan.gate("test_scale", "x s$", "")
     x, scale = torch.zeros(2), torch.tensor(0.5)
@@ -292,7 +292,12 @@ def test_a_scale_argument_is_keyed_by_a_tensors_layout_or_a_numbers_value_and_re
     assert out is None and key not in keys.values()
     out, key = launch(x, torch.ones(2))  # another layout: another key
     assert out is None and key not in keys.values()
-    for refused in (launch(x, True), launch(x, "0.5"), launch(x, torch.nn.Parameter(scale))):
+    for refused in (
+        launch(x, True),
+        launch(x, "0.5"),
+        launch(x, torch.nn.Parameter(scale)),  # a tensor subclass
+        launch(x, scale.clone().requires_grad_()),  # autograd history to record, as for any tensor argument
+    ):
         assert refused == (None, None)
     plan.clear_plans()
 
