@@ -228,6 +228,22 @@ def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.parametrize("offset", [1 << 64, -(1 << 64)])
+def test_an_int_offset_past_int64_after_a_plan_raises_the_checked_error_not_a_packing_error(offset):
+    """The plans check an int offset against the table before packing it for the C loop: one past int64
+    would otherwise stop the packing with struct.error, not the checked path's ValueError."""
+    qkv, weights, cos, sin, kw = qk_norm_inputs("offset")
+    qk_norm_call(qkv.clone(), weights, cos, sin, kw)
+    assert "run" in ropekit_calls(lambda: qk_norm_call(qkv.clone(), weights, cos, sin, kw))
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="offsets: expected a non-negative int or an integer tensor"):
+        qk_norm_call(qkv, weights, cos, sin, dict(kw, offsets=offset))
+    assert torch.equal(qkv, before)
+    q, k, cos, sin, _ = planned_fp8_step()
+    with pytest.raises(ValueError, match="offsets: expected a non-negative int or an integer tensor"):
+        fp8_call(q, k, cos, sin, offset, SCALES["0-d tensors"])
+
+
 def test_a_strided_slot_mapping_is_read_as_the_checked_path_reads_it():
     q, k, v, cos, sin, caches, slots, offsets = decode_inputs(4, "nhd", True)
     strided = torch.stack([slots, torch.zeros_like(slots)], dim=-1)[..., 0]  # (4, 1), not contiguous
@@ -815,6 +831,8 @@ BAD_SERVING = [
     ("cu_seqlens, offsets per sequence", "float32", dict(offsets=torch.tensor([5, -3, 10])),
      "offsets: expected values >= 0, got a minimum of -3"),  # the empty sequence's: no row reads it
     ("one packed sequence (T,)", "float32", dict(offsets=2045), "positions: largest position 2051 is past"),
+    ("one packed sequence (T,)", "float32", dict(offsets=1 << 64), "offsets: expected a non-negative int"),
+    ("one packed sequence (T,)", "e4m3, numbers", dict(offsets=-(1 << 64)), "offsets: expected a non-neg"),
     ("positions (T,)", "float32", dict(slot_mapping=torch.tensor([3, 64, -1, 5, 6, 7, 8])),
      "slot_mapping: slot 64"),
     ("cu_seqlens", "e4m3, numbers", dict(slot_mapping=torch.tensor([3, 9, -1, 5, 9, 7, 8])),
