@@ -170,51 +170,64 @@ INLINE void fp8_row512(const float *x, uint8_t *o, int64_t n, float scale, int k
 /* fp8_row with 256-bit vectors, for CPUs with AVX2 and FMA but not AVX-512, and n a multiple of 32. With
    AVX-512, GCC vectorises fp8_row itself (its mask registers if-convert the selects); with AVX2 alone it
    does not ("control flow in loop"), and fp8_row runs one float at a time: prefill-4k FP8 on a Zen 3 core
-   took 51 ms against 6.2 ms for a copy of its bytes. The same steps as fp8_top16, 8 floats a vector: the
-   quotient, the clamp (a NaN kept), DEFINE_FP8's FMA rounding, then the code (a NaN's shifted bits are past
-   0x7f, clamped there) with q's sign in bit 7; four vectors of 32-bit codes narrowed by two saturating
-   packs (values 0..255 pass unchanged) and one lane permute. Streaming stores when stream (rows of whole
-   64-byte lines, as fp8_row512). */
+   took 51 ms against 6.2 ms for a copy of its bytes. Per 8 floats, fp8_top16's steps: the quotient q, the
+   clamp c = min(max, |q|) (a NaN kept), DEFINE_FP8's FMA rounding, the code (a NaN's shifted bits are far
+   past 0x7f). Per 32 floats, the narrowing: the four vectors of codes by two unsigned saturating packs (a
+   NaN's code saturates to 0xff, whose low 7 bits are 0x7f), the four quotients by two signed ones (a
+   negative int32, i.e. a set sign bit, saturates to a byte with bit 7 set, a positive one to one without),
+   each in the same lane order; the byte is the code's low 7 bits with the quotient's sign, then one lane
+   permute. Plain stores: streaming ones measured ~4% slower on a Zen 3 core at prefill-4k; so did, within
+   the noise, rotating straight into the bytes with no scratch row, and a division by reciprocal and two
+   Markstein corrections (the loop's time there is its memory, not its arithmetic). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define HAVE_FP8_ROW256 1
-INLINE __m256i fp8_code8(__m256 x, __m256 scale, __m256 fmax, __m256i min_normal, __m256i to_scaled,
-                         __m256 unscale, __m128i shift) {
-    const __m256 q = _mm256_div_ps(x, scale);
-    const __m256 c = _mm256_min_ps(fmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), q)); /* NaN: kept */
-    const __m256i field = _mm256_and_si256(_mm256_castps_si256(c), _mm256_set1_epi32(0x7f800000));
-    const __m256i e = _mm256_max_epu32(field, min_normal);
-    const __m256 m = _mm256_castsi256_ps(_mm256_sub_epi32(e, to_scaled));
-    const __m256 r = _mm256_sub_ps(_mm256_fmadd_ps(c, unscale, m), m);
-    const __m256i code = _mm256_min_epu32(_mm256_srl_epi32(_mm256_castps_si256(r), shift),
-                                          _mm256_set1_epi32(0x7f));
-    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(q), 24),
-                                          _mm256_set1_epi32(0x80));
-    return _mm256_or_si256(code, sign);
+typedef struct {
+    __m256 scale, fmax, unscale;
+    __m256i min_normal, to_scaled, order, low7;
+    __m128i shift;
+} fp8_consts;
+INLINE fp8_consts fp8_consts_for(float scale, int kind) {
+    fp8_consts k;
+    k.scale = _mm256_set1_ps(scale);
+    k.fmax = _mm256_set1_ps(kind == 1 ? 448.0f : 57344.0f);
+    k.unscale = _mm256_set1_ps(kind == 1 ? 0x1p-120f : 0x1p-112f);
+    k.min_normal = _mm256_set1_epi32(kind == 1 ? 0x3c800000 : 0x38800000);
+    k.to_scaled = _mm256_set1_epi32((int)(kind == 1 ? (120u - 20u) << 23 : (112u - 21u) << 23));
+    k.order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the packs interleave 128-bit lanes */
+    k.low7 = _mm256_set1_epi8(0x7f);
+    k.shift = _mm_cvtsi32_si128(kind == 1 ? 20 : 21);
+    return k;
 }
-INLINE void fp8_row256(const float *x, uint8_t *o, int64_t n, float scale, int kind, int stream) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const __m256 fmax = _mm256_set1_ps(kind == 1 ? 448.0f : 57344.0f);
-    const __m256i min_normal = _mm256_set1_epi32(kind == 1 ? 0x3c800000 : 0x38800000);
-    const __m256i to_scaled = _mm256_set1_epi32((int)(kind == 1 ? (120u - 20u) << 23 : (112u - 21u) << 23));
-    const __m256 unscale = _mm256_set1_ps(kind == 1 ? 0x1p-120f : 0x1p-112f);
-    const __m128i shift = _mm_cvtsi32_si128(kind == 1 ? 20 : 21);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the packs interleave 128-bit lanes */
-    for (int64_t j = 0; j < n; j += 32) {
-        __m256i v[4];
-        for (int i = 0; i < 4; ++i)
-            v[i] = fp8_code8(_mm256_loadu_ps(x + j + 8 * i), vscale, fmax, min_normal, to_scaled, unscale,
-                             shift);
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3])), order);
-        if (stream)
-            _mm256_stream_si256((__m256i *)(o + j), bytes);
-        else
-            _mm256_storeu_si256((__m256i *)(o + j), bytes);
-    }
+INLINE __m256i fp8_code8(__m256 q, const fp8_consts *k) {
+    const __m256 c = _mm256_min_ps(k->fmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), q)); /* NaN: kept */
+    const __m256i field = _mm256_and_si256(_mm256_castps_si256(c), _mm256_set1_epi32(0x7f800000));
+    const __m256i e = _mm256_max_epu32(field, k->min_normal);
+    const __m256 m = _mm256_castsi256_ps(_mm256_sub_epi32(e, k->to_scaled));
+    const __m256 r = _mm256_sub_ps(_mm256_fmadd_ps(c, k->unscale, m), m);
+    return _mm256_srl_epi32(_mm256_castps_si256(r), k->shift);
+}
+/* The FP8 bytes of x0..x3 (32 floats, in order) divided by the scale, stored at o. */
+INLINE void fp8_store32(uint8_t *o, __m256 x0, __m256 x1, __m256 x2, __m256 x3, const fp8_consts *k) {
+    const __m256 q0 = _mm256_div_ps(x0, k->scale), q1 = _mm256_div_ps(x1, k->scale);
+    const __m256 q2 = _mm256_div_ps(x2, k->scale), q3 = _mm256_div_ps(x3, k->scale);
+    const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(fp8_code8(q0, k), fp8_code8(q1, k)),
+                                              _mm256_packus_epi32(fp8_code8(q2, k), fp8_code8(q3, k)));
+    const __m256i signs = _mm256_packs_epi16(
+        _mm256_packs_epi32(_mm256_castps_si256(q0), _mm256_castps_si256(q1)),
+        _mm256_packs_epi32(_mm256_castps_si256(q2), _mm256_castps_si256(q3)));
+    const __m256i bytes = _mm256_or_si256(_mm256_and_si256(codes, k->low7),
+                                          _mm256_andnot_si256(k->low7, signs));
+    _mm256_storeu_si256((__m256i *)o, _mm256_permutevar8x32_epi32(bytes, k->order));
+}
+INLINE void fp8_row256(const float *x, uint8_t *o, int64_t n, float scale, int kind) {
+    const fp8_consts k = fp8_consts_for(scale, kind);
+    for (int64_t j = 0; j < n; j += 32)
+        fp8_store32(o + j, _mm256_loadu_ps(x + j), _mm256_loadu_ps(x + j + 8), _mm256_loadu_ps(x + j + 16),
+                    _mm256_loadu_ps(x + j + 24), &k);
 }
 #else
 #define HAVE_FP8_ROW256 0
-INLINE void fp8_row256(const float *x, uint8_t *o, int64_t n, float scale, int kind, int stream) {
+INLINE void fp8_row256(const float *x, uint8_t *o, int64_t n, float scale, int kind) {
     fp8_row(x, o, n, scale, kind);
 }
 #endif
@@ -355,14 +368,14 @@ INLINE void NAME##_token_body(const T *src, int64_t src_h, \
     /* the wide loops' rows of 64-byte multiples: fp8_row512, streamed when every row starts a cache line */ \
     const int row512 = HAVE_FP8_ROW512 && (WIDE) && width % 64 == 0; \
     const int row256 = HAVE_FP8_ROW256 && width % 32 == 0; /* AVX2 alone: every loop, narrow or wide */ \
-    const int stream = (row512 || row256) && mode == SCRATCH && streamable(dst, width, dst_h); \
+    const int stream = row512 && mode == SCRATCH && streamable(dst, width, dst_h); \
     for (int64_t h = 0; h < heads; ++h) { \
         NAME##_prefetch(src, next, h + ahead, heads, src_h, row); \
         NAME##_rotate(src + h * src_h, buf, width, half, rotate, interleaved, c, s, 1); \
         if (row512) \
             fp8_row512(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind, stream); \
         else if (row256) \
-            fp8_row256(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind, stream); \
+            fp8_row256(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
         else \
             fp8_row(buf, (uint8_t *)dst + h * dst_h, width, scale[h * scale_h], kind); \
     } \
