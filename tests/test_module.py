@@ -612,3 +612,137 @@ def test_a_backend_whose_plan_reads_shapes_runs_on_views_of_the_callers_tensors(
         assert torch.equal(out, w) and out.stride() == w.stride()
         assert out is x if inplace else out.shape == src.shape
         assert_matches_reference(bshd(out), bshd(src), cos, sin, _positions(layout, 7), interleaved=False)
+
+
+class _ThroughNNModuleCall(RotaryEmbedding):
+    """RotaryEmbedding called through nn.Module.__call__ as it is now (a tracer may patch it)."""
+
+    def __call__(self, *args, **kwargs):
+        return nn.Module.__call__(self, *args, **kwargs)
+
+
+def _hooked_calls(cls: type, hooks: str) -> tuple[list, list]:
+    """Three calls of a module of cls with the hooks named, (outputs, what the hooks saw)."""
+    rope, seen, names = cls(head_dim=16), [], hooks.split()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    removers = []
+    if "pre" in names:
+        rope.register_forward_pre_hook(lambda m, args: seen.append(("pre", len(args))))
+    if "kwargs" in names:  # rewrites the call's keywords: forward must see the hook's offsets
+        rope.register_forward_pre_hook(
+            lambda m, args, kw: seen.append(("kwargs", dict(kw))) or (args, {**kw, "offsets": 5}),
+            with_kwargs=True,
+        )
+    if "post" in names:
+        rope.register_forward_hook(lambda m, args, out: (out[0] * 2, out[1]))
+    if "global" in names:
+        removers.append(nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("global")))
+    if "global-pre" in names:
+        removers.append(nn.modules.module.register_module_forward_pre_hook(lambda m, a: seen.append("gpre")))
+    if "backward" in names:
+        rope.register_full_backward_hook(lambda m, gi, go: seen.append(("backward", len(gi))))
+    if "backward-pre" in names:
+        rope.register_full_backward_pre_hook(lambda m, go: seen.append(("backward-pre", len(go))))
+    if "global-backward" in names:
+        removers.append(
+            nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: seen.append("gbackward"))
+        )
+    if "global-backward-pre" in names:
+        removers.append(
+            nn.modules.module.register_module_full_backward_pre_hook(
+                lambda m, go: seen.append("gbackward-pre")
+            )
+        )
+    if "compile" in names:  # a backend that says when torch.compile hands it a graph
+
+        def backend(graph, inputs):
+            seen.append("compiled")
+            return graph.forward
+
+        rope.compile(backend=backend)
+    outs = []
+    try:
+        for _ in range(3):  # the first call plans the kind; the others are steady steps
+            backward = any(name.startswith(("backward", "global-backward")) for name in names)
+            x = q.clone().requires_grad_(backward)
+            out = rope(x, k, offsets=1)
+            if backward:
+                out[0].sum().backward()
+            outs.append([t.detach() for t in out])
+    finally:
+        for remove in removers:
+            remove.remove()
+    return outs, seen
+
+
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        "none",
+        "pre",
+        "kwargs",
+        "post",
+        "global",
+        "global-pre",
+        "backward",
+        "backward-pre",
+        "global-backward",
+        "global-backward-pre",
+        "compile",
+        "pre kwargs post",
+    ],
+)
+def test_a_call_runs_every_hook_and_compiled_call_as_nn_module_call_does(hooks):
+    """RotaryEmbedding.__call__ calls forward itself only when nn.Module.__call__ would only call forward:
+    module and global hooks, backward hooks and Module.compile() still run, each call, as they did."""
+    torch._dynamo.reset()
+    got, got_seen = _hooked_calls(RotaryEmbedding, hooks)
+    torch._dynamo.reset()
+    want, want_seen = _hooked_calls(_ThroughNNModuleCall, hooks)
+    assert got_seen == want_seen
+    if hooks == "compile":
+        assert "compiled" in got_seen
+    else:
+        assert len(got_seen) == 3 * len(set(hooks.split()) - {"none", "post"})
+    for g, w in zip(got, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+
+
+def test_fx_and_jit_tracers_still_see_the_module_call():
+    """torch.fx patches nn.Module.__call__ while it traces (a leaf module becomes one call_module node); a
+    torch.jit trace records the module's scope: both see RotaryEmbedding's calls as before."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = RotaryEmbedding(head_dim=16)
+
+        def forward(self, q, k):
+            return self.rope(q, k, offsets=3)
+
+    class LeafTracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, RotaryEmbedding) or super().is_leaf_module(m, name)
+
+    graph = LeafTracer().trace(Block())
+    assert [n.op for n in graph.nodes] == ["placeholder", "placeholder", "call_module", "output"]
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 1, 16)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(Block(), (q, k), check_trace=False)
+    assert "scope: __module.rope" in str(traced.inlined_graph)
+
+
+def test_a_subclass_that_changes_call_impl_is_called_through_it():
+    calls = []
+
+    class Logged(RotaryEmbedding):
+        def _call_impl(self, *args, **kwargs):
+            calls.append(len(args))
+            return super()._call_impl(*args, **kwargs)
+
+    rope = Logged(head_dim=16)
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 1, 16)
+    for _ in range(2):
+        rope(q, k)
+    assert calls == [2, 2]

@@ -316,15 +316,24 @@ def pointer_launch(
     batch's cu_seqlens, q then (1, T, H, D)) returns the loop's code: -1 done, else a row outside the
     table or malformed cu_seqlens, nothing written. The caller keeps the kernel wall: every tensor it points
     at is laid out as these."""
-    function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
-    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
-    parallel = _threads(q, k) > 1
+    function, int_args, parallel = _bound_loop(
+        q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens
+    )
 
     def call(q, q_out, k, k_out, cos, sin, rows, offset, cu=None) -> int:
         threads = torch.get_num_threads() if parallel else 1
         return function(q, q_out, k, k_out, cos, sin, rows, cu, int_args, offset, threads)
 
     return call
+
+
+def _bound_loop(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens):
+    """pointer_launch's pieces: (the C loop, its packed integers, whether it runs on torch's threads), for a
+    caller that calls the loop itself, ``function(q, q_out, k, k_out, cos, sin, rows, cu, int_args, offset,
+    threads)`` (a plan's run: one Python call fewer per step)."""
+    function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
+    return function, int_args, _threads(q, k) > 1
 
 
 def _threads(q: torch.Tensor, k: torch.Tensor | None) -> int:
@@ -403,7 +412,10 @@ class CpuBackend(KernelBackend):
         )
         if cu_seqlens is not None:  # (T, H, D) as the loop's (1, T, H, D)
             probes = tuple(None if t is None else t[None] for t in probes)
-        call = pointer_launch(*probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
+        # pointer_launch's loop, called here (a decode step spares the wrapper's Python call)
+        function, int_args, parallel = _bound_loop(
+            *probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens
+        )
         reads = per_sequence or positions  # offset is a tensor the loop reads
 
         def run(q, k, cos, sin, offset, cu_seqlens=None):
@@ -412,7 +424,7 @@ class CpuBackend(KernelBackend):
             else:
                 q_out = torch.empty_like(q)
                 k_out = None if k is None else torch.empty_like(k)
-            bad = call(
+            bad = function(
                 q.data_ptr(),
                 q_out.data_ptr(),
                 None if k is None else k.data_ptr(),
@@ -420,8 +432,10 @@ class CpuBackend(KernelBackend):
                 cos.data_ptr(),
                 sin.data_ptr(),
                 offset.data_ptr() if reads else None,
-                0 if reads else offset,
                 None if cu_seqlens is None else cu_seqlens.data_ptr(),
+                int_args,
+                0 if reads else offset,
+                torch.get_num_threads() if parallel else 1,
             )
             if bad != -1:  # a row outside the table, malformed cu_seqlens (or a width past the bound)
                 return None  # nothing was written
