@@ -569,6 +569,13 @@ MUTATIONS += [
             "tests/fused/test_qk_norm.py::test_a_view_of_a_leaf_or_an_inference_qkv_is_refused_before_writing",
         ),
     ),
+    Mutation(
+        "jit trace: the registered op, not the pointer call",
+        "ropekit/backends/kernel_op.py",
+        "        and jit_tracing() is None\n",
+        "",
+        ("tests/backends/test_jit_trace.py",),
+    ),
 ]
 
 

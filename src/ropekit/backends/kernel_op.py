@@ -25,12 +25,15 @@ from ropekit.dtensor_inputs import is_dtensor
 from ropekit.positions import check_cu_seqlens
 from ropekit.validation import check_no_alias, check_writable, describe
 
+jit_tracing = torch._C._get_tracing_state  # torch.jit.trace's recorder: None unless it records
+
 __all__ = [
     "MAX_HALF",
     "KernelBackend",
     "Launch",
     "check_launch",
     "check_packed_rows",
+    "jit_tracing",
     "kernel_tables",
     "plain_eager",
     "register_op",
@@ -264,10 +267,15 @@ def register_op(name: str, impl: Callable, fake: Callable, *, mutates_args: tupl
 
 def plain_eager(x) -> bool:
     """Whether a call on x may skip the op dispatcher (tens of microseconds, most of a decode step) and call
-    the op's implementation itself: a plain eager tensor, no trace (torch.compile), no dispatch mode. Anything
-    that traces goes through the registered op, which torch.compile keeps in its graph."""
+    the op's implementation itself: a plain eager tensor, no trace (torch.compile, torch.jit.trace), no
+    dispatch mode. Anything that traces goes through the registered op, which torch.compile keeps in its
+    graph and torch.jit.trace records as a node (a kernel called through pointers is invisible to it: its
+    graph would return the outputs unwritten)."""
     return (
-        not torch.compiler.is_compiling() and type(x) is torch.Tensor and _get_current_dispatch_mode() is None
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and _get_current_dispatch_mode() is None
+        and jit_tracing() is None
     )
 
 

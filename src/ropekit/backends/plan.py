@@ -59,6 +59,9 @@ Tensor = torch.Tensor
 # The gates' questions of torch, bound once (a decode step cannot spare the attribute look-ups).
 _is_compiling = torch.compiler.is_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+# torch.jit.trace records: a plan's pointers are invisible to it. (Today a traced call's key misses anyway:
+# the tracer's sizes compare unequal to plain ones; this does not rest on that.)
+_jit_tracing = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _plans: dict[tuple, Callable | None] = {}  # None: the key's kind has no plan (the checked path serves it)
 _MISSING = object()
@@ -127,7 +130,7 @@ def gate(op: str, args: str, flags: str) -> Callable[..., tuple[object, tuple | 
     source = f"""
 def launch_planned({params}):
     if (
-        _is_compiling() or _dispatch_depth()
+        _is_compiling() or _dispatch_depth() or _jit_tracing()
         or not ({" and ".join(plain)})
         or (_grad_enabled() and ({" or ".join(grads)}))
     ):

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.backends import select_backend
 from ropekit.backends.c.rotary import pointer_launch
+from ropekit.backends.kernel_op import jit_tracing as _jit_tracing
 from ropekit.backends.plan import MAX_PLANS, gate, keep, launch_rotary_positions, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
@@ -287,7 +288,14 @@ def rotary_embedding(
             is not (P, R) with even R <= head_size, positions outside [0, P), a query or key whose strides
             allow no (tokens, heads, head_size) view.
     """
-    if torch.compiler.is_compiling() or type(query) is not torch.Tensor or _get_current_dispatch_mode():
+    # kernel_op.plain_eager's questions, inline (a decode step spares the call): anything that traces
+    # (torch.compile, torch.jit.trace, fake tensors, dispatch modes) takes the registered op
+    if (
+        torch.compiler.is_compiling()
+        or type(query) is not torch.Tensor
+        or _get_current_dispatch_mode()
+        or _jit_tracing()
+    ):
         torch.ops.ropekit.rotary_embedding(
             positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend
         )
