@@ -746,3 +746,20 @@ def test_a_subclass_that_changes_call_impl_is_called_through_it():
     for _ in range(2):
         rope(q, k)
     assert calls == [2, 2]
+
+
+def test_a_torch_whose_private_names_moved_gets_nn_module_call(monkeypatch):
+    """The shortcut reads torch's private hook globals and jit trace map; where one is gone (a later torch),
+    every call is nn.Module.__call__'s (hooks still run), never an AttributeError."""
+    import ropekit.module as module
+
+    monkeypatch.setattr(module, "_jit_trace", object())  # no _trace_module_map
+    rope = RotaryEmbedding(head_dim=16)
+    seen = []
+    rope.register_forward_hook(lambda mod, args, out: seen.append(len(args)))
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 1, 16)
+    want = apply_rotary_qk(q, k, rope.cos, rope.sin)
+    got = rope(q, k)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and seen == [2]
+    rope._forward_hooks.clear()
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k), want, strict=True))

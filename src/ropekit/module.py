@@ -176,8 +176,8 @@ class RotaryEmbedding(nn.Module):
                 and _Module.__call__ is _MODULE_CALL
                 and _jit_trace._trace_module_map is None
             )  # fmt: skip
-        except KeyError:  # a hook dict missing (an old pickle): nn.Module.__call__ says what is wrong
-            only_forward = False
+        except (KeyError, AttributeError):  # a hook dict missing (an old pickle), or a torch whose private
+            only_forward = False  # names moved: nn.Module.__call__ serves the call, as before
         if only_forward:
             return self.forward(*args, **kwargs)
         return _Module.__call__(self, *args, **kwargs)
