@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from triton_interpreter import TIERS, run_interpreter_cases
+from triton_interpreter import run_interpreter_cases, tiers
 
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", tiers(4))
 def test_fused_triton_kernel_passes_the_interpreter_suite(tier):
     """tests/fused/fused_triton_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
     run_interpreter_cases(HERE / "fused_triton_cases.py", cwd=HERE, timeout=600, tier=tier)
