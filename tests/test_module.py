@@ -614,6 +614,330 @@ def test_a_backend_whose_plan_reads_shapes_runs_on_views_of_the_callers_tensors(
         assert_matches_reference(bshd(out), bshd(src), cos, sin, _positions(layout, 7), interleaved=False)
 
 
+# Explicit positions (torchtune-style callers pass them every step): the module's own positions gate, one per
+# (layout, head_dim), serves a call whose rows its table holds; any other takes the checked path as before.
+def _explicit_positions(layout: str) -> torch.Tensor:
+    """(B, S) = (3, 1) rows for the 4-D layouts' decode step, (T,) = (6,) for thd's packed batch."""
+    return torch.tensor([3, 0, 1, 900, 7, 2]) if layout == "thd" else torch.tensor([[5], [0], [900]])
+
+
+def _call_positions(rope, q, k, kwargs, positions, inplace, pair):
+    """One module call with explicit positions, on fresh copies in place; returns (outputs, inputs)."""
+    if inplace:
+        q, k = q.clone(), k.clone()
+    out = rope(q, k if pair else None, positions=positions, inplace=inplace, **kwargs)
+    return (out if pair else (out,)), (q, k)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["qk", "q-alone"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_explicit_positions_are_planned_in_every_layout_and_equal_the_checked_path(
+    assert_matches_reference, layout, dtype, inplace, pair
+):
+    """The second call with positions of a kind is the module's positions gate and the plan's run (nothing
+    resolved, no table lookup), and returns what the checked path and the functional call return: the same
+    values bit for bit, the same strides out of place, the caller's own tensors in place."""
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, bshd = _layout_step(layout, dtype=dtype)
+    positions = _explicit_positions(layout)
+    clear_plans()
+    want, _ = _call_positions(rope, q, k, kwargs, positions, inplace, pair)  # checked; plans the next call
+    calls = ropekit_calls(lambda: _call_positions(rope, q, k, kwargs, positions, inplace, pair))
+    assert "run" in calls and not {"resolve", "lookup", "apply_resolved"} & set(calls), calls
+    got, given = _call_positions(rope, q, k, kwargs, positions, inplace, pair)
+    views = (bshd(q), bshd(k))
+    functional = apply_rotary_qk(*views, rope.cos, rope.sin, positions=positions, **kwargs)
+    cos, sin = rope.config.cos_sin(1024)
+    rows = positions.numpy()  # (B, S) or (T,)
+    for out, w, f, x, src in zip(got, want, functional, given, (q, k), strict=False):
+        assert torch.equal(out, w) and out.stride() == w.stride() and out.shape == src.shape
+        assert torch.equal(bshd(out), f)
+        if inplace:
+            assert out is x
+        assert_matches_reference(bshd(out), bshd(src), cos, sin, rows, interleaved=False)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd", "thd"])
+def test_explicit_positions_with_slices_of_one_qkv_buffer_are_planned_with_the_checked_paths_strides(
+    layout, inplace
+):
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, _ = _layout_step(layout, qkv=True)
+    positions = _explicit_positions(layout)
+    clear_plans()
+    want, _ = _call_positions(rope, q, k, kwargs, positions, inplace, True)
+    calls = ropekit_calls(lambda: _call_positions(rope, q, k, kwargs, positions, inplace, True))
+    assert "run" in calls and "resolve" not in calls, calls
+    got, given = _call_positions(rope, q, k, kwargs, positions, inplace, True)
+    for out, w, x in zip(got, want, given, strict=True):
+        assert torch.equal(out, w) and out.stride() == w.stride()
+        if inplace:
+            assert out is x
+
+
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_explicit_positions_past_the_table_on_the_planned_path_grow_it_as_the_checked_path(
+    assert_matches_reference, layout
+):
+    """A planned module given a position its 2048 rows do not hold misses the plan (the C loop checks every
+    row before it writes), grows the table to the length a fresh module reaches, rotates by the right rows;
+    later calls with such rows are planned under the grown table's key and agree."""
+    q, k, kwargs, bshd = _layout_step(layout)
+    planned = RotaryEmbedding(head_dim=16, layout=layout)
+    for _ in range(2):
+        planned(q, k, positions=_explicit_positions(layout), **kwargs)
+    far = torch.tensor([3, 0, 1, 5000, 7, 2047]) if layout == "thd" else torch.tensor([[7], [2047], [5000]])
+    got = planned(q, k, positions=far, **kwargs)
+    fresh = RotaryEmbedding(head_dim=16, layout=layout)
+    want = fresh(q, k, positions=far, **kwargs)
+    assert planned.cos.shape[0] == fresh.cos.shape[0] > 5000
+    cos, sin = planned.config.cos_sin(planned.cos.shape[0])
+    assert torch.equal(planned.cos, cos)
+    rows = far.numpy()
+    for out, w, src in zip(got, want, (q, k), strict=True):
+        assert torch.equal(out, w)
+        assert_matches_reference(bshd(out), bshd(src), cos, sin, rows, interleaved=False)
+    planned(q, k, positions=far, **kwargs)  # the grown table's key: checked, plans the next call
+    calls = ropekit_calls(lambda: planned(q, k, positions=far, **kwargs))  # planned on the grown table
+    assert "run" in calls and "resolve" not in calls, calls
+    again = planned(q, k, positions=far, **kwargs)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+
+
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_a_table_grown_by_positions_never_lends_its_length_to_another_modules_plan(layout):
+    """A call whose positions grew the table was looked up under the old table's shape: a plan kept under
+    that key (with the grown table's length) would let a module whose table has the old shape read past its
+    rows. Only a call served by the table its key holds plans the next one."""
+    q, k, kwargs, _ = _layout_step(layout)
+    grown, short = RotaryEmbedding(head_dim=16, layout=layout), RotaryEmbedding(head_dim=16, layout=layout)
+    clear_plans()
+    if layout == "thd":
+        first, far = torch.tensor([1, 2, 5000, 3, 4, 5]), torch.tensor([3, 4000, 6, 0, 1, 2])
+    else:
+        first, far = torch.tensor([[1], [2], [5000]]), torch.tensor([[3], [4000], [6]])
+    grown(q, k, positions=first, **kwargs)  # grows grown's table past 5000 rows
+    out_q, out_k = short(q, k, positions=far, **kwargs)  # short's table: 2048 rows, then grown for row 4000
+    assert short.cos.shape[0] > 4000  # served by the checked path, not by a plan that read past 2048 rows
+    swap = {"bhsd": (1, 2), "sbhd": (0, 1)}.get(layout)
+    view = (lambda t: t) if swap is None else (lambda t: t.transpose(*swap))
+    want_q, want_k = apply_rotary_qk(view(q), view(k), *short.config.cos_sin(4001), positions=far, **kwargs)
+    assert torch.equal(view(out_q), want_q) and torch.equal(view(out_k), want_k)
+
+
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS)
+def test_a_positions_plan_never_serves_another_head_dim_or_layout(layout):
+    """A positions plan proved for a 24-wide head (rotary_dim 16: a table of the same shape) must not let a
+    16-wide module accept that head; another layout's module never reaches it either (its own gate)."""
+    g = torch.Generator().manual_seed(4)
+    shape = {"bshd": (3, 1, -1, 24), "bhsd": (3, -1, 1, 24), "sbhd": (1, 3, -1, 24), "thd": (6, -1, 24)}[
+        layout
+    ]
+    q = torch.randn(*(4 if n == -1 else n for n in shape), generator=g)  # heads at the -1
+    k = torch.randn(*(2 if n == -1 else n for n in shape), generator=g)
+    kwargs = {"cu_seqlens": torch.tensor([0, 1, 3, 6])} if layout == "thd" else {}
+    positions = _explicit_positions(layout)
+    wide = RotaryEmbedding(head_dim=24, rotary_dim=16, layout=layout)
+    for _ in range(2):
+        wide(q, k, positions=positions, **kwargs)  # planned for the wide head
+    narrow = RotaryEmbedding(head_dim=16, layout=layout)
+    with pytest.raises(
+        ValueError, match=r"^q: expected head_dim 16 \(this RotaryEmbedding's config\), got 24"
+    ):
+        narrow(q, k, positions=positions, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none in this environment)")
+def test_device_positions_are_planned_only_once_the_table_covers_the_modules_context():
+    """Device positions are checked in the kernel (no host check that could miss the plan): a module whose
+    table does not yet cover its max_position_embeddings must grow it on the checked path, never run a plan
+    made by a module of a shorter context whose table has the same shape."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(3, 1, 4, 16, generator=g).cuda(), torch.randn(3, 1, 2, 16, generator=g).cuda()
+    near, far = torch.tensor([[5], [0], [900]]).cuda(), torch.tensor([[5], [3000], [900]]).cuda()
+    short = RotaryEmbedding(head_dim=16, max_position_embeddings=2048)
+    for _ in range(3):
+        short(q, k, positions=near)  # planned: a 2048-row table on the device
+    long = RotaryEmbedding(head_dim=16, max_position_embeddings=8192).cuda()  # 2048 rows, then 8192
+    got = long(q, k, positions=far)
+    assert long.cos.shape[0] == 8192
+    want = apply_rotary_qk(q, k, long.cos, long.sin, positions=far)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for _ in range(2):
+        got = long(q, k, positions=far)  # planned on its own 8192-row table
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_positions_plans_of_two_modules_with_other_tables_are_their_own():
+    """Two modules of one head_dim and layout whose tables differ (base): each call rotates by its own
+    module's table, never through a plan made with the other's."""
+    q, k, _, _ = _layout_step("bshd")
+    positions = _explicit_positions("bshd")
+    one, other = RotaryEmbedding(head_dim=16), RotaryEmbedding(head_dim=16, base=500.0)
+    for _ in range(3):
+        got_one, got_other = one(q, k, positions=positions), other(q, k, positions=positions)
+    want_one = apply_rotary_qk(q, k, one.cos, one.sin, positions=positions)
+    want_other = apply_rotary_qk(q, k, other.cos, other.sin, positions=positions)
+    assert torch.equal(got_one[0], want_one[0]) and torch.equal(got_one[1], want_one[1])
+    assert torch.equal(got_other[0], want_other[0]) and torch.equal(got_other[1], want_other[1])
+    assert not torch.equal(got_one[0], got_other[0])
+
+
+def test_packed_positions_never_take_a_plan_made_for_per_sequence_offsets_of_the_same_shape():
+    """A packed batch's (T,) positions and its (N,) per-sequence offsets are both 1-D int64: with T == N a
+    plan proved for the offsets must not read positions as offsets (positions: a gate of their own)."""
+    rope = RotaryEmbedding(head_dim=16, layout="thd")
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    cu = torch.tensor([0, 0, 1, 3])  # N = 3 sequences (lengths 0, 1, 2), T = 3 tokens
+    values = torch.tensor([5, 6, 7])
+    for _ in range(2):
+        rope(q, k, offsets=values, cu_seqlens=cu)  # planned: rows 6, 7, 8
+    got = rope(q, k, positions=values, cu_seqlens=cu)  # rows 5, 6, 7
+    want = apply_rotary_qk(q, k, rope.cos, rope.sin, positions=values, cu_seqlens=cu)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = rope(q, k, positions=values, cu_seqlens=cu)  # planned by its own gate
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "bad", "message"),
+    [
+        (
+            "bshd",
+            {"positions": torch.tensor([[1], [-4], [3]])},
+            r"^positions: expected values >= 0, got a minim",
+        ),
+        (
+            "bhsd",
+            {"positions": torch.tensor([[1], [-4], [3]])},
+            r"^positions: expected values >= 0, got a minim",
+        ),
+        (
+            "sbhd",
+            {"positions": torch.tensor([[1, 2], [3, 4], [5, 6]])},
+            r"^positions: expected shape \(batch, seq",
+        ),
+        (
+            "bshd",
+            {"positions": torch.tensor([[1], [2], [3]]).t()},
+            r"^positions: expected shape \(batch, seq",
+        ),
+        (
+            "bshd",
+            {"positions": torch.tensor([[1.0], [2.0], [3.0]])},
+            r"^positions: expected an integer tensor",
+        ),
+        ("bshd", {"positions": torch.tensor([[True], [False], [True]])}, r"^positions: expected an integer"),
+        ("bshd", {"positions": torch.tensor([[1], [2], [3]]), "offsets": 2}, r"^offsets: expected 0 when"),
+        ("thd", {"positions": torch.tensor([1, -2, 3, 4, 5, 6])}, r"^positions: expected values >= 0"),
+        (
+            "thd",
+            {"positions": torch.tensor([1, 2, 3, 4, 5])},
+            r"^positions: expected shape \(total_tokens,\)",
+        ),
+        (
+            "thd",
+            {"positions": torch.arange(6), "cu_seqlens": torch.tensor([0, 1, 3, 5])},
+            r"^cu_seqlens: expected",
+        ),
+    ],
+)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_errors_of_explicit_positions_on_the_planned_path_are_the_checked_paths_and_write_nothing(
+    layout, bad, message, inplace
+):
+    rope = RotaryEmbedding(head_dim=16, layout=layout)
+    q, k, kwargs, _ = _layout_step(layout)
+    good = _explicit_positions(layout)
+    clear_plans()
+    messages = []
+    for _ in range(2):  # unplanned, then planned
+        rope(q.clone(), k.clone(), positions=good, inplace=inplace, **kwargs)
+        rope(q.clone(), k.clone(), positions=good, inplace=inplace, **kwargs)
+        qi, ki = q.clone(), k.clone()
+        with pytest.raises(ValueError, match=message) as error:
+            rope(qi, ki, **{**kwargs, **bad}, inplace=inplace)
+        assert torch.equal(qi, q) and torch.equal(ki, k)  # nothing written
+        messages.append(str(error.value))
+        clear_plans()
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: (RotaryEmbedding(head_dim=16), {"inverse": True}),
+        lambda: (RotaryEmbedding(head_dim=16, rotary_dim=8, rotary_position="last"), {}),
+        lambda: (
+            RotaryEmbedding(RopeConfig(16, 1e4, scaling={"type": "mrope", "mrope_section": [2, 3, 3]})),
+            {},
+        ),
+        lambda: (
+            RotaryEmbedding(
+                head_dim=16, max_position_embeddings=1024, scaling={"type": "dynamic", "factor": 2.0}
+            ),
+            {},
+        ),
+    ],
+    ids=["inverse", "rotary-last", "mrope", "length-dependent"],
+)
+def test_explicit_positions_that_a_plan_must_not_serve_stay_on_the_checked_path(build):
+    rope, flags = build()
+    q, k, _, _ = _layout_step("bshd")
+    positions = _explicit_positions("bshd")
+    want = rope(q, k, positions=positions, **flags)
+    calls = ropekit_calls(lambda: rope(q, k, positions=positions, **flags))
+    assert "resolve" in calls and "run" not in calls, calls
+    got = rope(q, k, positions=positions, **flags)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_positions_decode_step_takes_at_most_two_ropekit_calls_more_than_an_int_offset_step():
+    """Issue: a torchtune-style decode step (positions every step; bshd, B=1, S=1, 32 q / 8 kv heads, head_dim
+    128) ran the whole checked path, ~60 ropekit calls; its steady step is now the plan's."""
+    rope = RotaryEmbedding(head_dim=128)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 1, 32, 128, generator=g), torch.randn(1, 1, 8, 128, generator=g)
+    positions = torch.tensor([[100]])
+    for _ in range(2):
+        rope(q, k, positions=positions), rope(q, k, offsets=100)
+    with_positions = ropekit_calls(lambda: rope(q, k, positions=positions))
+    with_offset = ropekit_calls(lambda: rope(q, k, offsets=100))
+    assert "run" in with_positions and "resolve" not in with_positions, with_positions
+    assert len(with_positions) <= len(with_offset) + 2, (with_positions, with_offset)
+    got, want = rope(q, k, positions=positions), rope(q, k, offsets=100)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_positions_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plus_two():
+    counts = {}
+    for layout in PLAN_LAYOUTS:
+        rope = RotaryEmbedding(head_dim=16, layout=layout)
+        q, k, kwargs, _ = _layout_step(layout)
+        positions = _explicit_positions(layout)
+        rope(q, k, positions=positions, **kwargs)
+        counts[layout] = len(ropekit_calls(lambda: rope(q, k, positions=positions, **kwargs)))  # noqa: B023
+    assert all(counts[layout] <= counts["bshd"] + 2 for layout in PLAN_LAYOUTS), counts
+    assert counts["bshd"] <= 5, counts
+
+
+def test_a_pickled_or_copied_module_plans_explicit_positions():
+    rope = RotaryEmbedding(head_dim=16, layout="bhsd")
+    q, k, _, _ = _layout_step("bhsd")
+    positions = _explicit_positions("bhsd")
+    want = rope(q, k, positions=positions)
+    for other in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
+        other(q, k, positions=positions)
+        calls = ropekit_calls(lambda: other(q, k, positions=positions))  # noqa: B023
+        assert "run" in calls and "resolve" not in calls, calls
+        got = other(q, k, positions=positions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 class _ThroughNNModuleCall(RotaryEmbedding):
     """RotaryEmbedding called through nn.Module.__call__ as it is now (a tracer may patch it)."""
 

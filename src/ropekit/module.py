@@ -37,7 +37,9 @@ _TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
 # made at first use: the op name keeps the plans this module's checks proved (rank, head_dim, the layout's
 # reading of the caller's tensors) apart from the functional call's and from a module of another layout or
 # head_dim, so no plan made for a wider head with a table of this shape ever serves this module. Keys hold
-# the caller's own tensors (bhsd / sbhd: the plan's run sees them through the swap).
+# the caller's own tensors (bhsd / sbhd: the plan's run sees them through the swap). Explicit positions have
+# gates of their own ("rotary_module positions ..."): a packed call's (T,) positions and (N,) per-sequence
+# offsets are both 1-D int64 tensors, so one gate would let a plan of the one serve a call of the other.
 _GATES: dict[str, Callable] = {}  # the gate's op name -> the gate
 _FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool"
 # What nn.Module.__call__ asks before it calls forward (RotaryEmbedding.__call__ asks the same, in one frame).
@@ -45,13 +47,14 @@ _Module = nn.Module
 _MODULE_CALL = nn.Module.__call__  # nn.Module's own: torch.fx and torch.ao patch it while they trace
 
 
-def _module_gate(layout: str, head_dim: int) -> Callable:
-    """The gate of modules of this layout and head_dim (made once per process). A packed ("thd") gate takes
-    cu_seqlens as a tensor; the others take it as None only."""
-    op = f"rotary_module {layout} {head_dim}"
+def _module_gate(layout: str, head_dim: int, *, rows: bool = False) -> Callable:
+    """The gate of modules of this layout and head_dim (made once per process): an int offset or
+    per-sequence offsets; with rows, explicit positions (a tensor: (B, S), or (T,) for "thd"). A packed
+    ("thd") gate takes cu_seqlens as a tensor; the others take it as None only."""
+    op = f"rotary_module{' positions' if rows else ''} {layout} {head_dim}"
     if op not in _GATES:
         packed = "cu_seqlens" if layout == "thd" else "cu_seqlens!"
-        _GATES[op] = gate(op, f"q k? cos sin offset# {packed}", _FLAGS)
+        _GATES[op] = gate(op, f"q k? cos sin {'positions' if rows else 'offset#'} {packed}", _FLAGS)
     return _GATES[op]
 
 
@@ -123,6 +126,7 @@ class RotaryEmbedding(nn.Module):
         self._planned = self._plain and config.rotary_position == "first"
         # made here, eagerly: a first call may be traced (making a gate is not graph code)
         self._launch = _module_gate(layout, config.head_dim)  # not pickled: __getstate__
+        self._launch_positions = _module_gate(layout, config.head_dim, rows=True)
         self._interleaved = config.interleaved
 
     @classmethod
@@ -195,12 +199,14 @@ class RotaryEmbedding(nn.Module):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.pop("_launch", None)  # a function made at run time: made again on loading
+        state.pop("_launch", None)  # functions made at run time: made again on loading
+        state.pop("_launch_positions", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._launch = _module_gate(self.layout, self.config.head_dim)
+        self._launch_positions = _module_gate(self.layout, self.config.head_dim, rows=True)
 
     def freeze(self, seq_len: int) -> Any:
         """Use the frequencies for ``seq_len`` in every call until :meth:`unfreeze`.
@@ -268,6 +274,24 @@ class RotaryEmbedding(nn.Module):
             )  # fmt: skip
             if out is not None:
                 return out if k is not None else out[0]
+        elif (  # explicit positions (torchtune-style callers pass them every step): the positions gate
+            self._planned and inverse is False and type(positions) is torch.Tensor and type(offsets) is int
+            and offsets == 0
+        ):  # fmt: skip
+            # The plan's launch checks every row against the table before it writes (the C loop; Triton on
+            # the host for CPU tensors) and returns None for a row past it: the path below grows the table.
+            # On a device the kernel flags such a row instead, so a device call is gated only once the table
+            # covers the rows the path below would give it (lookup's _covered: no growth left to miss).
+            cache = self._modules["cache"]
+            tables = cache._buffers
+            gated, table = True, tables["cos"]
+            if positions.is_cpu or table.shape[0] >= cache._covered:
+                out, plan_key = self._launch_positions(
+                    q, k, table, tables["sin"], positions, cu_seqlens, interleaved=self._interleaved,
+                    inplace=inplace, backend=self.backend, conjugate=False,
+                )  # fmt: skip
+                if out is not None:
+                    return out if k is not None else out[0]
         rank, head_dim = self._rank, self.config.head_dim
         for name, t in (("q", q), ("k", k)):
             if t is None and name == "k":
@@ -310,9 +334,14 @@ class RotaryEmbedding(nn.Module):
             else:
                 pos = resolve(q_view, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name="q")
                 cos, sin, pos = self.cache.lookup(pos, q_view)
-                if gated and cos is table:  # the table the key was made with (not grown): plan the next call
-                    kw.update(
+                if gated and cos is table and positions is None:  # the table the key was made with (not
+                    kw.update(  # grown): plan the next call
                         gated=True, plan_key=plan_key, offsets=offsets, cu_seqlens=cu_seqlens, swap=swap,
+                        table_grows=True,
+                    )  # fmt: skip
+                elif gated and cos is table and not alone:  # explicit positions: the plan reads them as
+                    kw.update(  # they are ((B, S), or packed (T,) with cu_seqlens), every row checked
+                        gated=True, plan_key=plan_key, positions=positions, cu_seqlens=cu_seqlens, swap=swap,
                         table_grows=True,
                     )  # fmt: skip
             out_q, out_k = apply_resolved(q_view, k_view, cos, sin, pos, **kw)

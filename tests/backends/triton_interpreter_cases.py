@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit import apply_rotary, apply_rotary_qk
+from ropekit import RotaryEmbedding, apply_rotary, apply_rotary_qk
 from ropekit.backends.triton.rotary import interpreter_enabled
 from rotary_cases import (
     MODES,
@@ -498,3 +498,49 @@ def test_triton_positions_decode_step_takes_no_more_ropekit_calls_than_an_int_of
         assert "resolve" not in calls and "check_x" not in calls, calls
         counts[form] = len(calls)
     assert counts["positions"] <= counts["int"], counts
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_triton_module_positions_are_planned_grow_the_table_and_keep_the_checked_paths_errors(layout):
+    """RotaryEmbedding(backend="triton") with explicit positions: the second call is the module's positions
+    plan and equals the checked path, out of place and in place; a position past the table misses the plan
+    (the launcher's host check) and the checked path grows the table as a fresh module's does; a negative
+    position raises the checked path's message, planned or not, and writes nothing."""
+    from call_count import ropekit_calls
+
+    g = torch.Generator().manual_seed(8)
+    if layout == "thd":
+        q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+        positions, kw = torch.tensor([3, 1, 4, 1, 5, 9]), {"cu_seqlens": torch.tensor([0, 2, 6])}
+    else:
+        q, k = torch.randn(2, 3, 4, 16, generator=g), torch.randn(2, 3, 2, 16, generator=g)
+        if layout == "bhsd":
+            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        positions, kw = torch.tensor([[1, 5, 9], [0, 2, 40]]), {}
+    for inplace in (False, True):
+        rope = RotaryEmbedding(head_dim=16, backend="triton", layout=layout)
+
+        def call(rows, rope=rope, inplace=inplace):
+            qq, kk = (q.clone(), k.clone()) if inplace else (q, k)
+            return rope(qq, kk, positions=rows, inplace=inplace, **kw)
+
+        want = call(positions)  # checked in full; plans the next call
+        calls = ropekit_calls(lambda call=call: call(positions))
+        assert "run" in calls and "resolve" not in calls, calls
+        got = call(positions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        far = positions.clone()
+        far.view(-1)[1] = 5000
+        got = call(far)
+        fresh = RotaryEmbedding(head_dim=16, backend="triton", layout=layout)
+        expected = fresh(q.clone(), k.clone(), positions=far, **kw)
+        assert rope.cos.shape[0] == fresh.cos.shape[0] > 5000
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        negative = positions.clone()
+        negative.view(-1)[2] = -3
+        for _ in range(2):  # the grown table's key: checked, then planned
+            qq, kk = q.clone(), k.clone()
+            with pytest.raises(ValueError, match=r"^positions: expected values >= 0, got a minimum of -3$"):
+                rope(qq, kk, positions=negative, inplace=inplace, **kw)
+            assert torch.equal(qq, q) and torch.equal(kk, k)
+            call(far)
