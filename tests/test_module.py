@@ -758,7 +758,7 @@ def test_device_positions_are_planned_only_once_the_table_covers_the_modules_con
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(3, 1, 4, 16, generator=g).cuda(), torch.randn(3, 1, 2, 16, generator=g).cuda()
     near, far = torch.tensor([[5], [0], [900]]).cuda(), torch.tensor([[5], [3000], [900]]).cuda()
-    short = RotaryEmbedding(head_dim=16, max_position_embeddings=2048)
+    short = RotaryEmbedding(head_dim=16, max_position_embeddings=2048).cuda()
     for _ in range(3):
         short(q, k, positions=near)  # planned: a 2048-row table on the device
     long = RotaryEmbedding(head_dim=16, max_position_embeddings=8192).cuda()  # 2048 rows, then 8192
@@ -768,6 +768,23 @@ def test_device_positions_are_planned_only_once_the_table_covers_the_modules_con
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for _ in range(2):
         got = long(q, k, positions=far)  # planned on its own 8192-row table
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none in this environment)")
+def test_device_offsets_are_planned_only_once_the_table_covers_the_modules_context():
+    """Per-sequence offsets on a device, as positions above: a module of a longer context grows its table on
+    the checked path instead of running a plan made by a module whose table has the same shape."""
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(3, 1, 4, 16, generator=g).cuda(), torch.randn(3, 1, 2, 16, generator=g).cuda()
+    near, far = torch.tensor([5, 0, 900]).cuda(), torch.tensor([5, 3000, 900]).cuda()
+    short = RotaryEmbedding(head_dim=16, max_position_embeddings=2048).cuda()
+    for _ in range(3):
+        short(q, k, offsets=near)  # planned: a 2048-row table on the device
+    long = RotaryEmbedding(head_dim=16, max_position_embeddings=8192).cuda()
+    got = long(q, k, offsets=far)
+    assert long.cos.shape[0] == 8192
+    want = apply_rotary_qk(q, k, long.cos, long.sin, offsets=far)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

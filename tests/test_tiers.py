@@ -15,15 +15,20 @@ SLOW = """
 import time
 import pytest
 
+def spin(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
 def test_quick():
     pass
 
 def test_slow_in_the_fast_tier():
-    time.sleep(0.6)
+    spin(0.6)
 
 @pytest.mark.proof
 def test_slow_proof():
-    time.sleep(0.6)
+    spin(0.6)
 """
 
 
@@ -41,8 +46,23 @@ def test_a_fast_tier_test_over_the_bound_fails_the_run_and_is_named(tmp_path):
     done = _run(tmp_path, SLOW, "-m", "not proof and not engine")
     assert done.returncode == 1, done.stdout
     assert "2 passed" in done.stdout  # every test passed: the bound alone fails the run
-    assert "test_slow_in_the_fast_tier: a fast-tier test over 0.3 s" in done.stdout
+    assert "test_slow_in_the_fast_tier: a fast-tier test over 0.3 s of CPU time" in done.stdout
     assert "test_quick:" not in done.stdout
+
+
+def test_the_bound_counts_cpu_time_not_the_wall_clock(tmp_path):
+    """A test that waits (a loaded machine, a sleep) is not heavy; one whose subprocess computes is."""
+    body = (
+        "import subprocess, sys, time\n\n"
+        "def test_waits():\n    time.sleep(0.6)\n\n"
+        "def test_child_computes():\n"
+        "    code = 'import time\\nend = time.process_time() + 0.6\\nwhile time.process_time() < end: pass'\n"
+        "    subprocess.run([sys.executable, '-c', code], check=True)\n"
+    )
+    done = _run(tmp_path, body)
+    assert done.returncode == 1, done.stdout
+    assert "test_child_computes: a fast-tier test over 0.3 s of CPU time" in done.stdout
+    assert "test_waits:" not in done.stdout
 
 
 def test_a_proof_may_take_longer(tmp_path):

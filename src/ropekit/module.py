@@ -265,15 +265,19 @@ class RotaryEmbedding(nn.Module):
             # int offset or per-sequence offsets: the plan's run checks an int against the table (packed: all
             # T rows); per-sequence rows are checked by the kernel (the C loop before it writes; Triton flags
             # them; packed ones are planned on CPU tensors only), and a row past the table misses here on the
-            # CPU, so the path below grows the table.
-            tables = self._modules["cache"]._buffers  # dict reads: nn.Module.__getattr__ costs more
+            # CPU, so the path below grows the table. Offsets on a device are not read on the host: such a
+            # call is gated only once the table covers the rows the path below would give it (lookup's
+            # _covered), as explicit positions are below.
+            cache = self._modules["cache"]
+            tables = cache._buffers  # dict reads: nn.Module.__getattr__ costs more
             gated, table = True, tables["cos"]
-            out, plan_key = self._launch(
-                q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
-                inplace=inplace, backend=self.backend, conjugate=False,
-            )  # fmt: skip
-            if out is not None:
-                return out if k is not None else out[0]
+            if type(offsets) is not torch.Tensor or offsets.is_cpu or table.shape[0] >= cache._covered:
+                out, plan_key = self._launch(
+                    q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
+                    inplace=inplace, backend=self.backend, conjugate=False,
+                )  # fmt: skip
+                if out is not None:
+                    return out if k is not None else out[0]
         elif (  # explicit positions (torchtune-style callers pass them every step): the positions gate
             self._planned and inverse is False and type(positions) is torch.Tensor and type(offsets) is int
             and offsets == 0
