@@ -258,40 +258,26 @@ class RotaryEmbedding(nn.Module):
                 without cu_seqlens or positions, or any bad argument :func:`ropekit.apply_rotary_qk` rejects.
         """
         gated, plan_key, table = False, None, None  # whether this call went through the gate, its answer
-        if (  # a steady step (checked once, when its plan was made): one plan lookup, pointers, one launch
-            self._planned and positions is None and inverse is False
-        ):  # fmt: skip
-            # The module's own gate (_module_gate; cu_seqlens: a tensor for "thd", None for the others). An
-            # int offset or per-sequence offsets: the plan's run checks an int against the table (packed: all
-            # T rows); per-sequence rows are checked by the kernel (the C loop before it writes; Triton flags
-            # them; packed ones are planned on CPU tensors only), and a row past the table misses here on the
-            # CPU, so the path below grows the table. Offsets on a device are not read on the host: such a
-            # call is gated only once the table covers the rows the path below would give it (lookup's
-            # _covered), as explicit positions are below.
+        launch = None  # a steady step (checked when its plan was made): one lookup, pointers, one launch
+        if self._planned and inverse is False:
+            if positions is None:  # an int offset or per-sequence offsets
+                launch, rows = self._launch, offsets
+            elif type(positions) is torch.Tensor and type(offsets) is int and offsets == 0:
+                launch, rows = self._launch_positions, positions  # explicit positions (torchtune's callers)
+        if launch is not None:
+            # The module's own gates (_module_gate; cu_seqlens: a tensor for "thd", None for the others). The
+            # plan's run checks an int offset against the table (packed: all T rows); per-sequence offsets'
+            # and explicit positions' rows are checked by the kernel (the C loop before it writes; Triton
+            # flags them; packed offsets are planned on CPU tensors only), and a row past the table misses
+            # here on the CPU, so the path below grows the table. Rows on a device are not read on the host:
+            # such a call is gated only once the table covers the rows the path below would give it
+            # (lookup's _covered: no growth left to miss).
             cache = self._modules["cache"]
             tables = cache._buffers  # dict reads: nn.Module.__getattr__ costs more
             gated, table = True, tables["cos"]
-            if type(offsets) is not torch.Tensor or offsets.is_cpu or table.shape[0] >= cache._covered:
-                out, plan_key = self._launch(
-                    q, k, table, tables["sin"], offsets, cu_seqlens, interleaved=self._interleaved,
-                    inplace=inplace, backend=self.backend, conjugate=False,
-                )  # fmt: skip
-                if out is not None:
-                    return out if k is not None else out[0]
-        elif (  # explicit positions (torchtune-style callers pass them every step): the positions gate
-            self._planned and inverse is False and type(positions) is torch.Tensor and type(offsets) is int
-            and offsets == 0
-        ):  # fmt: skip
-            # The plan's launch checks every row against the table before it writes (the C loop; Triton on
-            # the host for CPU tensors) and returns None for a row past it: the path below grows the table.
-            # On a device the kernel flags such a row instead, so a device call is gated only once the table
-            # covers the rows the path below would give it (lookup's _covered: no growth left to miss).
-            cache = self._modules["cache"]
-            tables = cache._buffers
-            gated, table = True, tables["cos"]
-            if positions.is_cpu or table.shape[0] >= cache._covered:
-                out, plan_key = self._launch_positions(
-                    q, k, table, tables["sin"], positions, cu_seqlens, interleaved=self._interleaved,
+            if type(rows) is not torch.Tensor or rows.is_cpu or table.shape[0] >= cache._covered:
+                out, plan_key = launch(
+                    q, k, table, tables["sin"], rows, cu_seqlens, interleaved=self._interleaved,
                     inplace=inplace, backend=self.backend, conjugate=False,
                 )  # fmt: skip
                 if out is not None:
