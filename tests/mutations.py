@@ -576,6 +576,13 @@ MUTATIONS += [
         "",
         ("tests/backends/test_jit_trace.py",),
     ),
+    Mutation(
+        "jit trace: compat.vllm records its own op",
+        "ropekit/compat/vllm.py",
+        "        or _jit_tracing()\n",
+        "",
+        ("tests/backends/test_jit_trace.py",),
+    ),
 ]
 
 

@@ -564,30 +564,34 @@ def test_errors_on_the_planned_path_are_the_checked_paths_and_write_nothing(layo
     assert messages[0] == messages[1]
 
 
-@pytest.mark.parametrize("form", ["int", "tensor"])
+@pytest.mark.parametrize("form", ["int", "tensor", "positions"])
 def test_a_steady_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plus_two(form):
     counts = {}
     for layout in PLAN_LAYOUTS:
         rope = RotaryEmbedding(head_dim=16, layout=layout)
         q, k, kwargs, _ = _layout_step(layout)
-        offsets = _offsets(form)
-        rope(q, k, offsets=offsets, **kwargs)
-        counts[layout] = len(ropekit_calls(lambda: rope(q, k, offsets=offsets, **kwargs)))  # noqa: B023
+        positions = _explicit_positions(layout)
+        rows = {"positions": positions} if form == "positions" else {"offsets": _offsets(form)}
+        rope(q, k, **rows, **kwargs)
+        counts[layout] = len(ropekit_calls(lambda: rope(q, k, **rows, **kwargs)))  # noqa: B023
     assert all(counts[layout] <= counts["bshd"] + 2 for layout in PLAN_LAYOUTS), counts
     assert counts["bshd"] <= 5, counts
 
 
-def test_a_pickled_or_copied_module_rotates_as_the_original_and_is_planned():
+@pytest.mark.parametrize("form", ["offsets", "positions"])
+def test_a_pickled_or_copied_module_rotates_as_the_original_and_is_planned(form):
     """The gates are made per process, outside the module (a function made at run time cannot be pickled):
-    a module unpickled or deep-copied keeps rotating the same, and its steady step is planned."""
+    a module unpickled or deep-copied keeps rotating the same, and its steady step (an int offset, or
+    explicit positions: each its own gate) is planned."""
     rope = RotaryEmbedding(head_dim=16, layout="bhsd")
     q, k, _, _ = _layout_step("bhsd")
-    want = rope(q, k, offsets=7)
+    rows = {"offsets": 7} if form == "offsets" else {"positions": _explicit_positions("bhsd")}
+    want = rope(q, k, **rows)
     for other in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
-        other(q, k, offsets=7)
-        calls = ropekit_calls(lambda: other(q, k, offsets=7))  # noqa: B023
+        other(q, k, **rows)
+        calls = ropekit_calls(lambda: other(q, k, **rows))  # noqa: B023
         assert "run" in calls and "resolve" not in calls, calls
-        got = other(q, k, offsets=7)
+        got = other(q, k, **rows)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -622,11 +626,8 @@ def _explicit_positions(layout: str) -> torch.Tensor:
 
 
 def _call_positions(rope, q, k, kwargs, positions, inplace, pair):
-    """One module call with explicit positions, on fresh copies in place; returns (outputs, inputs)."""
-    if inplace:
-        q, k = q.clone(), k.clone()
-    out = rope(q, k if pair else None, positions=positions, inplace=inplace, **kwargs)
-    return (out if pair else (out,)), (q, k)
+    """_call with explicit positions (the offset its default, 0)."""
+    return _call(rope, q, k, {**kwargs, "positions": positions}, 0, inplace, pair)
 
 
 @pytest.mark.parametrize("pair", [True, False], ids=["qk", "q-alone"])
@@ -928,31 +929,6 @@ def test_a_positions_decode_step_takes_at_most_two_ropekit_calls_more_than_an_in
     assert len(with_positions) <= len(with_offset) + 2, (with_positions, with_offset)
     got, want = rope(q, k, positions=positions), rope(q, k, offsets=100)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def test_a_positions_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plus_two():
-    counts = {}
-    for layout in PLAN_LAYOUTS:
-        rope = RotaryEmbedding(head_dim=16, layout=layout)
-        q, k, kwargs, _ = _layout_step(layout)
-        positions = _explicit_positions(layout)
-        rope(q, k, positions=positions, **kwargs)
-        counts[layout] = len(ropekit_calls(lambda: rope(q, k, positions=positions, **kwargs)))  # noqa: B023
-    assert all(counts[layout] <= counts["bshd"] + 2 for layout in PLAN_LAYOUTS), counts
-    assert counts["bshd"] <= 5, counts
-
-
-def test_a_pickled_or_copied_module_plans_explicit_positions():
-    rope = RotaryEmbedding(head_dim=16, layout="bhsd")
-    q, k, _, _ = _layout_step("bhsd")
-    positions = _explicit_positions("bhsd")
-    want = rope(q, k, positions=positions)
-    for other in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
-        other(q, k, positions=positions)
-        calls = ropekit_calls(lambda: other(q, k, positions=positions))  # noqa: B023
-        assert "run" in calls and "resolve" not in calls, calls
-        got = other(q, k, positions=positions)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 class _ThroughNNModuleCall(RotaryEmbedding):

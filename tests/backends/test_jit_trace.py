@@ -27,6 +27,24 @@ def _trace(fn, inputs):
         return torch.jit.trace(fn, inputs, check_trace=False)
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for part in (value or ()) for t in _tensors(part)]
+
+
+def _assert_trace_replays(f, inputs, *, planned: bool = True):
+    """Trace f on inputs(0) (after two eager calls, the second served by a plan, when planned), then replay
+    the trace on inputs(1): its outputs equal f's eager ones byte for byte. Returns the trace."""
+    if planned:
+        f(*inputs(0)), f(*inputs(0))
+    traced = _trace(f, inputs(0))
+    got, want = _tensors(traced(*inputs(1))), _tensors(f(*inputs(1)))
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    return traced
+
+
 def _tables(rows: int = 32):
     return ropekit.RopeConfig(head_dim=HEAD).cos_sin(rows)
 
@@ -44,39 +62,25 @@ def test_a_traced_rotation_replays_the_rotation(backend, planned):
     def f(q, k):
         return ropekit.apply_rotary_qk(q, k, cos, sin, offsets=3, backend=backend)
 
-    q, k = _qk(0)
-    if planned:  # a plan exists for this key: the gate must not serve the traced call
-        f(q, k), f(q, k)
-    traced = _trace(f, (q, k))
-    q2, k2 = _qk(1)
-    got, want = traced(q2, k2), f(q2, k2)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _assert_trace_replays(f, _qk, planned=planned)  # planned: the gate must not serve the traced call
 
 
 def test_a_traced_in_place_rotation_writes_its_inputs():
     cos, sin = _tables()
 
     def f(q, k):
-        return ropekit.apply_rotary_qk(q, k, cos, sin, inplace=True)
+        ropekit.apply_rotary_qk(q, k, cos, sin, inplace=True)
+        return q, k
 
-    q, k = _qk(0)
-    f(q.clone(), k.clone()), f(q.clone(), k.clone())  # planned
-    traced = _trace(f, (q.clone(), k.clone()))
-    q2, k2 = _qk(1)
-    want = ropekit.apply_rotary_qk(q2, k2, cos, sin)
-    a, b = q2.clone(), k2.clone()
-    traced(a, b)
-    assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+    traced = _assert_trace_replays(f, _qk)
+    q, k = _qk(1)
+    want = ropekit.apply_rotary_qk(q, k, cos, sin)
+    traced(q, k)  # the caller's own tensors, written
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
 
 
 def test_a_traced_module_replays_the_rotation():
-    rope = ropekit.RotaryEmbedding(head_dim=HEAD)
-    q, k = _qk(0)
-    rope(q, k), rope(q, k)
-    traced = _trace(rope, (q, k))
-    q2, k2 = _qk(1)
-    got, want = traced(q2, k2), rope(q2, k2)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _assert_trace_replays(ropekit.RotaryEmbedding(head_dim=HEAD), _qk)
 
 
 def test_a_traced_vllm_call_replays_the_rotation():
@@ -89,12 +93,8 @@ def test_a_traced_vllm_call_replays_the_rotation():
         rotary_embedding(positions, query, key, HEAD, cache, True)
         return query, key
 
-    q, k = (t.reshape(16, -1) for t in _qk(0))
-    f(q, k), f(q, k)
-    traced = _trace(f, (q, k))
-    q2, k2 = (t.reshape(16, -1) for t in _qk(1))
-    got, want = traced(q2, k2), f(q2, k2)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    traced = _assert_trace_replays(f, lambda seed: tuple(t.reshape(16, -1) for t in _qk(seed)))
+    assert "ropekit::rotary_embedding" in str(traced.graph)  # vLLM's own op, as torch.compile records it
 
 
 def test_a_traced_fp8_call_replays_the_quantisation():
@@ -103,12 +103,7 @@ def test_a_traced_fp8_call_replays_the_quantisation():
     def f(q, k):
         return ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=0.05, k_scale=0.05, offsets=2)
 
-    q, k = _qk(0)
-    f(q, k), f(q, k)
-    traced = _trace(f, (q, k))
-    q2, k2 = _qk(1)
-    got, want = traced(q2, k2), f(q2, k2)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    _assert_trace_replays(f, _qk)
 
 
 def test_a_traced_cache_write_replays_the_write():
@@ -126,17 +121,7 @@ def test_a_traced_cache_write_replays_the_write():
         v = _qk(seed + 10)[1]
         return q, k, v, torch.zeros(16, 2, HEAD), torch.zeros(16, 2, HEAD)
 
-    f(*inputs(0)), f(*inputs(0))
-    traced = _trace(f, inputs(0))
-    got, want = traced(*inputs(1)), f(*inputs(1))
-    assert len(_tensors(got)) == len(_tensors(want)) >= 3
-    assert all(torch.equal(a, b) for a, b in zip(_tensors(got), _tensors(want), strict=True))
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for part in (value or ()) for t in _tensors(part)]
+    _assert_trace_replays(f, inputs)
 
 
 def test_a_traced_qk_norm_call_writes_its_input():
@@ -152,11 +137,9 @@ def test_a_traced_qk_norm_call_writes_its_input():
 
     def qkv(seed):
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(2, 8, (heads_q + 2 * heads_k) * HEAD, generator=g)
+        return (torch.randn(2, 8, (heads_q + 2 * heads_k) * HEAD, generator=g),)
 
-    f(qkv(0)), f(qkv(0))
-    traced = _trace(f, (qkv(0),))
-    got, want = qkv(1), qkv(1)
-    traced(got), f(want)
-    assert torch.equal(got, want)
-    assert not torch.equal(got, qkv(1))  # written
+    traced = _assert_trace_replays(f, qkv)
+    (got,) = qkv(1)
+    traced(got)
+    assert not torch.equal(got, qkv(1)[0])  # the caller's own tensor, written
