@@ -67,31 +67,20 @@ def _cpu_seconds() -> float:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item._ropekit_cpu_mark = _cpu_seconds()  # the CPU clock as the test's setup starts
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Each phase's report carries its CPU seconds (user_properties travel from xdist's workers)."""
+    """Each phase's report carries the CPU seconds since the last one (user_properties travel from xdist's
+    workers); setup's count from the test's start."""
     report = yield
-    start = getattr(item, "_ropekit_cpu_start", None)
-    if start is not None:
-        report.user_properties.append(("cpu_seconds", _cpu_seconds() - start))
+    now = _cpu_seconds()
+    report.user_properties.append(("cpu_seconds", now - item._ropekit_cpu_mark))
+    item._ropekit_cpu_mark = now
     return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
-    item._ropekit_cpu_start = _cpu_seconds()
-    return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    item._ropekit_cpu_start = _cpu_seconds()
-    return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    item._ropekit_cpu_start = _cpu_seconds()
-    return (yield)
 
 
 def pytest_runtest_logreport(report):
