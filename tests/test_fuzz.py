@@ -386,12 +386,9 @@ def test_an_empty_fp8_call_returns_empty_outputs_on_the_cpu_backend_as_on_torch(
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the serving fuzzer: compat.vllm.apply_rope_with_cos_sin_cache (and FlashInfer's alias) "
-    "reads cos_sin_cache.__dict__, which dynamo cannot trace (InternalTorchDynamoError)",
-)
 def test_the_out_of_place_vllm_rotation_runs_under_torch_compile():
+    """Found by the serving fuzzer: compat.vllm.apply_rope_with_cos_sin_cache (and FlashInfer's alias) kept
+    its cache halves in cos_sin_cache.__dict__, which dynamo cannot trace (InternalTorchDynamoError)."""
     from ropekit.compat import vllm
 
     cos, sin = reference_tables(8, 16)
@@ -399,7 +396,9 @@ def test_the_out_of_place_vllm_rotation_runs_under_torch_compile():
     positions, query = torch.arange(3), torch.randn(3, 2 * 8)
     torch._dynamo.reset()
     step = torch.compile(
-        lambda p, q: vllm.apply_rope_with_cos_sin_cache(p, q, None, 8, cache, True), backend="aot_eager"
+        lambda p, q: vllm.apply_rope_with_cos_sin_cache(p, q, None, 8, cache, True),
+        fullgraph=True,
+        backend="aot_eager",
     )
     got, _ = step(positions, query)
     want = reference_rotation(query.view(3, 2, 8), cos, sin, positions.numpy(), interleaved=False)

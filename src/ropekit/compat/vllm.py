@@ -96,8 +96,12 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     A decode step passes the same cache every time, and two slices cost more than all the checks of the
     call, so the views are kept on the cache tensor itself (they live and die with it), keyed by its data
-    pointer and shape.
+    pointer and shape. Under torch.compile the slices are taken afresh: dynamo cannot trace a tensor's
+    ``__dict__``, and a compiled graph pays nothing for two views.
     """
+    if torch.compiler.is_compiling():
+        half = cache.shape[1] // 2
+        return cache[:, :half], cache[:, half:]
     key = (cache.data_ptr(), cache.shape)
     memo = cache.__dict__.get("_ropekit_halves")
     if memo is None or memo[0] != key:
