@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import os
 import shutil
 import subprocess
@@ -617,7 +618,15 @@ assert reasons == [None, None, None], f"a C kernel does not build in the mutated
 
 
 _BUILD_MODULE = "ropekit/backends/c/build.py"
-_shared_cache: list[Path] = []  # this process's kernel cache for mutants, made on first use
+
+
+@functools.cache
+def _shared_cache() -> Path:
+    """This process's kernel cache for mutants (mode 0700, as build.private_dir requires), made on first use
+    and removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="ropekit-mutant-cache-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _kernel_cache(m: Mutation, dest: Path) -> Path:
@@ -629,10 +638,7 @@ def _kernel_cache(m: Mutation, dest: Path) -> Path:
         cache = dest / "kernel-cache"
         cache.mkdir(mode=0o700)
         return cache
-    if not _shared_cache:
-        _shared_cache.append(Path(tempfile.mkdtemp(prefix="ropekit-mutant-cache-")))  # mode 0700
-        atexit.register(shutil.rmtree, _shared_cache[0], ignore_errors=True)
-    return _shared_cache[0]
+    return _shared_cache()
 
 
 def run_one(m: Mutation, *, timeout: int = 1200) -> tuple[str, str, float]:

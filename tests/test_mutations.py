@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mutations import MUTATIONS, ROOT, main, occurrences, run_one
+from mutations import MUTATIONS, ROOT, Mutation, _kernel_cache, main, occurrences, run_one
 
 # Mutations that pass every named test today: each needs a test (issue 24); remove the name once it has one.
 SURVIVES_ON_MAIN: dict[str, str] = {}  # none today (issue 24: every entry is caught on main)
@@ -29,6 +29,20 @@ def test_mutation_names_are_unique_and_listable(capsys):
     assert len({m.name for m in MUTATIONS}) == len(MUTATIONS)
     assert main(["--list"]) == 0
     assert capsys.readouterr().out.count("\n") == len(MUTATIONS)
+
+
+def test_mutants_share_one_private_kernel_cache_unless_the_build_module_is_mutated(tmp_path):
+    """Libraries are cached under a hash of their source, so mutants may share a cache; a mutant of the build
+    module (which computes that hash) must not: it gets an empty one in its own copy."""
+    plain = [m for m in MUTATIONS if all(path != "ropekit/backends/c/build.py" for path, _, _ in m.edits())]
+    shared = _kernel_cache(plain[0], tmp_path / "a")
+    assert _kernel_cache(plain[1], tmp_path / "b") == shared
+    assert shared.is_dir() and shared.stat().st_mode & 0o077 == 0
+    build = Mutation("build", "ropekit/backends/c/build.py", "x", "y", ("tests/test_mutations.py",))
+    (tmp_path / "c").mkdir()
+    own = _kernel_cache(build, tmp_path / "c")
+    assert own == tmp_path / "c" / "kernel-cache" and own.is_dir() and not any(own.iterdir())
+    assert own.stat().st_mode & 0o077 == 0
 
 
 def test_an_unknown_name_is_refused():

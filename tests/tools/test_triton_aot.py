@@ -8,7 +8,8 @@ constexpr value, every pair of axis values together: 116 compiles of the 7,140 (
 specialization for every target: 2,380 x 3 = 7,140 compiles (the rotary kernel's row forms and prefill grid
 tripled its 288 specializations to 852, and the packed form, cu_seqlens int32 or int64, took them to 1,420;
 the prefill grids took the fused kernel's from 540 to 720 and the QK-norm kernel's from 144 to 240, issue 25)
-at about 0.26-0.5 s of CPU each on the Xeon VM, 0.5-0.8 s on the Zen 3 one (about 80 CPU-minutes cold).
+at about 0.26-0.5 s of CPU each on the Xeon VM; on the Zen 3 one about 1.2 s a compile on each of two xdist
+workers with ptxas, about 71 minutes cold.
 
 Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
 the spec, the target and the checks' source); a warm run reads them back. The proof runs in parts of about
