@@ -102,7 +102,8 @@ def forbid_hf_rotary(monkeypatch, model):
         raise AssertionError("HF's apply_rotary_pos_emb was called on a patched model")
 
     module = sys.modules[type(model).__module__]
-    monkeypatch.setattr(module.apply_rotary_pos_emb, "__code__", fail.__code__)
+    held = module.apply_rotary_pos_emb  # transformers >= 5.25: a kernels function module around it
+    monkeypatch.setattr(hf_probe.kernel_function(held) or held, "__code__", fail.__code__)
 
 
 def inputs():
@@ -238,8 +239,7 @@ def test_patched_layer_reads_the_models_table_in_place(monkeypatch):
     """No copy of cos/sin per layer: ropekit receives a view of the rotary module's own table."""
     model = make_model("llama", {"rope_type": "default"})
     hf.patch(model)
-    forward = hf._unwrap(model.model.layers[0].self_attn.forward.__func__)
-    rotate = forward.__globals__["apply_rotary_pos_emb"]
+    rotate = model.model.layers[0].self_attn.__dict__[hf.STAND_INS_ATTR]["apply_rotary_pos_emb"]
     seen = []
     real = hf_probe.apply_rotary_qk
 
@@ -254,6 +254,9 @@ def test_patched_layer_reads_the_models_table_in_place(monkeypatch):
     assert seen and seen[0].untyped_storage().data_ptr() == cos.untyped_storage().data_ptr()
     mod = sys.modules[type(model).__module__]
     torch.testing.assert_close(got_q, mod.apply_rotary_pos_emb(q, k, cos, sin)[0], atol=1e-6, rtol=0)
+    assert rotate.__wrapped_model_function__ is (
+        hf_probe.kernel_function(mod.apply_rotary_pos_emb) or mod.apply_rotary_pos_emb
+    )
 
 
 EXTENSIONS = [

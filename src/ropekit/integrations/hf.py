@@ -34,6 +34,7 @@ import logging
 import re
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from ropekit.integrations.hf_probe import (
     NotUnderstood,
     Signature,
     find_convention,
+    kernel_function,
     rotation_function,
     stand_in,
 )
@@ -56,11 +58,21 @@ from ropekit.layer_rope import LayerRope, model_rope
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
 from ropekit.validation import check_bool
 
-__all__ = ["EXTEND_METHODS", "extend_context", "layer_ropes", "patch", "patched_layers", "unpatch"]
+__all__ = [
+    "EXTEND_METHODS",
+    "extend_context",
+    "layer_ropes",
+    "patch",
+    "patch_doors",
+    "patched_layers",
+    "unpatch",
+]
 
 log = logging.getLogger(__name__)
 
-CONVENTIONS_ATTR = "_ropekit_conventions"  # on a patched layer: {function name: (Convention, backend)}
+CONVENTIONS_ATTR = "_ropekit_conventions"  # on a patched layer: {function name: (Convention, backend, door)}
+STAND_INS_ATTR = "_ropekit_stand_ins"  # on a patched layer: {function name: the stand-in it calls}
+DOOR_ATTR = "_ropekit_previous_forward"  # on a kernels function module we opened: its forward before us
 ROPE_ATTR = "_ropekit_layer_rope"  # on a patched layer served ropekit's tables: its model_rope entry
 PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for extend_context to patch again
 ORIGINAL_ATTR = (
@@ -107,13 +119,61 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 
 def _rotation_globals(layer: nn.Module) -> dict[str, Any]:
-    """The RoPE functions (by global name) that the layer's forward calls."""
+    """The RoPE functions (by global name) that the layer's forward calls, as the module globals hold them:
+    plain functions, or ``kernels`` function modules (transformers >= 5.25; read with :func:`_plain`)."""
     forward = _unwrap(type(layer).forward)
     code = getattr(forward, "__code__", None)
     if code is None:
         return {}
     scope = forward.__globals__
     return {n: scope[n] for n in sorted(_code_names(code)) if rotation_function(n, scope.get(n))}
+
+
+def _plain(fn: Any) -> Any:
+    """The model's own rotation function behind a global: itself, or the one a kernels module wraps."""
+    return kernel_function(fn) or fn
+
+
+def _kernel_door(layer: nn.Module, fn: Any) -> nn.Module | None:
+    """The layer's own copy of a kernels function module, when it holds one for the global `fn`.
+
+    ``kernels.use_kernelized_func`` gives each attention layer a private instance of the function's module
+    (``layer._kernel_funcs``) and routes the module-level name to it while the layer runs; ``kernelize``
+    replaces that instance's ``forward``. ropekit's patch goes through the same door: no module global and
+    no forward of the layer is touched.
+    """
+    if kernel_function(fn) is None:
+        return None
+    held = layer.__dict__.get("_kernel_funcs")
+    if not isinstance(held, dict):
+        return None
+    doors = [m for m in held.values() if type(m) is type(fn)]
+    return doors[0] if len(doors) == 1 else None
+
+
+def _open_door(door: nn.Module, fn: Callable) -> None:
+    """Route a layer's kernels function module to `fn`, as ``kernelize`` installs a kernel."""
+
+    def forward(self, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    forward.__qualname__ = f"ropekit:{getattr(fn, '__qualname__', 'rotation')}"
+    if DOOR_ATTR not in door.__dict__:
+        door.__dict__[DOOR_ATTR] = door.__dict__.get("forward")  # a kernel kernelize installed, or None
+    door.forward = types.MethodType(forward, door)
+
+
+def _close_doors(layer: nn.Module) -> None:
+    """Give every kernels function module of the layer back the forward it had before ropekit opened it."""
+    held = layer.__dict__.get("_kernel_funcs")
+    for door in held.values() if isinstance(held, dict) else ():
+        if DOOR_ATTR not in door.__dict__:
+            continue
+        previous = door.__dict__.pop(DOOR_ATTR)
+        if previous is None:
+            door.__dict__.pop("forward", None)
+        else:
+            door.forward = previous
 
 
 def _candidate_layers(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
@@ -161,8 +221,26 @@ def _cell_holds(cell, obj) -> bool:
         return False
 
 
-def _replace_functions(layer: nn.Module, replacements: dict[str, Any]) -> None:
-    layer.forward = types.MethodType(_with_globals(type(layer).forward, replacements), layer)
+def _replace_functions(layer: nn.Module, functions: dict[str, Any], replacements: dict[str, Any]) -> None:
+    """Make the layer call replacements[name] where its forward calls the global `name`.
+
+    Through the kernels door where the layer holds one for that function (:func:`_kernel_door`), else
+    through a copy of the layer's forward whose globals name the replacement (:func:`_with_globals`).
+    """
+    through_globals = {}
+    for name, fn in replacements.items():
+        door = _kernel_door(layer, functions[name])
+        if door is None:
+            through_globals[name] = fn
+        else:
+            _open_door(door, fn)
+    if through_globals:
+        layer.forward = types.MethodType(_with_globals(type(layer).forward, through_globals), layer)
+
+
+def _restore_functions(layer: nn.Module) -> None:
+    layer.__dict__.pop("forward", None)
+    _close_doors(layer)
 
 
 def _recorder(calls: dict, key: tuple, fn):
@@ -224,11 +302,14 @@ def _record_calls(
     rotary_calls: dict[int, list[hf_tables.RotaryCall]] = {}
     try:
         for _, layer, functions in candidates:
-            _replace_functions(layer, {n: _recorder(calls, (id(layer), n), f) for n, f in functions.items()})
+            recorders = {n: _recorder(calls, (id(layer), n), _plain(f)) for n, f in functions.items()}
+            _replace_functions(layer, functions, recorders)
         hf_tables.record_rotary(rotaries, rotary_calls)
         _probe_forward(model)
     finally:
-        for module in [layer for _, layer, _ in candidates] + rotaries:
+        for _, layer, _ in candidates:
+            _restore_functions(layer)
+        for module in rotaries:
             module.__dict__.pop("forward", None)
     return calls, rotary_calls
 
@@ -307,9 +388,11 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
     for message in refused:
         warnings.warn(message, stacklevel=2)
-    for layer, (conventions, functions) in replacements.items():
-        _replace_functions(layer, functions)
+    functions_of = {layer: functions for _, layer, functions in candidates}
+    for layer, (conventions, stand_ins) in replacements.items():
+        _replace_functions(layer, functions_of[layer], stand_ins)
         setattr(layer, CONVENTIONS_ATTR, conventions)
+        layer.__dict__[STAND_INS_ATTR] = stand_ins
     model.__dict__[PATCH_ATTR] = (backend, strict)
     ropes = _serve_model_rope(model, rotaries, rotary_calls, served)
     for layer, entry in ropes.items():
@@ -365,7 +448,8 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
     checked_backend = False
     for layer_name, layer, functions in candidates:
         conventions, stand_ins, reasons, tables = {}, {}, [], []
-        for name, fn in functions.items():
+        for name, held in functions.items():
+            fn = _plain(held)
             call = calls.get((id(layer), name))
             if call is None:
                 continue  # not called: a NoPE layer or a branch the text forward does not take
@@ -391,7 +475,8 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 continue
             recorded = {slot[1]: Signature.get(call.args, call.kwargs, slot) for slot in signature.others}
             recorded["__tuple__"] = isinstance(call.output, tuple)
-            conventions[name] = (convention, backend)
+            door = "kernels" if _kernel_door(layer, held) is not None else "globals"
+            conventions[name] = (convention, backend, door)
             tables += [Signature.get(call.args, call.kwargs, slot) for slot in signature.tables]
             stand_ins[name] = stand_in(fn, signature, convention, recorded, backend)
         if reasons:
@@ -401,7 +486,7 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
             )
         elif conventions:
             replacements[layer] = (conventions, stand_ins)
-            forms = {convention.table for convention, _ in conventions.values()}
+            forms = {convention.table for convention, _, _ in conventions.values()}
             if len(forms) == 1:
                 served[layer] = (tables, forms.pop())
     return replacements, refused, served
@@ -416,7 +501,8 @@ def unpatch(model: nn.Module) -> int:
         if CONVENTIONS_ATTR in module.__dict__:
             del module.__dict__[CONVENTIONS_ATTR]
             module.__dict__.pop(ROPE_ATTR, None)
-            module.__dict__.pop("forward", None)
+            module.__dict__.pop(STAND_INS_ATTR, None)
+            _restore_functions(module)
             restored += 1
     return restored
 
@@ -424,17 +510,31 @@ def unpatch(model: nn.Module) -> int:
 def patched_layers(model: nn.Module) -> dict[str, dict[str, str]]:
     """{layer name: {RoPE function: how ropekit runs it}} for every layer :func:`patch` replaced.
 
-    Each description ends with where the layer's tables come from: ropekit's, from its ``model_rope`` entry,
-    or the model's own rotary module.
+    Each description names the door ropekit came in by (``through kernels``: the layer's own kernels function
+    module, as ``kernels.kernelize`` installs a kernel; ``through module globals``: a copy of the layer's
+    forward) and ends with where the layer's tables come from: ropekit's, from its ``model_rope`` entry, or
+    the model's own rotary module.
     """
     return {
         name: {
-            fn: f"{convention.describe()}, backend {backend}, "
+            fn: f"{convention.describe()}, backend {backend}, through {DOORS[door]}, "
             + ("tables from model_rope" if ROPE_ATTR in module.__dict__ else "the model's tables")
-            for fn, (convention, backend) in module.__dict__[CONVENTIONS_ATTR].items()
+            for fn, (convention, backend, door) in module.__dict__[CONVENTIONS_ATTR].items()
         }
         for name, module in model.named_modules()
         if CONVENTIONS_ATTR in module.__dict__
+    }
+
+
+DOORS = {"kernels": "kernels", "globals": "module globals"}
+
+
+def patch_doors(model: nn.Module) -> set[str]:
+    """The doors :func:`patch` used in a patched model: a subset of {"kernels", "globals"}."""
+    return {
+        door
+        for module in model.modules()
+        for _, _, door in module.__dict__.get(CONVENTIONS_ATTR, {}).values()
     }
 
 

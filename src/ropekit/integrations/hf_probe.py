@@ -37,6 +37,7 @@ __all__ = [
     "Convention",
     "Signature",
     "find_convention",
+    "kernel_function",
     "rotation_function",
     "stand_in",
 ]
@@ -147,11 +148,43 @@ class Call:
     output: Any
 
 
+def kernel_function(obj: Any) -> Callable | None:
+    """The plain function inside a ``kernels`` function module, or None when ``obj`` is not one.
+
+    transformers 5.25 decorates its RoPE functions with
+    ``kernels.use_kernel_forward_from_hub("rotary_pos_emb")``, which turns ``apply_rotary_pos_emb`` into an instance of a generated ``nn.Module`` class (``Func``) whose
+    ``forward(*args, **kwargs)`` calls the original function. ``kernels`` marks the class with
+    ``kernel_layer_name`` and holds the function in the closure of the class's own ``forward`` (the free
+    variable ``func``); ``kernelize`` only ever replaces an instance's ``forward``, never the class's, so the
+    class's ``forward`` always reaches the model's code.
+    """
+    cls = type(obj)
+    if not isinstance(obj, torch.nn.Module) or not isinstance(getattr(cls, "kernel_layer_name", None), str):
+        return None
+    forward = cls.__dict__.get("forward")
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return None
+    cells = dict(zip(code.co_freevars, forward.__closure__ or (), strict=True))
+    held = [cells["func"]] if "func" in cells else list(cells.values())
+    functions = []
+    for cell in held:
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if inspect.isfunction(contents):
+            functions.append(contents)
+    return functions[0] if len(functions) == 1 else None
+
+
 def rotation_function(name: str, fn: Any) -> bool:
     """Whether a global that an attention forward calls looks like a RoPE rotation (checked by probing).
 
-    The global's name or the function's own name must read apply_*rotary* / apply_*rope*.
+    The global's name or the function's own name must read apply_*rotary* / apply_*rope*. A ``kernels``
+    function module (:func:`kernel_function`) is read through the function it wraps.
     """
+    fn = kernel_function(fn) or fn
     if not inspect.isfunction(fn):
         return False
     return any(

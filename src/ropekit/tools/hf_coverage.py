@@ -400,12 +400,8 @@ def _model_functions_raise(model: torch.nn.Module) -> Iterator[None]:
 
     swapped = []
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if hf.CONVENTIONS_ATTR not in module.__dict__ or forward is None:
-            continue
-        scope = hf._unwrap(forward.__func__).__globals__
-        for name in module.__dict__[hf.CONVENTIONS_ATTR]:
-            fn = scope[name].__wrapped_model_function__
+        for stand_in in module.__dict__.get(hf.STAND_INS_ATTR, {}).values():
+            fn = stand_in.__wrapped_model_function__
             if fn.__code__.co_freevars or any(fn is f for f, _ in swapped):
                 continue
             swapped.append((fn, fn.__code__))
