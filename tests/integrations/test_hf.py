@@ -473,3 +473,18 @@ def test_patching_a_model_built_on_meta_is_a_value_error_and_changes_nothing():
     ):
         hf.patch(model)
     assert hf.patched_layers(model) == {}
+
+
+@pytest.mark.parametrize("step", [1.0, 0.5], ids=["integral", "fractional"])
+def test_float_position_ids_run_as_the_unpatched_model_runs_them(step):
+    """Qwen3-Omni's own get_rope_index hands its rotary module float32 position ids, which HF's rotary modules
+    accept: a patched model runs them too (integral or not, through the module's own table code)."""
+    model = make_model("llama", {"rope_type": "default"})
+    ids, _ = inputs()
+    positions = (torch.arange(SEQ, dtype=torch.float32) * step).expand(2, SEQ)
+    with torch.no_grad():
+        want = model(ids, position_ids=positions).logits
+        hf.patch(model)
+        assert hf.layer_ropes(model)  # the layers read ropekit's tables for integer positions
+        got = model(ids, position_ids=positions).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -143,6 +143,11 @@ def _rows(key: _Key, position_ids: Any, x: torch.Tensor) -> tuple[torch.Tensor, 
     """ropekit's table for position_ids ((B, S), or M-RoPE's (axes, B, S)), in the model's form."""
     if not isinstance(position_ids, torch.Tensor) or not isinstance(x, torch.Tensor):
         return None
+    if position_ids.is_floating_point():
+        # HF's rotary modules take float positions (Qwen3-Omni's get_rope_index makes float32 ones, and a
+        # fractional position is a valid angle there); ropekit's tables index integer rows, so such a call
+        # keeps the module's own table code, with no value read on the host.
+        return None
     cache = key.cache
     mrope = key.rope.mrope_section is not None and position_ids.dim() == 3
     if position_ids.dim() != 2 and not mrope:
