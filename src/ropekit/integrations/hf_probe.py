@@ -152,8 +152,9 @@ def kernel_function(obj: Any) -> Callable | None:
     """The plain function inside a ``kernels`` function module, or None when ``obj`` is not one.
 
     transformers 5.25 decorates its RoPE functions with
-    ``kernels.use_kernel_forward_from_hub("rotary_pos_emb")``, which turns ``apply_rotary_pos_emb`` into an instance of a generated ``nn.Module`` class (``Func``) whose
-    ``forward(*args, **kwargs)`` calls the original function. ``kernels`` marks the class with
+    ``kernels.use_kernel_forward_from_hub("rotary_pos_emb")``, which turns ``apply_rotary_pos_emb`` into an
+    instance of a generated ``nn.Module`` class (``Func``) whose ``forward(*args, **kwargs)`` calls the
+    original function. ``kernels`` marks the class with
     ``kernel_layer_name`` and holds the function in the closure of the class's own ``forward`` (the free
     variable ``func``); ``kernelize`` only ever replaces an instance's ``forward``, never the class's, so the
     class's ``forward`` always reaches the model's code.
