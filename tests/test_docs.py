@@ -89,7 +89,7 @@ def tracked_files() -> set[str] | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return set(out.decode().split("\0")) - {""}
+    return set(out.decode().split("\0")) - {""} or None  # none: a tree git does not track (an unpacked sdist)
 
 
 def broken_reason(document: Path, target: str, tracked: set[str] | None, root: Path = ROOT) -> str | None:
