@@ -46,9 +46,15 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -n 2 -q -m "not proof and not engine" --durations=15 tests
 
-# The heavy tier: full grids, every Triton compile, full-size interpreter suites, then the engines.
-proofs: $(STAMP) $(ENGINES_STAMP)
+# The heavy tier: full grids, every Triton compile, full-size interpreter suites, then the engines in their own
+# venv. .ci/run calls the parts one by one (to time each): proofs = proofs-core, engines-venv, proofs-engines.
+.PHONY: proofs-core proofs-engines
+proofs: proofs-core proofs-engines
+
+proofs-core: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m proof --durations=15 tests
+
+proofs-engines: $(ENGINES_STAMP)
 	ROPEKIT_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -n 2 -q -m engine --durations=15 tests/engines
 
 clean:
