@@ -10,12 +10,36 @@ STAMP  := $(VENV)/.ropekit-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# Every package the tests install is pinned in requirements/constraints.txt (its bump is a commit);
+# `make proofs-latest` tests the newest transformers and kernels on purpose.
+CONSTRAINTS := requirements/constraints.txt
+
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q triton==3.9.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	touch $(STAMP)
+
+# The newest releases, on purpose: the HF parity tests against whatever transformers and kernels pip resolves
+# today (no constraints file), in their own venv, so a release that moves HF's RoPE functions fails CI on the
+# day it is out rather than in a user's hands.
+LATEST_VENV  := .venv-latest
+LATEST_PY    := $(LATEST_VENV)/bin/python
+LATEST_STAMP := $(LATEST_VENV)/.ropekit-installed
+HF_TESTS     := tests/integrations/test_hf.py tests/integrations/test_hf_probe.py \
+                tests/integrations/test_hf_tables.py tests/integrations/test_hf_kernels.py \
+                tests/test_module_hf_parity.py tests/compat/test_hf.py tests/schedules/test_hf_parity.py \
+                tests/tools/test_hf_coverage.py
+
+latest-venv: $(LATEST_STAMP)
+
+$(LATEST_STAMP): pyproject.toml Makefile
+	python3 -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q torch==2.13.0
+	$(LATEST_PY) -m pip install -q $(PINNED) -e ".[dev]"
+	$(LATEST_PY) -m pip install -q $(PINNED) --upgrade transformers kernels huggingface_hub
+	touch $(LATEST_STAMP)
 
 # The engines' environment (vLLM, SGLang, torchtitan) for tests/engines: vLLM needs transformers < 5.21,
 # which the main .venv does not hold. The engines go in with --no-deps (their wheels pin torch 2.14 and CUDA);
@@ -48,8 +72,15 @@ test: lint
 
 # The heavy tier: full grids, every Triton compile, full-size interpreter suites, then the engines in their own
 # venv. .ci/run calls the parts one by one (to time each): proofs = proofs-core, engines-venv, proofs-engines.
-.PHONY: proofs-core proofs-engines
-proofs: proofs-core proofs-engines
+.PHONY: proofs-core proofs-latest latest-venv proofs-engines
+proofs: proofs-core proofs-latest proofs-engines
+
+# Always the newest: the venv's stamp is rebuilt when older than a day, so CI tests today's releases.
+proofs-latest:
+	@if [ -f $(LATEST_STAMP) ] && [ -n "$$(find $(LATEST_STAMP) -mmin +1440)" ]; then rm -f $(LATEST_STAMP); fi
+	$(MAKE) latest-venv
+	$(LATEST_PY) -c "import transformers, kernels; print('newest releases: transformers', transformers.__version__, 'kernels', kernels.__version__)"
+	$(LATEST_PY) -m pytest -n 2 -q -m "not engine" --durations=5 $(HF_TESTS)
 
 proofs-core: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m proof --durations=15 tests
@@ -58,4 +89,4 @@ proofs-engines: $(ENGINES_STAMP)
 	ROPEKIT_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -n 2 -q -m engine --durations=15 tests/engines
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) build dist ropekit-report
+	rm -rf $(VENV) $(ENGINES_VENV) $(LATEST_VENV) build dist ropekit-report

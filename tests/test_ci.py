@@ -31,7 +31,9 @@ def make_commands(*targets: str) -> list[str]:
 
 
 def test_the_phases_are_the_ones_ci_reports():
-    assert [name for name, _ in phases()] == ["venv", "fast-tier", "proofs", "engines-venv", "engines"]
+    assert [name for name, _ in phases()] == [
+        "venv", "fast-tier", "proofs", "hf-latest", "engines-venv", "engines"
+    ]  # fmt: skip
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
@@ -49,7 +51,7 @@ if [ "$1" = "$FAIL_TARGET" ]; then
     exit 2
 fi
 case "$1" in
-    test|proofs-core|proofs-engines) echo "3 passed, 1 skipped in 0.50s ($1)" ;;
+    test|proofs-core|proofs-latest|proofs-engines) echo "3 passed, 1 skipped in 0.50s ($1)" ;;
 esac
 """
 
@@ -72,20 +74,22 @@ def run_ci(tmp_path: Path, fail_target: str = "") -> tuple[subprocess.CompletedP
 def test_each_phase_prints_its_wall_time_and_the_log_ends_with_pytest_summaries(tmp_path):
     result, calls = run_ci(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert calls == ["venv", "test", "proofs-core", "engines-venv", "proofs-engines"]
+    assert calls == ["venv", "test", "proofs-core", "proofs-latest", "engines-venv", "proofs-engines"]
     lines = result.stdout.splitlines()
     phase_lines = [line for line in lines if PHASE_LINE.match(line)]
-    names = ["venv", "fast-tier", "proofs", "engines-venv", "engines"]
+    names = ["venv", "fast-tier", "proofs", "hf-latest", "engines-venv", "engines"]
     # once as each phase ends, once more in the summary
     assert [PHASE_LINE.match(line).group(1) for line in phase_lines] == names + names
     assert "running venv" in lines[: lines.index(phase_lines[0])]  # the phase's own output streams first
     summary = lines[lines.index("== CI summary ==") + 1 :]
-    assert [PHASE_LINE.match(line).group(1) for line in summary[:5]] == names
-    assert summary[5:] == [
+    assert [PHASE_LINE.match(line).group(1) for line in summary[:6]] == names
+    assert summary[6:] == [
         "-- pytest, fast-tier:",
         "3 passed, 1 skipped in 0.50s (test)",
         "-- pytest, proofs:",
         "3 passed, 1 skipped in 0.50s (proofs-core)",
+        "-- pytest, hf-latest:",
+        "3 passed, 1 skipped in 0.50s (proofs-latest)",
         "-- pytest, engines:",
         "3 passed, 1 skipped in 0.50s (proofs-engines)",
     ]
