@@ -15,6 +15,13 @@ from torch import nn
 from ropekit.integrations import hf, hf_kernels, hf_probe
 
 kernels = pytest.importorskip("kernels")
+KERNELIZED = transformers.utils.import_utils.is_kernels_available()
+# transformers uses kernels only within its supported range (5.24: kernels < 0.19; 5.25: >= 0.19.1), and
+# keeps plain functions otherwise, which hf.patch reaches through the module globals (test_hf.py).
+kernelized = pytest.mark.skipif(
+    not KERNELIZED,
+    reason=f"transformers {transformers.__version__} does not use kernels {kernels.__version__}",
+)
 
 VOCAB, SEQ = 128, 20
 
@@ -52,6 +59,7 @@ def forbid(monkeypatch, fn):
     monkeypatch.setattr(fn, "__code__", fail.__code__)
 
 
+@kernelized
 def test_transformers_kernelizes_its_rope_function():
     """The premise: if a release stops doing this, the kernels door is moot and this says so first."""
     model = llama()
@@ -59,6 +67,7 @@ def test_transformers_kernelizes_its_rope_function():
     assert hf_probe.kernel_function(door) is hf_function(model)
 
 
+@kernelized
 def test_kernelize_with_ropekits_mapping_equals_unpatched_and_ropekit_rotates(monkeypatch):
     model = llama()
     x = ids()
@@ -74,6 +83,7 @@ def test_kernelize_with_ropekits_mapping_equals_unpatched_and_ropekit_rotates(mo
     torch.testing.assert_close(shorter, want[:, :7], atol=1e-5, rtol=0)
 
 
+@kernelized
 def test_kernelized_training_gradients_equal_unpatched():
     model, reference = llama(), llama()
     x = ids()
@@ -120,6 +130,7 @@ def test_a_function_ropekit_does_not_reproduce_keeps_its_own_code_with_a_warning
         torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
+@kernelized
 def test_patch_through_the_kernels_door_equals_the_generic_patch_and_unpatched(monkeypatch):
     x = ids()
     model = llama()
@@ -138,6 +149,7 @@ def test_patch_through_the_kernels_door_equals_the_generic_patch_and_unpatched(m
     torch.testing.assert_close(through_globals, through_kernels, atol=1e-6, rtol=0)
 
 
+@kernelized
 def test_unpatch_gives_back_the_kernel_kernelize_installed():
     model = kernelize(llama())
     door = model.model.layers[0].self_attn.__dict__["_kernel_funcs"]["rotary_pos_emb"]
