@@ -154,13 +154,18 @@ def cover(
     axis values that the full grid (every spec for every target) contains, the target being one more axis:
     ``strength=1`` is a per-axis cover (every target, every constexpr value, every signature type, every warp
     count at least once), ``strength=2`` (the default) a pairwise one (every constexpr value on every
-    target, every pair of flags together, every dtype with every flag). The fast tier compiles this cover;
-    ``make proofs`` compiles the full product.
+    target, every pair of flags together, every dtype with every flag), ``strength=3`` a 3-wise one (every
+    triple: each pair of flags on every target, each dtype with each pair of flags). The fast tier compiles
+    the pairwise cover, ``make proofs`` the 3-wise one and ``make proofs-full`` the full product.
 
-    Greedy: each step takes the pair that covers the most uncovered combinations; ties go to the earliest
-    spec and target in the module's own order, so the cover is deterministic."""
-    if strength not in (1, 2):
-        raise ValueError(f"strength must be 1 (per axis) or 2 (pairwise), got {strength!r}")
+    Greedy: each step takes the compile that covers the most uncovered combinations, its count recounted
+    only when it reaches the top (a count only shrinks, so a stale one bounds it); among equal counts the
+    earliest spec and target in the module's own order comes first. No step depends on the order of a set,
+    so the cover is the same in every process."""
+    if strength not in (1, 2, 3):
+        raise ValueError(f"strength must be 1 (per axis), 2 (pairwise) or 3 (3-wise), got {strength!r}")
+    import numpy as np
+
     module_specs = list(dict.fromkeys(module_specs))
     # An axis value every specialization of a kernel shares is covered by any compile of that kernel: leaving
     # it out keeps the combinations few (the fused kernel has ~50 parameters, most of one type throughout).
@@ -168,25 +173,49 @@ def cover(
     for spec in module_specs:
         per_kernel.setdefault(spec.kernel, []).append(_axes(spec))
     shared = {kernel: set.intersection(*axes) for kernel, axes in per_kernel.items()}
-    items: dict[tuple[Spec, int], set[tuple]] = {}
+    # Each axis value gets a number within its kernel (no combination spans two kernels); a combination of
+    # ``strength`` of them, in increasing order, is one integer in base ``len(numbers)``, offset by its
+    # kernel's block, and ``wanted`` holds one flag per possible integer. The fused kernel's 3-wise grid has
+    # about 27 million (compile, combination) memberships: arrays of integers, not sets of tuples.
+    numbers: dict[str, dict[tuple, int]] = {kernel: {} for kernel in per_kernel}
+    candidates, rows = [], []
     for spec in module_specs:
         varying = _axes(spec) - shared[spec.kernel]
         for arch in arches:
             axes = sorted(varying | {("kernel", spec.kernel), ("target", spec.kernel, arch)}, key=repr)
-            items[spec, arch] = set(itertools.combinations(axes, strength))
-    wanted = set().union(*items.values()) if items else set()
+            own = numbers[spec.kernel]
+            candidates.append((spec, arch))
+            rows.append((spec.kernel, sorted(own.setdefault(axis, len(own)) for axis in axes)))
+    if not candidates:
+        return []
+    offsets, total = {}, 0
+    for kernel, own in numbers.items():
+        offsets[kernel] = total
+        total += len(own) ** strength
+    picks: dict[int, np.ndarray] = {}  # row length -> every choice of ``strength`` of its positions
+    members = []
+    for kernel, row in rows:
+        if len(row) not in picks:
+            picks[len(row)] = np.array(list(itertools.combinations(range(len(row)), strength)), np.int64)
+        places = len(numbers[kernel]) ** np.arange(strength - 1, -1, -1, dtype=np.int64)
+        codes = np.array(row, np.int64)[picks[len(row)]] @ places + offsets[kernel]
+        members.append(codes.astype(np.int32 if total < 2**31 else np.int64))
+    wanted = np.zeros(total, bool)
+    for codes in members:
+        wanted[codes] = True
+    left = int(np.count_nonzero(wanted))
     chosen: list[tuple[Spec, int]] = []
-    # Lazy greedy: a candidate's gain only shrinks, so a stale gain is an upper bound; recount the best only.
-    heap = [(-len(combos), order, candidate) for order, (candidate, combos) in enumerate(items.items())]
+    heap = [(-len(m), order) for order, m in enumerate(members)]
     heapq.heapify(heap)
-    while wanted:
-        _, order, candidate = heapq.heappop(heap)
-        gain = len(wanted & items[candidate])
+    while left:
+        _, order = heapq.heappop(heap)
+        gain = int(np.count_nonzero(wanted[members[order]]))
         if heap and gain < -heap[0][0]:
-            heapq.heappush(heap, (-gain, order, candidate))
+            heapq.heappush(heap, (-gain, order))
             continue
-        chosen.append(candidate)
-        wanted -= items[candidate]
+        chosen.append(candidates[order])
+        wanted[members[order]] = False
+        left -= gain
     return chosen
 
 
