@@ -22,6 +22,9 @@ compiled.
 
 from __future__ import annotations
 
+import base64
+import functools
+import gzip
 import hashlib
 import heapq
 import importlib
@@ -236,10 +239,12 @@ def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:
     return sorted(set(functions) - reached)
 
 
-def _cache_dir() -> Path:
+def _cache_dir(kind: str) -> Path:
+    """``$ROPEKIT_CACHE_DIR/triton-aot/<kind>``: ``compiled`` (what each compile produced) or ``checked``
+    (what the checks found in it)."""
     from ropekit.backends.c.build import default_cache_dir, private_dir
 
-    return private_dir(default_cache_dir() / "triton-aot")
+    return private_dir(default_cache_dir() / "triton-aot" / kind)
 
 
 def _cuobjdump() -> str:
@@ -248,22 +253,106 @@ def _cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
+def _kernel(spec: Spec, fn=None):
+    return fn if fn is not None else getattr(importlib.import_module(spec.module), spec.kernel)
+
+
+def _compile_arguments(spec: Spec, fn) -> tuple[dict, dict, dict, dict]:
+    """What ``triton.compile`` reads besides the kernel and the target: the argument types, the constexprs,
+    the divisibility hints and the options (warps, fp fusion)."""
+    names = fn.arg_names
+    signature = {name: kind.split(":")[0] for name, kind in spec.signature}
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]] for n, kind in spec.signature if kind.endswith(":16")
+    }
+    return signature, dict(spec.constexprs), attrs, {"num_warps": spec.num_warps, **dict(spec.options)}
+
+
 def _compile(spec: Spec, arch: int, fn=None):
     """triton.compile of one spec for sm_<arch>; ``fn`` overrides the kernel (a test's planted copy)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if fn is None:
-        fn = getattr(importlib.import_module(spec.module), spec.kernel)
-    names = fn.arg_names
-    signature = {name: kind.split(":")[0] for name, kind in spec.signature}
-    attrs = {
-        (names.index(n),): [["tt.divisibility", 16]] for n, kind in spec.signature if kind.endswith(":16")
-    }
-    source = ASTSource(fn, signature, dict(spec.constexprs), attrs)
-    options = {"num_warps": spec.num_warps, **dict(spec.options)}
+    fn = _kernel(spec, fn)
+    signature, constexprs, attrs, options = _compile_arguments(spec, fn)
+    source = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@functools.cache
+def _toolchain(arch: int) -> tuple:
+    """The Triton version, the version of the ptxas it runs for sm_<arch> (its wheel's own unless
+    ``TRITON_PTXAS_PATH`` names another) and the environment variables Triton's own cache key reads."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return triton.__version__, get_ptxas(arch).version, sorted(get_cache_invalidating_env_vars().items())
+
+
+def compile_key(spec: Spec, arch: int) -> str:
+    """The key of one compile's artifacts: what the compile reads, and nothing else. The kernel's source as
+    Triton keys it (``JITFunction.cache_key``: its source and first line, every ``@triton.jit`` function it
+    calls, the constexpr globals it reads), the argument types and their divisibility hints, the
+    constexprs, the options, the target and :func:`_toolchain`. Not the source of this module nor of
+    :mod:`ptx_check`: a changed check re-reads what was compiled (:func:`compile_and_check`)."""
+    fn = _kernel(spec)
+    signature, constexprs, attrs, options = _compile_arguments(spec, fn)
+    read = (fn.cache_key, spec.kernel, *(sorted(d.items()) for d in (signature, constexprs, attrs, options)))
+    return hashlib.sha256(repr((*read, arch, _toolchain(arch))).encode()).hexdigest()
+
+
+@functools.cache
+def _checks_source() -> str:
+    """A hash of the checks' code: :mod:`ptx_check` and this module (which reads the compile for them)."""
+    return hashlib.sha256(Path(ptx_check.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()
+
+
+def _checked_path(spec: Spec, arch: int) -> Path:
+    """Where the checks' findings on (spec, arch) are kept: keyed on the compile (:func:`compile_key`), the
+    spec (its pointers held to 128 bits, its occupancy) and the checks' code."""
+    key = f"{compile_key(spec, arch)}|{spec!r}|{_checks_source()}"
+    return (
+        _cache_dir("checked") / f"{spec.kernel}-sm{arch}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    )
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What the checks read of one compile: its PTX, its cubin and whether fp fusion was on."""
+
+    ptx: str
+    cubin: bytes
+    enable_fp_fusion: bool
+
+
+def _compiled_now(spec: Spec, arch: int, fn=None) -> Compiled:
+    compiled = _compile(spec, arch, fn)
+    return Compiled(compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.enable_fp_fusion)
+
+
+def _store(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # atomic: concurrent test workers never read half a file
+
+
+def _compiled(spec: Spec, arch: int) -> Compiled:
+    """One compile's artifacts, read back when a compile with the same inputs (:func:`compile_key`) ran
+    before, else compiled and kept: the PTX and the cubin, gzip'd (10-30 KB a compile)."""
+    path = _cache_dir("compiled") / f"{spec.kernel}-sm{arch}-{compile_key(spec, arch)[:32]}.json.gz"
+    if path.is_file():
+        stored = json.loads(gzip.decompress(path.read_bytes()))
+        return Compiled(stored["ptx"], base64.b64decode(stored["cubin"]), stored["enable_fp_fusion"])
+    compiled = _compiled_now(spec, arch)
+    stored = {
+        "ptx": compiled.ptx,
+        "cubin": base64.b64encode(compiled.cubin).decode(),
+        "enable_fp_fusion": compiled.enable_fp_fusion,
+    }
+    _store(path, gzip.compress(json.dumps(stored).encode(), mtime=0))
+    return compiled
 
 
 def _pointer_params(spec: Spec) -> dict[str, tuple[int, str]]:
@@ -281,42 +370,38 @@ def _pointer_params(spec: Spec) -> dict[str, tuple[int, str]]:
 _FIELDS = ("registers", "local_bytes", "budget", "vector_bits", "rounding", "findings")
 
 
-def _result_path(spec: Spec, arch: int) -> Path:
-    """Where the checked result of (spec, arch) is cached: keyed on the kernel's Triton cache key (its source
-    and every @triton.jit function it calls), the Triton version (and with it ptxas), the spec, the target,
-    and the source of the checks themselves."""
-    import triton
-
-    fn = getattr(importlib.import_module(spec.module), spec.kernel)
-    checks = Path(ptx_check.__file__).read_bytes() + Path(__file__).read_bytes()
-    key = f"{fn.cache_key}|{triton.__version__}|{spec!r}|{arch}|{hashlib.sha256(checks).hexdigest()}"
-    return _cache_dir() / f"{spec.kernel}-sm{arch}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-
 def compile_and_check(spec: Spec, arch: int, fn=None) -> Result:
     """Compile one spec for sm_<arch> and run every check of :mod:`ropekit.tools.ptx_check` on it.
 
-    The result of a module's own kernel is cached (:func:`_result_path`), so a second run compiles nothing;
-    ``fn`` (a test's planted copy of a kernel) is always compiled."""
-    path = None if fn is not None else _result_path(spec, arch)
-    if path is not None and path.is_file():
-        return Result(spec, arch, **json.loads(path.read_text()))
-    result = _compile_and_check(spec, arch, fn)
-    if path is not None:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({name: getattr(result, name) for name in _FIELDS}))
-        tmp.replace(path)  # atomic: concurrent test workers never read half a file
+    Two stores under ``$ROPEKIT_CACHE_DIR/triton-aot``, so a second run compiles nothing: the compile's
+    artifacts (:func:`compile_key`) and the checks' findings on them (:func:`_checked_path`). A change to
+    the checks finds the artifacts and checks them again; a change to the kernel compiles again. ``fn`` (a
+    test's planted copy of a kernel) is always compiled, and nothing of it is kept."""
+    start = time.perf_counter()
+    if fn is not None:
+        return _check(spec, arch, _compiled_now(spec, arch, fn), start)
+    stored = stored_result(spec, arch)
+    if stored is not None:
+        return stored
+    result = _check(spec, arch, _compiled(spec, arch), start)
+    findings = {name: getattr(result, name) for name in _FIELDS}
+    _store(_checked_path(spec, arch), json.dumps(findings).encode())
     return result
 
 
-def _compile_and_check(spec: Spec, arch: int, fn) -> Result:
-    start = time.perf_counter()
-    compiled = _compile(spec, arch, fn)
-    ptx = compiled.asm["ptx"]
+def stored_result(spec: Spec, arch: int) -> Result | None:
+    """The checks' findings on (spec, arch) from an earlier :func:`compile_and_check` of this kernel source
+    with these checks, or None."""
+    path = _checked_path(spec, arch)
+    return Result(spec, arch, **json.loads(path.read_text())) if path.is_file() else None
+
+
+def _check(spec: Spec, arch: int, compiled: Compiled, start: float) -> Result:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
+        cubin.write(compiled.cubin)
         cubin.flush()
         usage = ptx_check.resource_usage(cubin.name, _cuobjdump())
+    ptx = compiled.ptx
     instructions = ptx_check.parse_ptx(ptx)
     options = dict(spec.options)
     budget = ptx_check.register_budget(spec.num_warps, spec.occupancy)
@@ -339,8 +424,8 @@ def _compile_and_check(spec: Spec, arch: int, fn) -> Result:
         findings += ptx_check.check_no_fma(instructions)
     elif "enable_fp_fusion" not in options:
         findings.append(ptx_check.Finding("fp fusion", "COMPILE_OPTIONS does not set enable_fp_fusion"))
-    if compiled.metadata.enable_fp_fusion != options.get("enable_fp_fusion"):
-        findings.append(ptx_check.Finding("fp fusion", f"compiled with {compiled.metadata.enable_fp_fusion}"))
+    if compiled.enable_fp_fusion != options.get("enable_fp_fusion"):
+        findings.append(ptx_check.Finding("fp fusion", f"compiled with {compiled.enable_fp_fusion}"))
     result.findings = [str(f) for f in findings]
     result.seconds = time.perf_counter() - start
     return result
