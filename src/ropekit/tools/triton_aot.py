@@ -44,14 +44,23 @@ from ropekit.tools import ptx_check
 
 __all__ = [
     "ARCHES",
+    "FULL_GRID_FIELDS",
+    "MANIFEST",
     "Result",
     "Spec",
     "compile_and_check",
+    "compile_key",
     "cover",
+    "full_grid_kernels",
     "kernel_modules",
+    "kernel_records",
     "module_spec",
+    "read_manifest",
     "specs",
+    "stale_kernels",
+    "stored_result",
     "uncovered",
+    "write_manifest",
 ]
 
 ARCHES = (80, 90, 100)  # A100, H100 / H200, B200
@@ -237,6 +246,137 @@ def uncovered(module_name: str, module_specs: Iterable[Spec]) -> list[str]:
                 reached.add(name)
                 todo.append(name)
     return sorted(set(functions) - reached)
+
+
+# The last full run (make proofs-full) of each kernel: what make proofs compiles in full instead of its cover.
+MANIFEST = Path(__file__).with_name("triton_aot_manifest.json")
+# A kernel whose record differs from the manifest's in one of these gets its whole grid compiled by make
+# proofs; in another (the checks' code, the Triton version), only its 3-wise cover, and make proofs says so.
+FULL_GRID_FIELDS = ("source", "specializations")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _kernel_sources(fn) -> list[str]:
+    """A kernel's source as the manifest reads it: its own, that of every ``@triton.jit`` function it
+    reaches, and the values of the constants they read. Unlike Triton's cache key, not the line it starts
+    on: an edit above a kernel does not make its last full run stale."""
+    import triton.language as tl
+
+    parts, seen, todo = [], set(), [fn]
+    while todo:
+        f = todo.pop(0)
+        if (f.__module__, f.__name__) in seen:
+            continue
+        seen.add((f.__module__, f.__name__))
+        parts.append(f.src)
+        for name in sorted(set(re.findall(r"\b[A-Za-z_]\w*\b", f.src))):
+            value = f.__globals__.get(name)
+            if _is_jit(value):
+                todo.append(value)
+            elif isinstance(value, (tl.constexpr, bool, int, float, str)):
+                parts.append(f"{f.__name__}: {name} = {value!r}")
+    return parts
+
+
+def _by_kernel(module_specs: Iterable[Spec]) -> dict[str, list[Spec]]:
+    kernels: dict[str, list[Spec]] = {}
+    for spec in module_specs:
+        kernels.setdefault(spec.kernel, []).append(spec)
+    return kernels
+
+
+def kernel_records(module_name: str, arches: Iterable[int] = ARCHES) -> dict[str, dict]:
+    """What the manifest records of each kernel of the module, by ``module.kernel``: hashes of its source
+    (:func:`_kernel_sources`) and of its specializations, its compiles, the checks' code and Triton's
+    version."""
+    import triton
+
+    module = importlib.import_module(module_name)
+    arches = list(arches)
+    return {
+        f"{module_name}.{kernel}": {
+            "source": _digest("\n".join(_kernel_sources(getattr(module, kernel)))),
+            "specializations": _digest("\n".join(sorted(map(repr, kernel_specs)))),
+            "targets": arches,
+            "compiles": len(kernel_specs) * len(arches),
+            "checks": _checks_source()[:16],
+            "triton": triton.__version__,
+        }
+        for kernel, kernel_specs in _by_kernel(specs(module_name)).items()
+    }
+
+
+def read_manifest(path: Path = MANIFEST) -> dict[str, dict]:
+    """The manifest's record of each kernel (none when the file is missing)."""
+    return json.loads(path.read_text())["kernels"] if path.is_file() else {}
+
+
+def stale_kernels(module_name: str, manifest: dict[str, dict] | None = None) -> dict[str, list[str]]:
+    """The kernels of the module whose record (:func:`kernel_records`) differs from the manifest's, by
+    kernel name, each with the fields that differ (``"no full run"`` when the manifest has no record)."""
+    manifest = read_manifest() if manifest is None else manifest
+    stale = {}
+    for name, record in kernel_records(module_name).items():
+        kept = manifest.get(name)
+        differ = ["no full run"] if kept is None else [k for k, v in record.items() if kept.get(k) != v]
+        if differ:
+            stale[name.rsplit(".", 1)[1]] = differ
+    return stale
+
+
+def full_grid_kernels(module_name: str, manifest: dict[str, dict] | None = None) -> list[str]:
+    """The kernels of the module that ``make proofs`` compiles in full: those the manifest holds no full run
+    of, or whose source or specializations changed since (:data:`FULL_GRID_FIELDS`)."""
+    return sorted(
+        kernel
+        for kernel, differ in stale_kernels(module_name, manifest).items()
+        if "no full run" in differ or set(differ) & set(FULL_GRID_FIELDS)
+    )
+
+
+def write_manifest(
+    modules: Iterable[str] | None = None, arches: Iterable[int] = ARCHES, path: Path = MANIFEST
+) -> list[str]:
+    """Record in the manifest each kernel whose every compile (every specialization for every target) has
+    stored findings (:func:`stored_result`) from this source and these checks, all empty: what ``make
+    proofs-full`` runs after its full grid passed. A kernel with a compile missing or failed keeps its old
+    record, and this raises after writing the others.
+
+    Returns:
+        One line a kernel recorded.
+
+    Raises:
+        RuntimeError: naming each kernel not recorded and how many of its compiles are missing or failed.
+    """
+    arches = list(arches)
+    kept = read_manifest(path)
+    manifest, lines, refused = {}, [], []
+    for module_name in kernel_modules() if modules is None else modules:
+        records = kernel_records(module_name, arches)
+        for kernel, kernel_specs in _by_kernel(specs(module_name)).items():
+            name = f"{module_name}.{kernel}"
+            results = [stored_result(spec, arch) for spec in kernel_specs for arch in arches]
+            absent = sum(r is None for r in results)
+            failed = sum(bool(r is not None and r.findings) for r in results)
+            if absent or failed:
+                refused.append(
+                    f"{name}: of {len(results)} compiles, {absent} not stored, {failed} with findings"
+                )
+                if name in kept:
+                    manifest[name] = kept[name]
+                continue
+            manifest[name] = records[name]
+            lines.append(f"{name}: {len(results)} compiles passed; recorded in {path.name}")
+    about = (
+        "written by make proofs-full once the full Triton grid passed; make proofs reads it (CONTRIBUTING.md)"
+    )
+    path.write_text(json.dumps({"about": about, "kernels": manifest}, indent=1, sort_keys=True) + "\n")
+    if refused:
+        raise RuntimeError("not recorded (run make proofs-full):\n" + "\n".join(refused))
+    return lines
 
 
 def _cache_dir(kind: str) -> Path:
