@@ -282,8 +282,9 @@ def _kernel_sources(fn) -> list[str]:
 
 
 def _by_kernel(module_specs: Iterable[Spec]) -> dict[str, list[Spec]]:
+    """Each kernel's distinct specializations (a listing may name one twice: the fused kernel's does)."""
     kernels: dict[str, list[Spec]] = {}
-    for spec in module_specs:
+    for spec in dict.fromkeys(module_specs):
         kernels.setdefault(spec.kernel, []).append(spec)
     return kernels
 
@@ -363,7 +364,7 @@ def write_manifest(
             failed = sum(bool(r is not None and r.findings) for r in results)
             if absent or failed:
                 refused.append(
-                    f"{name}: of {len(results)} compiles, {absent} not stored, {failed} with findings"
+                    f"{name}: {absent} of {len(results)} compiles not stored, {failed} with findings"
                 )
                 if name in kept:
                     manifest[name] = kept[name]
