@@ -53,3 +53,11 @@ proofs: $(STAMP) $(ENGINES_STAMP)
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) build dist ropekit-report
+
+# make proofs compiles a 3-wise cover of the Triton grid (and the whole grid of a kernel changed since the last
+# full run); this runs the heavy tier with every specialization for every target, then records each kernel's
+# hashes in src/ropekit/tools/triton_aot_manifest.json, which make proofs reads (CONTRIBUTING.md: when to run it).
+.PHONY: proofs-full
+proofs-full:
+	$(MAKE) proofs ROPEKIT_TRITON_GRID=full
+	$(PY) -c 'from ropekit.tools import triton_aot; print(*triton_aot.write_manifest(), sep="\n")'

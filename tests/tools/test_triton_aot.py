@@ -2,17 +2,20 @@
 its machine code checked (ropekit.tools.ptx_check): no spills, registers within budget, 128-bit q/k accesses,
 round-to-nearest-even 16-bit stores, no FMA; the fused kernel's channels 128-bit too.
 
-Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
-constexpr value, every pair of axis values together: 116 compiles of the 7,140 (rotary 32, fused 64, QK-norm
-20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
-specialization for every target: 2,380 x 3 = 7,140 compiles (the rotary kernel's row forms and prefill grid
-tripled its 288 specializations to 852, and the packed form, cu_seqlens int32 or int64, took them to 1,420;
-the prefill grids took the fused kernel's from 540 to 720 and the QK-norm kernel's from 144 to 240, issue 25)
-at about 0.26-0.5 s of CPU each on the Xeon VM; on the Zen 3 one about 1.2 s a compile on each of two xdist
-workers with ptxas, about 71 minutes cold.
+Three grids. ``make test`` compiles a pairwise cover (``triton_aot.cover``: every target with every
+constexpr value, every pair of axis values together: 116 compiles of the 7,068 distinct ones (rotary 32,
+fused 64, QK-norm 20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``)
+compiles a 3-wise cover (every triple of axis values, the target one axis: 411 compiles, rotary 131, fused
+224, QK-norm 56), and every specialization of each kernel that the manifest of the last full run
+(``triton_aot.MANIFEST``) does not hold as it is now (its source or specializations changed), and says so.
+``make proofs-full`` (``ROPEKIT_TRITON_GRID=full``) compiles every specialization for every target, 2,356
+distinct x 3 = 7,068 compiles (the rotary kernel's 1,420, the fused kernel's 696, the QK-norm kernel's 240),
+then records the manifest. A compile costs about 0.4 CPU-s with ptxas (the shared 2-core AMD EPYC VM,
+2026-12-07: 14 compiles of the 3-wise cover from nothing, 0.40 CPU-s each); CI measured about 1.2 s a
+compile on each of two xdist workers, so the 3-wise cover is a few minutes and the full grid about an hour.
 
-Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
-the spec, the target and the checks' source); a warm run reads them back. The proof runs in parts of about
+Compiles and checked findings are stored in $ROPEKIT_CACHE_DIR/triton-aot, keyed by what each reads (the
+checks' source keys only the findings); a warm run reads them back. A full grid runs in parts of about
 ``PROOF_PART`` compiles, so pytest-xdist spreads them evenly over its workers.
 """
 
@@ -184,26 +187,24 @@ def _proof_specs(module: str, arch: int, grid: str, part: int, parts: int) -> li
 
 
 def _stale_note(module: str) -> str | None:
-    """What make proofs says of a module whose kernels the manifest holds no full run of, or not of these
-    checks or this Triton: shown in pytest's warnings summary."""
+    """What make proofs says of a module whose kernels the manifest holds no full run of, or not of this
+    source, these specializations, these checks or this Triton: shown in pytest's warnings summary."""
     if GRID == "full":
         return None
-    stale = triton_aot.stale_kernels(module)
-    if not stale:
-        return None
-    kernels = "; ".join(
-        f"{kernel} ({', '.join(differ)}: "
-        + (
-            "its full grid compiled here"
-            if kernel in _full_kernels(module)
-            else "its 3-wise cover compiled here"
+    notes = []
+    for kernel, differ in sorted(triton_aot.stale_kernels(module).items()):
+        what = (
+            "no full run recorded"
+            if differ == ["no full run"]
+            else f"{', '.join(differ)} changed since its full run"
         )
-        + ")"
-        for kernel, differ in sorted(stale.items())
-    )
+        grid = "its full grid" if kernel in _full_kernels(module) else "its 3-wise cover only"
+        notes.append(f"{kernel}: {what}, so {grid} is compiled here")
+    if not notes:
+        return None
     return (
-        f"the Triton manifest is stale for {module}: {kernels} differ from the last full run recorded in "
-        f"{triton_aot.MANIFEST.name}; run make proofs-full and commit the manifest"
+        f"the Triton manifest ({triton_aot.MANIFEST.name}) is stale for {module}: {'; '.join(notes)}. "
+        "Run make proofs-full and commit the manifest."
     )
 
 

@@ -12,10 +12,18 @@ by default every 16-byte-aligned fp16/bf16 pointer; a module's ``vectorised_args
 specialization) and ``OCCUPANCY_TARGET`` (default 1.0: full
 occupancy).
 
-Checked results (registers, spills, access widths, findings: a few hundred bytes each) are cached in
-``$ROPEKIT_CACHE_DIR/triton-aot``, keyed on the kernel's source (and every function it calls), the Triton
-(and ptxas) version, the spec, the target and the checks' own source; Triton's compiled artifacts (about
-190 KB a specialization) go wherever ``TRITON_CACHE_DIR`` points (the tests: a temporary directory).
+Two stores in ``$ROPEKIT_CACHE_DIR/triton-aot``, each keyed by what it reads: ``compiled/`` holds each
+compile's PTX and cubin (gzip'd, 10-30 KB), keyed by the kernel source (and every function it calls), the
+argument types and hints, the constexprs, the options, the target and the Triton and ptxas versions
+(:func:`compile_key`); ``checked/`` holds the checks' findings on it (registers, spills, access widths: a
+few hundred bytes), keyed also by the checks' own code. A changed check re-reads the stored compiles; no
+test's time depends on either store (a fresh machine has neither). Triton's own artifacts (about 190 KB a
+specialization) go wherever ``TRITON_CACHE_DIR`` points (the tests: a temporary directory).
+
+Three grids: the fast tier compiles a pairwise :func:`cover`, ``make proofs`` a 3-wise one and the whole
+grid of each kernel whose source or specializations changed since the last ``make proofs-full``, which
+compiles every specialization for every target and records each kernel in :data:`MANIFEST`
+(:func:`write_manifest`, :func:`full_grid_kernels`).
 Compiling needs Triton's JIT: under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be
 compiled.
 """
