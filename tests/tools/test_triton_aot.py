@@ -478,6 +478,45 @@ def test_write_manifest_records_a_kernel_only_when_every_compile_of_its_grid_pas
     assert triton_aot.read_manifest(path) == old
 
 
+TINY_KERNEL = """
+import triton
+import triton.language as tl
+
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets))
+
+
+def aot_specializations():
+    signature = {"x_ptr": "*fp32:16", "y_ptr": "*fp32:16", "BLOCK": "constexpr"}
+    return [(copy_kernel, signature, {"BLOCK": 128}, 1)]
+"""
+
+
+def test_write_manifest_records_a_kernel_once_its_compile_is_stored(tmp_path, monkeypatch, triton_cache):
+    """End to end on a one-compile module: nothing stored, nothing recorded; compiled, recorded as it is."""
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "store"))
+    (tmp_path / "tiny_triton_module.py").write_text(TINY_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "manifest.json"
+    with pytest.raises(RuntimeError, match=r"tiny_triton_module\.copy_kernel: 1 of 1 compiles not stored"):
+        triton_aot.write_manifest(["tiny_triton_module"], arches=[80], path=path)
+    assert triton_aot.read_manifest(path) == {}
+    (spec,) = triton_aot.specs("tiny_triton_module")
+    assert triton_aot.compile_and_check(spec, 80).findings == []
+    assert triton_aot.write_manifest(["tiny_triton_module"], arches=[80], path=path) == [
+        "tiny_triton_module.copy_kernel: 1 compiles passed; recorded in manifest.json"
+    ]
+    assert triton_aot.read_manifest(path) == triton_aot.kernel_records("tiny_triton_module", [80])
+    assert triton_aot.stale_kernels("tiny_triton_module", triton_aot.read_manifest(path)) == {
+        "copy_kernel": ["targets", "compiles"]  # recorded for sm_80 alone, read against the three targets
+    }
+
+
 def test_the_checked_in_manifest_records_kernels_that_exist_as_write_manifest_records_them():
     kept = triton_aot.read_manifest()
     current = {
