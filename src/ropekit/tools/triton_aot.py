@@ -24,6 +24,7 @@ Three grids: the fast tier compiles a pairwise :func:`cover`, ``make proofs`` a 
 grid of each kernel whose source or specializations changed since the last ``make proofs-full``, which
 compiles every specialization for every target and records each kernel in :data:`MANIFEST`
 (:func:`write_manifest`, :func:`full_grid_kernels`).
+
 Compiling needs Triton's JIT: under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be
 compiled.
 """
@@ -461,10 +462,8 @@ def _checks_source() -> str:
 def _checked_path(spec: Spec, arch: int) -> Path:
     """Where the checks' findings on (spec, arch) are kept: keyed on the compile (:func:`compile_key`), the
     spec (its pointers held to 128 bits, its occupancy) and the checks' code."""
-    key = f"{compile_key(spec, arch)}|{spec!r}|{_checks_source()}"
-    return (
-        _cache_dir("checked") / f"{spec.kernel}-sm{arch}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-    )
+    key = hashlib.sha256(f"{compile_key(spec, arch)}|{spec!r}|{_checks_source()}".encode()).hexdigest()
+    return _cache_dir("checked") / f"{spec.kernel}-sm{arch}-{key[:32]}.json"
 
 
 @dataclass(frozen=True)
