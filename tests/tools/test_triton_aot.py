@@ -215,14 +215,10 @@ def test_the_proof_grid_compiles_and_passes_the_machine_code_checks(
 ):
     note = _stale_note(module)
     if note is not None:
-        warnings.warn(note, StaleManifestWarning, stacklevel=1)
+        warnings.warn(note, triton_aot.StaleManifestWarning, stacklevel=1)
     specs = _proof_specs(module, arch, grid, part, parts)
     assert specs, f"{module}: {grid} part {part + 1} of {parts} for sm_{arch} is empty"
     _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in specs])
-
-
-class StaleManifestWarning(UserWarning):
-    """The manifest of the last make proofs-full does not hold a kernel as it is now."""
 
 
 # The fast tier: a pairwise cover of each module's grid, one test per (module, target).

@@ -57,6 +57,7 @@ __all__ = [
     "MANIFEST",
     "Result",
     "Spec",
+    "StaleManifestWarning",
     "compile_and_check",
     "compile_key",
     "cover",
@@ -262,6 +263,11 @@ MANIFEST = Path(__file__).with_name("triton_aot_manifest.json")
 # A kernel whose record differs from the manifest's in one of these gets its whole grid compiled by make
 # proofs; in another (the checks' code, the Triton version), only its 3-wise cover, and make proofs says so.
 FULL_GRID_FIELDS = ("source", "specializations")
+
+
+class StaleManifestWarning(UserWarning):
+    """The manifest of the last make proofs-full does not hold a kernel as it is now (make proofs warns it;
+    defined here, not in the test, so that pytest-xdist's controller can import the category it is sent)."""
 
 
 def _digest(text: str) -> str:
