@@ -70,7 +70,7 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -n 2 -q -m "not proof and not engine" --durations=15 tests
 
-# The heavy tier: full grids, every Triton compile, full-size interpreter suites, then the engines in their own
+# The heavy tier: full grids, the Triton compile cover, full-size interpreter suites, then the engines in their own
 # venv. .ci/run calls the parts one by one (to time each): proofs = proofs-core, engines-venv, proofs-engines.
 .PHONY: proofs-core proofs-latest latest-venv proofs-engines
 proofs: proofs-core proofs-latest proofs-engines
@@ -90,3 +90,11 @@ proofs-engines: $(ENGINES_STAMP)
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) $(LATEST_VENV) build dist ropekit-report
+
+# make proofs compiles a 3-wise cover of the Triton grid (and the whole grid of a kernel changed since the last
+# full run); this runs the heavy tier with every specialization for every target, then records each kernel's
+# hashes in src/ropekit/tools/triton_aot_manifest.json, which make proofs reads (CONTRIBUTING.md: when to run it).
+.PHONY: proofs-full
+proofs-full:
+	$(MAKE) proofs ROPEKIT_TRITON_GRID=full
+	$(PY) -c 'from ropekit.tools import triton_aot; print(*triton_aot.write_manifest(), sep="\n")'

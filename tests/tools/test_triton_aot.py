@@ -2,17 +2,20 @@
 its machine code checked (ropekit.tools.ptx_check): no spills, registers within budget, 128-bit q/k accesses,
 round-to-nearest-even 16-bit stores, no FMA; the fused kernel's channels 128-bit too.
 
-Two tiers. ``make test`` compiles a pairwise cover of the grid (``triton_aot.cover``: every target with every
-constexpr value, every pair of axis values together: 116 compiles of the 7,140 (rotary 32, fused 64, QK-norm
-20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``) compiles every
-specialization for every target: 2,380 x 3 = 7,140 compiles (the rotary kernel's row forms and prefill grid
-tripled its 288 specializations to 852, and the packed form, cu_seqlens int32 or int64, took them to 1,420;
-the prefill grids took the fused kernel's from 540 to 720 and the QK-norm kernel's from 144 to 240, issue 25)
-at about 0.26-0.5 s of CPU each on the Xeon VM; on the Zen 3 one about 1.2 s a compile on each of two xdist
-workers with ptxas, about 71 minutes cold.
+Three grids. ``make test`` compiles a pairwise cover (``triton_aot.cover``: every target with every
+constexpr value, every pair of axis values together: 116 compiles of the 7,068 distinct ones (rotary 32,
+fused 64, QK-norm 20), a few minutes on the shared 2-core machine cold). ``make proofs`` (``-m proof``)
+compiles a 3-wise cover (every triple of axis values, the target one axis: 411 compiles, rotary 131, fused
+224, QK-norm 56), and every specialization of each kernel that the manifest of the last full run
+(``triton_aot.MANIFEST``) does not hold as it is now (its source or specializations changed), and says so.
+``make proofs-full`` (``ROPEKIT_TRITON_GRID=full``) compiles every specialization for every target, 2,356
+distinct x 3 = 7,068 compiles (the rotary kernel's 1,420, the fused kernel's 696, the QK-norm kernel's 240),
+then records the manifest. A compile costs about 0.4 CPU-s with ptxas (the shared 2-core AMD EPYC VM,
+2026-12-07: 14 compiles of the 3-wise cover from nothing, 0.40 CPU-s each); CI measured about 1.2 s a
+compile on each of two xdist workers, so the 3-wise cover is a few minutes and the full grid about an hour.
 
-Checked results are cached in $ROPEKIT_CACHE_DIR/triton-aot (keyed on the kernel source, the Triton version,
-the spec, the target and the checks' source); a warm run reads them back. The proof runs in parts of about
+Compiles and checked findings are stored in $ROPEKIT_CACHE_DIR/triton-aot, keyed by what each reads (the
+checks' source keys only the findings); a warm run reads them back. A full grid runs in parts of about
 ``PROOF_PART`` compiles, so pytest-xdist spreads them evenly over its workers.
 """
 
@@ -21,7 +24,12 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import json
 import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -118,36 +126,98 @@ def _assert_clean(results) -> None:
     print(collections.Counter(r.registers for r in results))
 
 
-# The proof: every specialization of every module for every target, in parts of about PROOF_PART compiles
-# (a minute or two of CPU each) so that pytest-xdist keeps both workers busy to the end. Part i of n of a
-# module's grid is every n-th specialization from the i-th: the parts of one (module, target) hold each once.
+# The proof. make proofs: each module's 3-wise cover (every triple of axis values, the target one axis), and
+# the full grid of every kernel that the manifest of the last make proofs-full holds no run of (its source or
+# specializations changed since: triton_aot.full_grid_kernels). make proofs-full (ROPEKIT_TRITON_GRID=full):
+# every specialization of every module for every target. A full grid runs in parts of about PROOF_PART
+# compiles (a minute or two of CPU each) so that pytest-xdist keeps both workers busy to the end: part i of n
+# is every n-th specialization from the i-th, so the parts of one (module, target) hold each once.
 PROOF_PART = 120
 ALL_MODULES = triton_aot.kernel_modules()
+GRID = os.environ.get("ROPEKIT_TRITON_GRID", "cover")
+if GRID not in ("cover", "full"):
+    raise ValueError(
+        f"ROPEKIT_TRITON_GRID must be 'cover' (make proofs) or 'full' (make proofs-full), got {GRID!r}"
+    )
 
 
 @functools.cache
 def _specs(module: str) -> tuple:
-    return tuple(triton_aot.specs(module))
+    """The module's distinct specializations (the fused kernel's listing names a few twice)."""
+    return tuple(dict.fromkeys(triton_aot.specs(module)))
+
+
+@functools.cache
+def _full_kernels(module: str) -> frozenset:
+    if GRID == "full":
+        return frozenset(spec.kernel for spec in _specs(module))
+    return frozenset(triton_aot.full_grid_kernels(module))
+
+
+@functools.cache
+def _cover3(module: str) -> tuple:
+    return tuple(triton_aot.cover(_specs(module), strength=3))
 
 
 def _proof_parts() -> list:
     params = []
     for module in ALL_MODULES:
-        parts = -(-len(_specs(module)) // PROOF_PART)
+        name = module.rsplit(".", 1)[-1]
+        full = [spec for spec in _specs(module) if spec.kernel in _full_kernels(module)]
+        parts = -(-len(full) // PROOF_PART)
         for arch in triton_aot.ARCHES:
+            if len(full) < len(_specs(module)):
+                params.append(pytest.param(module, arch, "cover", 0, 1, id=f"{name}-sm{arch}-cover"))
             for part in range(parts):
-                name = f"{module.rsplit('.', 1)[-1]}-sm{arch}-{part + 1}of{parts}"
-                params.append(pytest.param(module, arch, part, parts, id=name))
+                params.append(
+                    pytest.param(
+                        module, arch, "full", part, parts, id=f"{name}-sm{arch}-full-{part + 1}of{parts}"
+                    )
+                )
     return params
 
 
+def _proof_specs(module: str, arch: int, grid: str, part: int, parts: int) -> list:
+    """What one proof test compiles for sm_<arch>: the 3-wise cover's compiles of the kernels not compiled in
+    full, or one part of the full grid of those that are."""
+    full = _full_kernels(module)
+    if grid == "cover":
+        return [spec for spec, a in _cover3(module) if a == arch and spec.kernel not in full]
+    return [spec for spec in _specs(module) if spec.kernel in full][part::parts]
+
+
+def _stale_note(module: str) -> str | None:
+    """What make proofs says of a module whose kernels the manifest holds no full run of, or not of this
+    source, these specializations, these checks or this Triton: shown in pytest's warnings summary."""
+    if GRID == "full":
+        return None
+    notes = []
+    for kernel, differ in sorted(triton_aot.stale_kernels(module).items()):
+        what = (
+            "no full run recorded"
+            if differ == ["no full run"]
+            else f"{', '.join(differ)} changed since its full run"
+        )
+        grid = "its full grid" if kernel in _full_kernels(module) else "its 3-wise cover only"
+        notes.append(f"{kernel}: {what}, so {grid} is compiled here")
+    if not notes:
+        return None
+    return (
+        f"the Triton manifest ({triton_aot.MANIFEST.name}) is stale for {module}: {'; '.join(notes)}. "
+        "Run make proofs-full and commit the manifest."
+    )
+
+
 @pytest.mark.proof
-@pytest.mark.parametrize(("module", "arch", "part", "parts"), _proof_parts())
-def test_every_specialization_compiles_and_passes_the_machine_code_checks(
-    module, arch, part, parts, triton_cache
+@pytest.mark.parametrize(("module", "arch", "grid", "part", "parts"), _proof_parts())
+def test_the_proof_grid_compiles_and_passes_the_machine_code_checks(
+    module, arch, grid, part, parts, triton_cache
 ):
-    specs = _specs(module)[part::parts]
-    assert specs, f"{module}: part {part + 1} of {parts} is empty"
+    note = _stale_note(module)
+    if note is not None:
+        warnings.warn(note, triton_aot.StaleManifestWarning, stacklevel=1)
+    specs = _proof_specs(module, arch, grid, part, parts)
+    assert specs, f"{module}: {grid} part {part + 1} of {parts} for sm_{arch} is empty"
     _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in specs])
 
 
@@ -194,7 +264,7 @@ def test_a_per_axis_cover_is_smaller_and_still_holds_every_value():
             everywhere = {repr(dict(s.constexprs)[name]) for s in specs}
             assert everywhere == {repr(dict(s.constexprs)[name]) for s, _ in per_axis}, name
     with pytest.raises(ValueError, match="strength must be 1"):
-        triton_aot.cover(triton_aot.specs(KERNEL), strength=3)
+        triton_aot.cover(triton_aot.specs(KERNEL), strength=4)
 
 
 @pytest.mark.parametrize("arch", triton_aot.ARCHES)
@@ -203,3 +273,267 @@ def test_the_cover_compiles_and_passes_the_machine_code_checks(module, arch, tri
     chosen = [spec for spec, a in _cover(module) if a == arch]
     assert chosen, f"{module}: nothing compiled for sm_{arch}"
     _assert_clean([triton_aot.compile_and_check(spec, arch) for spec in chosen])
+
+
+def _axis_codes(rows: list[dict], names: list, values: dict):
+    import numpy as np
+
+    return np.array([[values[name][repr(row.get(name))] for name in names] for row in rows], np.int64)
+
+
+@pytest.mark.parametrize("module", ALL_MODULES)
+def test_the_3_wise_cover_holds_every_triple_of_axis_values_of_the_full_grid(module):
+    """make proofs' cover, checked from the grid itself as the pairwise one is: for every three axes that vary
+    (an argument absent from a specialization counts as one more value of its axis), every triple of their
+    values that some (spec, target) of the full product has, some compile of the cover has too."""
+    import numpy as np
+
+    specs = _specs(module)
+    chosen = _cover3(module)
+    assert len(chosen) < len(specs) * len(triton_aot.ARCHES) / 5, f"{module}: the cover is no saving"
+    assert set(_cover(module)) - set(chosen) or len(chosen) > len(_cover(module))
+    full = [_named_values(s, a) for s in specs for a in triton_aot.ARCHES]
+    compiled = [_named_values(s, a) for s, a in chosen]
+    names = sorted({name for row in full for name in row})
+    values = {name: sorted({repr(row.get(name)) for row in full}) for name in names}
+    varying = [name for name in names if len(values[name]) > 1]
+    values = {name: {v: i for i, v in enumerate(values[name])} for name in varying}
+    grid, seen = _axis_codes(full, varying, values), _axis_codes(compiled, varying, values)
+    sizes = [len(values[name]) for name in varying]
+    assert len(varying) >= 3
+    for i, j, k in itertools.combinations(range(len(varying)), 3):
+        table = np.zeros((sizes[i], sizes[j], sizes[k]), bool)
+        table[seen[:, i], seen[:, j], seen[:, k]] = True
+        missed = ~table[grid[:, i], grid[:, j], grid[:, k]]
+        assert not missed.any(), (
+            f"{module}: {varying[i]} x {varying[j]} x {varying[k]}: never compiled as in "
+            f"{full[int(np.argmax(missed))]}"
+        )
+
+
+def test_the_3_wise_cover_is_the_same_in_every_process():
+    """Each xdist worker computes the cover it compiles a part of: the same whatever the strings hash to."""
+    code = f"from ropekit.tools import triton_aot as t; print(t.cover(t.specs({QK_NORM!r}), strength=3))"
+    seed = "1" if os.environ.get("PYTHONHASHSEED") == "0" else "0"  # not this process's
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr(list(_cover3(QK_NORM)))
+
+
+def _module_copy(tmp_path, name: str, source: str):
+    """``source`` imported as a new module ``name`` (a kernel module with an edit)."""
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fields(result) -> dict:
+    return {name: getattr(result, name) for name in triton_aot._FIELDS}
+
+
+def test_a_changed_check_rereads_the_stored_compile_and_a_changed_toolchain_compiles_again(
+    tmp_path, monkeypatch, triton_cache
+):
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path))
+    store = tmp_path / "triton-aot"
+    spec = _specs(QK_NORM)[0]
+    first = triton_aot.compile_and_check(spec, 80)
+    assert first.registers > 0 and first.findings == []
+    assert len(list((store / "compiled").iterdir())) == len(list((store / "checked").iterdir())) == 1
+
+    def compile_again(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(triton_aot, "_compile", compile_again)
+    assert _fields(triton_aot.compile_and_check(spec, 80)) == _fields(first)  # the stored findings
+    monkeypatch.setattr(triton_aot, "_checks_source", lambda: "a changed check")
+    assert _fields(triton_aot.compile_and_check(spec, 80)) == _fields(first)  # checked again, not compiled
+    assert len(list((store / "compiled").iterdir())) == 1
+    assert len(list((store / "checked").iterdir())) == 2
+    monkeypatch.setattr(triton_aot, "_toolchain", lambda arch: ("another Triton", "12.9", []))
+    with pytest.raises(AssertionError, match="compiled again"):
+        triton_aot.compile_and_check(spec, 80)
+
+
+def test_the_compile_key_is_what_the_compile_reads_and_not_the_checks(tmp_path, monkeypatch):
+    import dataclasses
+
+    from ropekit.backends.triton import qk_norm_kernel
+
+    spec = _specs(QK_NORM)[0]
+    key = triton_aot.compile_key(spec, 80)
+    constexprs = dict(spec.constexprs)
+    flag = next(name for name, value in constexprs.items() if isinstance(value, bool))
+    signature = dict(spec.signature)
+    hinted = next(
+        name for name, kind in signature.items() if kind.endswith(":16") and not kind.startswith("*")
+    )
+    pointer = next(name for name, kind in signature.items() if kind == "*fp32:16")
+    read = {
+        "target": (spec, 90),
+        "constexpr": (
+            dataclasses.replace(spec, constexprs=tuple({**constexprs, flag: not constexprs[flag]}.items())),
+            80,
+        ),
+        "argument type": (
+            dataclasses.replace(spec, signature=tuple({**signature, pointer: "*bf16:16"}.items())),
+            80,
+        ),
+        "divisibility": (
+            dataclasses.replace(spec, signature=tuple({**signature, hinted: "i32"}.items())),
+            80,
+        ),
+        "warps": (dataclasses.replace(spec, num_warps=2 * spec.num_warps), 80),
+        "options": (dataclasses.replace(spec, options=(("enable_fp_fusion", True),)), 80),
+    }
+    for what, (other, arch) in read.items():
+        assert triton_aot.compile_key(other, arch) != key, what
+    # Read by the checks only: the pointers held to 128 bits, the occupancy, the checks' code.
+    assert triton_aot.compile_key(dataclasses.replace(spec, vectorised=(), occupancy=0.5), 80) == key
+    monkeypatch.setattr(triton_aot, "_checks_source", lambda: "a changed check")
+    assert triton_aot.compile_key(spec, 80) == key
+    monkeypatch.setattr(triton_aot, "_toolchain", lambda arch: ("another Triton", "12.9", []))
+    assert triton_aot.compile_key(spec, 80) != key
+    monkeypatch.undo()
+    # The kernel's source, as Triton keys it: a line added above the kernel moves its debug lines.
+    source = "\n" + Path(qk_norm_kernel.__file__).read_text()
+    monkeypatch.setattr(
+        qk_norm_kernel, spec.kernel, getattr(_module_copy(tmp_path, "moved", source), spec.kernel)
+    )
+    assert triton_aot.compile_key(spec, 80) != key
+
+
+def test_the_manifests_kernel_source_is_its_own_and_its_callees_not_the_line_it_starts_on(tmp_path):
+    from ropekit.backends.triton import rotary_kernel
+
+    source = Path(rotary_kernel.__file__).read_text()
+    rtne = 'fp_downcast_rounding="rtne"'  # in _store_rounded, which the kernel calls
+    assert source.count(rtne) == 1
+    moved = _module_copy(tmp_path, "moved", "# a line above the kernel\n" + source)
+    callee = _module_copy(tmp_path, "callee", source.replace(rtne, 'fp_downcast_rounding="rtz"'))
+
+    def digest(module):
+        return triton_aot._digest("\n".join(triton_aot._kernel_sources(module.rotary_kernel)))
+
+    assert (
+        moved.rotary_kernel.cache_key != rotary_kernel.rotary_kernel.cache_key
+    )  # Triton's key: the line too
+    assert digest(moved) == digest(rotary_kernel)
+    assert digest(callee) != digest(rotary_kernel)
+
+
+def test_make_proofs_compiles_in_full_a_kernel_whose_source_or_specializations_changed_since_its_full_run():
+    records = triton_aot.kernel_records(QK_NORM)
+    ((name, record),) = records.items()
+    kernel = name.rsplit(".", 1)[1]
+    assert (
+        triton_aot.stale_kernels(QK_NORM, records) == {}
+        and triton_aot.full_grid_kernels(QK_NORM, records) == []
+    )
+    for field in ("source", "specializations", "checks", "triton"):
+        changed = {name: {**record, field: "0" * 16}}
+        assert triton_aot.stale_kernels(QK_NORM, changed) == {kernel: [field]}
+        assert triton_aot.full_grid_kernels(QK_NORM, changed) == (
+            [kernel] if field in triton_aot.FULL_GRID_FIELDS else []
+        )
+    assert triton_aot.stale_kernels(QK_NORM, {}) == {kernel: ["no full run"]}
+    assert triton_aot.full_grid_kernels(QK_NORM, {}) == [kernel]
+
+
+def test_write_manifest_records_a_kernel_only_when_every_compile_of_its_grid_passed(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    specs = _specs(QK_NORM)
+    monkeypatch.setattr(triton_aot, "stored_result", lambda spec, arch: triton_aot.Result(spec, arch, 40))
+    lines = triton_aot.write_manifest([QK_NORM], path=path)
+    assert triton_aot.read_manifest(path) == triton_aot.kernel_records(QK_NORM)
+    assert lines == [
+        f"{QK_NORM}.qk_norm_rotary_kernel: {3 * len(specs)} compiles passed; recorded in manifest.json"
+    ]
+
+    def one_missing_one_failed(spec, arch):
+        if (spec, arch) == (specs[-1], 100):
+            return None
+        return triton_aot.Result(
+            spec, arch, 40, findings=["spills: 8 bytes"] if (spec, arch) == (specs[0], 80) else []
+        )
+
+    monkeypatch.setattr(triton_aot, "stored_result", one_missing_one_failed)
+    old = {
+        name: {**record, "source": "0" * 16} for name, record in triton_aot.kernel_records(QK_NORM).items()
+    }
+    path.write_text(json.dumps({"kernels": old}))
+    with pytest.raises(
+        RuntimeError, match=f"qk_norm_rotary_kernel: 1 of {3 * len(specs)} compiles not stored, 1 with"
+    ):
+        triton_aot.write_manifest([QK_NORM], path=path)
+    assert triton_aot.read_manifest(path) == old
+
+
+TINY_KERNEL = """
+import triton
+import triton.language as tl
+
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets))
+
+
+def aot_specializations():
+    signature = {"x_ptr": "*fp32:16", "y_ptr": "*fp32:16", "BLOCK": "constexpr"}
+    return [(copy_kernel, signature, {"BLOCK": 128}, 1)]
+"""
+
+
+def test_write_manifest_records_a_kernel_once_its_compile_is_stored(tmp_path, monkeypatch, triton_cache):
+    """End to end on a one-compile module: nothing stored, nothing recorded; compiled, recorded as it is."""
+    monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "store"))
+    (tmp_path / "tiny_triton_module.py").write_text(TINY_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "manifest.json"
+    with pytest.raises(RuntimeError, match=r"tiny_triton_module\.copy_kernel: 1 of 1 compiles not stored"):
+        triton_aot.write_manifest(["tiny_triton_module"], arches=[80], path=path)
+    assert triton_aot.read_manifest(path) == {}
+    (spec,) = triton_aot.specs("tiny_triton_module")
+    assert triton_aot.compile_and_check(spec, 80).findings == []
+    assert triton_aot.write_manifest(["tiny_triton_module"], arches=[80], path=path) == [
+        "tiny_triton_module.copy_kernel: 1 compiles passed; recorded in manifest.json"
+    ]
+    assert triton_aot.read_manifest(path) == triton_aot.kernel_records("tiny_triton_module", [80])
+    assert triton_aot.stale_kernels("tiny_triton_module", triton_aot.read_manifest(path)) == {
+        "copy_kernel": ["targets", "compiles"]  # recorded for sm_80 alone, read against the three targets
+    }
+
+
+def test_the_checked_in_manifest_records_kernels_that_exist_as_write_manifest_records_them():
+    kept = triton_aot.read_manifest()
+    current = {
+        name: record for module in ALL_MODULES for name, record in triton_aot.kernel_records(module).items()
+    }
+    assert set(kept) <= set(current), "the manifest records a kernel that no longer exists"
+    for name, record in kept.items():
+        assert set(record) == set(current[name]), name
+
+
+def test_the_proof_compiles_each_stale_kernels_full_grid_once_and_the_3_wise_cover_of_the_rest():
+    params = [p.values for p in _proof_parts()]
+    for module in ALL_MODULES:
+        full = _full_kernels(module)
+        compiled = [
+            (spec, arch)
+            for m, arch, *rest in params
+            if m == module
+            for spec in _proof_specs(module, arch, *rest)
+        ]
+        assert len(compiled) == len(set(compiled))
+        wanted = {(s, a) for s, a in _cover3(module) if s.kernel not in full}
+        wanted |= {(s, a) for s in _specs(module) if s.kernel in full for a in triton_aot.ARCHES}
+        assert set(compiled) == wanted, module
