@@ -602,8 +602,8 @@ def render(rows: list[Row], seconds: float) -> str:
         f"Of the patched types, {doors.get('kernels', 0)} are patched through the `kernels` door (each "
         "attention layer's own kernels function module, as `kernels.kernelize` installs a kernel) and "
         f"{doors.get('module globals', 0)} through a copy of the layer's forward with its globals rebound "
-        "(the generic patch: functions transformers does not kernelize, per-layer tables, M-RoPE, partial "
-        f"and interleaved variants){mixed}.",
+        "(the generic patch, for the functions transformers keeps plain: those that differ from Llama's, "
+        f"such as partial rotary inside the function, interleaved, complex or conjugate forms){mixed}.",
         "",
         "| model type | status | door | detail |",
         "| --- | --- | --- | --- |",
