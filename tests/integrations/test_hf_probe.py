@@ -194,3 +194,26 @@ def test_deepseek_v4_trailing_rope_slice_is_found_and_proved():
         "full",
     )
     assert "trailing features" in convention.describe()
+
+
+def optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+    """Qwen4-exp's indexer form: k optional, q alone rotated and returned as a tensor when k is None."""
+    out = neox(q, q if k is None else k, cos, sin, unsqueeze_dim)
+    return out[0] if k is None else out
+
+
+def test_a_function_called_with_q_alone_is_proved_on_q_and_its_other_forms_keep_the_model_code():
+    torch.manual_seed(0)
+    freqs = angles()
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # (B, S, D)
+    q = torch.randn(B, S, H, D)
+    call = Call((q,), {"cos": cos, "sin": sin, "unsqueeze_dim": 2}, None)
+    signature = Signature.of(optional_k)
+    convention, diff, tol = find_convention(optional_k, signature, call, "torch")
+    assert convention is not None and diff <= tol
+    recorded = {"__tuple__": False}
+    rotate = stand_in(optional_k, signature, convention, recorded, "torch")
+    torch.testing.assert_close(rotate(q, cos=cos, sin=sin, unsqueeze_dim=2), optional_k(q, None, cos, sin, 2))
+    # a 3-D key with (G, D) tables, as the indexer's pooled keys: not a proved form, the model's code answers
+    keys, rows = torch.randn(5, 1, D), cos[0, :5]
+    assert torch.equal(rotate(keys, cos=rows, sin=sin[0, :5]), optional_k(keys, None, rows, sin[0, :5]))

@@ -291,8 +291,9 @@ def _run_convention(
     out = _rotate(convention, layout, xs, cos, sin, backend)
     if out is None:
         return None
-    if isinstance(like, torch.Tensor):
-        return out[0] if len(out) == 1 else None
+    if isinstance(like, torch.Tensor):  # one tensor back: q alone (k None, as Qwen4-exp's indexer calls it)
+        present = [o for o in out if o is not None]
+        return present[0] if len(present) == 1 else None
     return tuple(out)
 
 
