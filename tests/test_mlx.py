@@ -190,15 +190,16 @@ def test_every_preset_equals_the_torch_path_bit_for_bit(name, dtype, layout):
     assert max_ulps(got, torch_path(config, x, offsets=offsets, table_len=table_len)) == 0
 
 
+@pytest.mark.parametrize("table_len", [64, 8], ids=["table rows", "rows past the table"])
 @pytest.mark.parametrize("name", [n for n in PRESETS if RopeConfig.preset(n).mrope_section is not None])
-def test_mrope_presets_take_each_pairs_own_axis_like_the_torch_path(name):
+def test_mrope_presets_take_each_pairs_own_axis_like_the_torch_path(name, table_len):
     config = RopeConfig.preset(name)
     axes = len(config.mrope_section)
     ids = mrope_positions([3, (1, 4, 6), 2], spatial_merge=2).numpy()  # (3, T): text, image, text
     positions = np.stack([ids[i % 3] + 2 * i for i in range(axes)])[:, None].repeat(2, axis=1)  # (A, 2, T)
     positions[:, 1] += 5
     x = _x(2, positions.shape[-1], 2, config.head_dim)
-    rope = RotaryEmbedding(config, table_len=64, fast=True)  # fast asked; M-RoPE positions take the table
+    rope = RotaryEmbedding(config, table_len=table_len, fast=True)  # M-RoPE positions take the table path
     got = _mlx(rope, x, "bhtd", positions=mx.array(positions))
     assert max_ulps(got, torch_path(config, x, positions=positions, table_len=64)) == 0
 
