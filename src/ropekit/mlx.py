@@ -113,12 +113,11 @@ def apply_rotary(
     x_bthd = _as_bthd(x, layout)
     batch, seq = x_bthd.shape[:2]
     _check_tables(cos, sin, x.shape[-1])
-    rows = _rows(positions, offsets, batch, seq)  # (B, T) host ints
-    if rows.size and not 0 <= int(rows.min()) <= int(rows.max()) < cos.shape[0]:
-        bad = int(rows.min()) if rows.min() < 0 else int(rows.max())
+    rows = _rows(positions, offsets, batch, seq)  # (B, T) host ints, >= 0
+    if rows.size and rows.max() >= cos.shape[0]:
         raise ValueError(
-            f"positions: position {bad} is outside the cos/sin table (table_len {cos.shape[0]}); expected "
-            "0 <= position < table_len"
+            f"positions: position {int(rows.max())} is outside the cos/sin table (table_len "
+            f"{cos.shape[0]}); expected 0 <= position < table_len"
         )
     index = mx.array(rows)
     out = _rotate_rows(
@@ -213,8 +212,6 @@ class RotaryEmbedding:
 
     def _gather(self, rows: np.ndarray) -> tuple[mx.array, mx.array]:
         """(B, T, P) rows: from the table, or, past it, formed on the host for exactly these positions."""
-        if rows.size and rows.min() < 0:
-            raise ValueError(f"positions: expected positions >= 0, got {int(rows.min())}")
         if rows.size == 0 or rows.max() < self.table_len:
             index = mx.array(rows)
             return mx.take(self.cos, index, axis=0), mx.take(self.sin, index, axis=0)
@@ -223,8 +220,6 @@ class RotaryEmbedding:
     def _gather_mrope(self, rows: np.ndarray) -> tuple[mx.array, mx.array]:
         """(B, T, P) rows where pair j reads the position of its own axis a_j:
         cos[b, t, j] = table[rows[a_j, b, t], j]."""
-        if rows.size and rows.min() < 0:
-            raise ValueError(f"positions: expected positions >= 0, got {int(rows.min())}")
         if rows.size and rows.max() >= self.table_len:
             return cos_sin(self.config, rows, seq_len=self.seq_len)
         pairs = self.cos.shape[-1]
@@ -327,7 +322,7 @@ def _rows(positions: object, offsets: object, batch: int, seq: int) -> np.ndarra
     rows = _host_ints("positions", positions)
     if rows.shape != (batch, seq):
         raise ValueError(f"positions: expected shape ({batch}, {seq}) (batch, seq), got {rows.shape}")
-    return rows
+    return _non_negative(rows)
 
 
 def _mrope_rows(positions: object, offsets: object, axes: int, batch: int, seq: int) -> np.ndarray:
@@ -340,6 +335,12 @@ def _mrope_rows(positions: object, offsets: object, axes: int, batch: int, seq: 
             f"positions: expected shape (batch, seq) = ({batch}, {seq}) or, per M-RoPE axis, "
             f"({axes}, {batch}, {seq}), got {rows.shape}"
         )
+    return _non_negative(rows)
+
+
+def _non_negative(rows: np.ndarray) -> np.ndarray:
+    if rows.size and rows.min() < 0:
+        raise ValueError(f"positions: expected positions >= 0, got {int(rows.min())}")
     return rows
 
 
