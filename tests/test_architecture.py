@@ -42,7 +42,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("public API", ("ropekit",)),  # the package root: only the exact name "ropekit"
-    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations")),
+    # ropekit.mlx: MLX arrays on ropekit's tables, a peer-level adapter beside compat/.
+    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations", "ropekit.mlx")),
     # Plugins an engine loads (docs/engines.md): on the peers (compat.vllm serves vLLM's cache contract).
     ("engine plugins", ("ropekit.integrations.vllm", "ropekit.integrations.sglang")),
     ("tools", ("ropekit.tools",)),
@@ -54,6 +55,9 @@ HEAVY = ("matplotlib", "tqdm", "transformers", "vllm", "sglang")
 # Modules that import an engine at module level: only the engine imports them (torchtitan's
 # --override.imports), and only the engines environment has the engine.
 ENGINE_MODULES = ("ropekit.integrations.torchtitan",)
+# Modules that import an optional extra at module level (pip install 'ropekit[mlx]'): the main environment
+# need not have it.
+EXTRA_MODULES = ("ropekit.mlx",)
 
 
 def _matches(name: str, prefix: str) -> bool:
@@ -188,7 +192,9 @@ def test_the_checker_sees_lazy_relative_and_type_checking_imports(tmp_path, monk
 
 @pytest.mark.slow
 def test_importing_the_whole_core_loads_no_tool_and_no_heavy_dependency():
-    core = sorted(n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES)
+    core = sorted(
+        n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES + EXTRA_MODULES
+    )
     script = (
         "import importlib, sys\n"
         "import numpy, torch\n"  # whatever these load themselves (torch pulls in parts of tqdm) is not ours
