@@ -447,6 +447,15 @@ def test_jamba_attention_period_and_offset_are_checked(period, offset, match):
         model_rope(d)
 
 
+@pytest.mark.parametrize(("key", "value"), [("floor_scale", 0), ("attn_scale", "0.1"), ("floor_scale", -8)])
+def test_llama4_temperature_keys_are_checked_where_no_layer_rotates(key, value):
+    # every layer NoPE: no RopeConfig is built, so the temperature's own keys must be checked where it is
+    d = hf_dict("llama4_text", num_hidden_layers=4, layer_types=None, no_rope_layers=[0, 0, 0, 0])
+    d[key] = value
+    with pytest.raises(ValueError, match=rf"scaling\['{key}'\]: expected a finite number > 0"):
+        model_rope(d)
+
+
 @pytest.mark.parametrize("model_type", ["ministral3", "llama4_text"])
 def test_the_temperature_of_a_negative_position_is_a_value_error(model_type):
     layer = next(layer for layer in model_rope(AutoConfig.for_model(model_type)) if layer.temperature)

@@ -46,7 +46,7 @@ from ropekit.hf_config import (
     layer_rope_kwargs,
     load_hf_config,
 )
-from ropekit.schedules.softmax import attention_temperature
+from ropekit.schedules.softmax import attention_temperature, check_temperature
 from ropekit.validation import check_int, describe
 
 __all__ = ["LayerRope", "model_rope"]
@@ -202,6 +202,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         temperature = None
         if llama4 and rope is None and _is_attention(layer_type):
             temperature = FrozenScaling({k: d.get(k, v) for k, v in LLAMA4_TEMPERATURE.items()})
+            check_temperature(temperature)  # no RopeConfig checks it where every layer is NoPE
         elif rope is not None and rope.scaling and rope.scaling.get(POSITION_SCALING_KEY) is not None:
             keys = (POSITION_SCALING_KEY, "original_max_position_embeddings")
             temperature = FrozenScaling({k: rope.scaling[k] for k in keys})
