@@ -476,3 +476,11 @@ def test_fope_keys_are_refused_not_dropped(key):
     basis = fope_basis_kwargs(config)
     assert (basis["head_dim"], basis["base"]) == (64, 1e4)
     assert config["rope_scaling"][key] == 1  # the caller's config is left as it was
+
+
+@pytest.mark.parametrize("key", ["head_dim", "qk_rope_head_dim", "kv_channels"])
+@pytest.mark.parametrize("bad", ["64", 64.5, 0, True])
+def test_a_head_width_that_is_not_a_positive_integer_is_a_value_error_naming_its_key(key, bad):
+    d = {"hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": 0.5, key: bad}
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]: expected a positive integer"):
+        rope_kwargs(d)

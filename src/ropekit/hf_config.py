@@ -33,7 +33,7 @@ from typing import Any
 from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
 from ropekit.schedules.yarn import telechat3_attention_factor
-from ropekit.validation import check_fraction, describe
+from ropekit.validation import check_fraction, check_int, describe
 
 __all__ = [
     "fope_basis_kwargs",
@@ -209,7 +209,7 @@ def _head_dim(d: Mapping[str, Any]) -> int:
     # where its kv_channels is hidden_size / heads
     for key in (*keys, "attention_head_dim", "kv_channels"):
         if d.get(key) is not None:
-            return d[key]
+            return check_int(f"config[{key!r}]", d[key])
     hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
     heads = next((d[k] for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
     if hidden is None or heads is None:
