@@ -484,3 +484,22 @@ def test_a_head_width_that_is_not_a_positive_integer_is_a_value_error_naming_its
     d = {"hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": 0.5, key: bad}
     with pytest.raises(ValueError, match=rf"config\['{key}'\]: expected a positive integer"):
         rope_kwargs(d)
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"), [("num_attention_heads", True), ("n_head", 2.0), ("hidden_size", "256")]
+)
+def test_a_head_count_or_hidden_size_that_is_not_a_positive_integer_is_a_value_error(key, bad):
+    d = {"hidden_size": 256, "num_attention_heads": 4, key: bad}
+    if key == "n_head":
+        del d["num_attention_heads"]
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]: expected a positive integer"):
+        rope_kwargs(d)
+
+
+@pytest.mark.parametrize("bad", ["32", 31.5, float("nan"), 0])
+def test_a_gptj_rotary_dim_that_is_not_a_positive_integer_is_a_value_error(bad):
+    # it was read as no rotary_dim at all: the whole head rotated where GPT-J rotates its first 64 features
+    d = {"model_type": "gptj", "n_embd": 256, "n_head": 4, "rotary_dim": bad}
+    with pytest.raises(ValueError, match=r"config\['rotary_dim'\]: expected a positive integer"):
+        rope_kwargs(d)

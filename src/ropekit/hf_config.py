@@ -210,15 +210,18 @@ def _head_dim(d: Mapping[str, Any]) -> int:
     for key in (*keys, "attention_head_dim", "kv_channels"):
         if d.get(key) is not None:
             return check_int(f"config[{key!r}]", d[key])
-    hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
-    heads = next((d[k] for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
-    if hidden is None or heads is None:
-        missing = [k for k, v in (("hidden_size", hidden), ("num_attention_heads", heads)) if v is None]
+    hidden_key = next((k for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
+    heads_key = next((k for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
+    if hidden_key is None or heads_key is None:
+        found = (("hidden_size", hidden_key), ("num_attention_heads", heads_key))
+        missing = [k for k, v in found if v is None]
         raise ValueError(
             f"config: cannot tell the head width; expected 'head_dim', or 'hidden_size' and "
             f"'num_attention_heads' (missing {missing})"
         )
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+    heads = check_int(f"config[{heads_key!r}]", d[heads_key])  # True is not one head
+    hidden = check_int(f"config[{hidden_key!r}]", d[hidden_key])
+    if hidden % heads:
         raise ValueError(
             f"config['hidden_size']: expected a multiple of num_attention_heads ({heads!r}), got {hidden!r}"
         )
@@ -450,9 +453,11 @@ def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: M
             f"config['model_type']: {model_type!r} cannot be described by a RopeConfig: "
             f"{UNDESCRIBED_MODEL_TYPES[model_type]}"
         )
-    rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    rotary_dim = d.get("rotary_dim")
     if model_type in IGNORE_ROTARY_DIM:
         rotary_dim = None
+    elif rotary_dim is not None:  # '64' or 63.5 was read as no rotary_dim: the whole head rotated
+        rotary_dim = check_int("config['rotary_dim']", rotary_dim)
     rotary_position = "first"
     if model_type in MLA_MODEL_TYPES and isinstance(d.get("qk_rope_head_dim"), int):
         rotary_dim = head_dim = _mla_rope_width(d, params)
