@@ -503,3 +503,13 @@ def test_a_gptj_rotary_dim_that_is_not_a_positive_integer_is_a_value_error(bad):
     d = {"model_type": "gptj", "n_embd": 256, "n_head": 4, "rotary_dim": bad}
     with pytest.raises(ValueError, match=r"config\['rotary_dim'\]: expected a positive integer"):
         rope_kwargs(d)
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"), [("qk_nope_head_dim", "64"), ("qk_nope_head_dim", -1), ("qk_rope_head_dim", 2.5)]
+)
+def test_mla_widths_that_are_not_integers_are_value_errors_naming_their_key(key, bad):
+    d = {"model_type": "mistral4", "head_dim": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+         "hidden_size": 512, "num_attention_heads": 4, key: bad}  # fmt: skip
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]"):
+        rope_kwargs(d)

@@ -498,12 +498,10 @@ def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
     rope_parameters give the rotated part as a fraction of the whole q/k head (Mistral 4: of
     qk_nope_head_dim + qk_rope_head_dim; dots3: of head_dim), it must come to qk_rope_head_dim.
     """
-    rope = d.get("qk_rope_head_dim")
-    nope = d.get("qk_nope_head_dim") or 0
-    if not isinstance(rope, int) or not isinstance(nope, int):
-        raise ValueError(
-            f"config['qk_rope_head_dim']: expected the MLA rotated width (an integer), got {describe(rope)}"
-        )
+    rope = check_int("config['qk_rope_head_dim']", d.get("qk_rope_head_dim"))
+    nope = check_int(
+        "config['qk_nope_head_dim']", d.get("qk_nope_head_dim") or 0, minimum=0, expected="an integer >= 0"
+    )
     partial = params.pop("partial_rotary_factor", None)
     whole = (
         d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope
