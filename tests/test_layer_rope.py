@@ -447,6 +447,52 @@ def test_jamba_attention_period_and_offset_are_checked(period, offset, match):
         model_rope(d)
 
 
+BROKEN = (0, -3, 2.5, "7", True, float("nan"))
+
+
+def _break_each_numeric_field(d):
+    """model_rope of d with each numeric field broken in turn (in the language model's config where it is
+    nested): a plan, or a ValueError that names the field."""
+    nested = [(k,) for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
+    for path in [(), *nested]:
+        fields = d if not path else d[path[0]]
+        for key, value in fields.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for bad in BROKEN:
+                broken = {**d, **({path[0]: {**fields, key: bad}} if path else {key: bad})}
+                try:
+                    model_rope(broken)
+                except ValueError as err:  # Moonshine's decoder_* keys are read without their prefix
+                    assert key.removeprefix("decoder_") in str(err), (key, bad, str(err))
+
+
+# Qwen3-Omni's default thinker config has no readable head width (2048 over 28 heads): left out.
+@pytest.mark.parametrize("model_type", [t for t in FAST if t != "qwen3_omni_moe_thinker"])
+def test_a_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error_naming_the_field(model_type):
+    """The fuzzer's door for model_rope: each numeric field of a real config broken in turn, one at a time.
+    A field model_rope reads is either refused by a ValueError that names it or does not matter; never a
+    TypeError, ZeroDivisionError or IndexError, never a silent 512 for 512.7."""
+    d = AutoConfig.for_model(model_type).to_dict()
+    model_rope(d)
+    _break_each_numeric_field(d)
+
+
+# GPT-J / CodeGen read n_positions as max_position_embeddings, ESM rope_theta as base: named by those.
+ALIASED = {"gptj", "codegen", "esm"}
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("model_type", sorted(set(proof.hf_coverage.rope_model_types()) - ALIASED))
+def test_every_model_types_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error(model_type):
+    try:
+        d = AutoConfig.for_model(model_type).to_dict()
+        model_rope(d)
+    except ValueError:
+        pytest.skip("model_rope refuses the default config itself")
+    _break_each_numeric_field(d)
+
+
 @pytest.mark.parametrize(("key", "value"), [("floor_scale", 0), ("attn_scale", "0.1"), ("floor_scale", -8)])
 def test_llama4_temperature_keys_are_checked_where_no_layer_rotates(key, value):
     # every layer NoPE: no RopeConfig is built, so the temperature's own keys must be checked where it is
