@@ -588,6 +588,16 @@ MUTATIONS += [
         "",
         ("tests/backends/test_jit_trace.py",),
     ),
+    Mutation(
+        "compat.vllm: the halves memo keyed on the cache's pointer alone",
+        "ropekit/compat/vllm.py",
+        "    key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device)\n",
+        "    key = cache.data_ptr()\n",
+        (
+            "tests/compat/test_vllm.py::test_a_cache_whose_strides_change_in_place_is_read_as_it_now_lies",
+            "tests/compat/test_vllm.py::test_a_cache_whose_dtype_changes_in_place_is_read_in_its_new_dtype",
+        ),
+    ),
 ]
 
 

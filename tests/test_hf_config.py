@@ -476,3 +476,40 @@ def test_fope_keys_are_refused_not_dropped(key):
     basis = fope_basis_kwargs(config)
     assert (basis["head_dim"], basis["base"]) == (64, 1e4)
     assert config["rope_scaling"][key] == 1  # the caller's config is left as it was
+
+
+@pytest.mark.parametrize("key", ["head_dim", "qk_rope_head_dim", "kv_channels"])
+@pytest.mark.parametrize("bad", ["64", 64.5, 0, True])
+def test_a_head_width_that_is_not_a_positive_integer_is_a_value_error_naming_its_key(key, bad):
+    d = {"hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": 0.5, key: bad}
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]: expected a positive integer"):
+        rope_kwargs(d)
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"), [("num_attention_heads", True), ("n_head", 2.0), ("hidden_size", "256")]
+)
+def test_a_head_count_or_hidden_size_that_is_not_a_positive_integer_is_a_value_error(key, bad):
+    d = {"hidden_size": 256, "num_attention_heads": 4, key: bad}
+    if key == "n_head":
+        del d["num_attention_heads"]
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]: expected a positive integer"):
+        rope_kwargs(d)
+
+
+@pytest.mark.parametrize("bad", ["32", 31.5, float("nan"), 0])
+def test_a_gptj_rotary_dim_that_is_not_a_positive_integer_is_a_value_error(bad):
+    # it was read as no rotary_dim at all: the whole head rotated where GPT-J rotates its first 64 features
+    d = {"model_type": "gptj", "n_embd": 256, "n_head": 4, "rotary_dim": bad}
+    with pytest.raises(ValueError, match=r"config\['rotary_dim'\]: expected a positive integer"):
+        rope_kwargs(d)
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"), [("qk_nope_head_dim", "64"), ("qk_nope_head_dim", -1), ("qk_rope_head_dim", 2.5)]
+)
+def test_mla_widths_that_are_not_integers_are_value_errors_naming_their_key(key, bad):
+    d = {"model_type": "mistral4", "head_dim": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+         "hidden_size": 512, "num_attention_heads": 4, key: bad}  # fmt: skip
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]"):
+        rope_kwargs(d)

@@ -376,3 +376,141 @@ def test_dory_released_layout_counts_attention_and_mlp_blocks():
     plan = model_rope(released)
     assert [layer.layer_type for layer in plan] == list(config.layer_types)
     assert {layer.rope.base for layer in plan if layer.layer_type == "full_attention"} == {1e7}
+
+
+# -- configs transformers refuses are refused, each by a ValueError naming the key, the value and the want ---
+def test_an_unknown_layer_type_is_a_value_error_naming_the_layer_and_the_entry():
+    types = ["full_attention", "full_attention", "full_atention", "full_attention"]
+    with pytest.raises(ValueError, match=r"config\['layer_types'\]\[2\].*'full_atention'"):
+        model_rope(hf_dict("llama", num_hidden_layers=4, layer_types=types))
+
+
+def test_layer_types_that_are_not_strings_are_a_value_error():
+    with pytest.raises(ValueError, match=r"config\['layer_types'\]\[0\].*got 0"):
+        model_rope(hf_dict("llama", num_hidden_layers=4, layer_types=[0, 1, 0, 1]))
+
+
+def test_legacy_and_hybrid_layer_types_are_read():
+    d = hf_dict("llama", num_hidden_layers=3, layer_types=["attention", "mamba", "full_attention"])
+    assert [layer.rope is not None for layer in model_rope(d)] == [True, False, True]
+
+
+@pytest.mark.parametrize("window", [-5, 0, 512.7, "512", True, float("nan")])
+def test_a_sliding_window_that_is_not_a_positive_integer_is_a_value_error(window):
+    d = hf_dict("gemma3_text", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    d["sliding_window"] = window
+    with pytest.raises(ValueError, match=r"config\['sliding_window'\]: expected a positive integer"):
+        model_rope(d)
+
+
+def test_an_unused_window_is_not_read():
+    # Qwen2-MoE's released config: sliding_window 0 beside use_sliding_window false (no layer is windowed)
+    plan = model_rope(AutoConfig.for_model("qwen2_moe"))
+    assert {layer.sliding_window for layer in plan} == {None}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("local_attention", -2), ("local_attention", 64.5), ("local_attention", 0)]
+)
+def test_modernbert_local_attention_that_is_not_a_positive_integer_is_a_value_error(key, value):
+    with pytest.raises(ValueError, match=rf"config\['{key}'\]"):
+        model_rope(hf_dict("modernbert", **{key: value}))
+
+
+def test_recurrent_gemma_attention_window_size_is_checked():
+    with pytest.raises(ValueError, match=r"config\['attention_window_size'\]"):
+        model_rope(hf_dict("recurrent_gemma", num_hidden_layers=3, attention_window_size=-1))
+
+
+@pytest.mark.parametrize("size", [8.5, -8, 0, "8192", False])
+def test_an_attention_chunk_size_that_is_not_a_positive_integer_is_a_value_error(size):
+    with pytest.raises(ValueError, match=r"config\['attention_chunk_size'\]: expected a positive integer"):
+        model_rope(hf_dict("llama4_text", attention_chunk_size=size))
+
+
+@pytest.mark.parametrize("interval", [0, -4, "4", 4.0])
+def test_a_no_rope_layer_interval_that_is_not_a_positive_integer_is_a_value_error(interval):
+    d = hf_dict("llama4_text", num_hidden_layers=8, layer_types=None, no_rope_layers=[])
+    d["no_rope_layer_interval"] = interval
+    with pytest.raises(ValueError, match=r"config\['no_rope_layer_interval'\]: expected a positive integer"):
+        model_rope(d)
+
+
+@pytest.mark.parametrize(
+    ("period", "offset", "match"),
+    [(0, 0, "attn_layer_period"), (-8, 4, "attn_layer_period"), (8, 8, "attn_layer_offset"),
+     (8, -1, "attn_layer_offset"), ("8", 4, "attn_layer_period")],
+)  # fmt: skip
+def test_jamba_attention_period_and_offset_are_checked(period, offset, match):
+    d = hf_dict("jamba", num_hidden_layers=16, attn_layer_period=period, attn_layer_offset=offset)
+    with pytest.raises(ValueError, match=rf"config\['{match}'\]"):
+        model_rope(d)
+
+
+BROKEN = (0, -3, 2.5, "7", True, float("nan"))
+
+
+def _break_each_numeric_field(d):
+    """model_rope of d with each numeric field broken in turn (in the language model's config where it is
+    nested): a plan, or a ValueError that names the field."""
+    nested = [(k,) for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
+    for path in [(), *nested]:
+        fields = d if not path else d[path[0]]
+        for key, value in fields.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for bad in BROKEN:
+                broken = {**d, **({path[0]: {**fields, key: bad}} if path else {key: bad})}
+                try:
+                    model_rope(broken)
+                except ValueError as err:  # Moonshine's decoder_* keys are read without their prefix
+                    assert key.removeprefix("decoder_") in str(err), (key, bad, str(err))
+
+
+# Qwen3-Omni's default thinker config has no readable head width (2048 over 28 heads): left out.
+@pytest.mark.parametrize("model_type", [t for t in FAST if t != "qwen3_omni_moe_thinker"])
+def test_a_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error_naming_the_field(model_type):
+    """The fuzzer's door for model_rope: each numeric field of a real config broken in turn, one at a time.
+    A field model_rope reads is either refused by a ValueError that names it or does not matter; never a
+    TypeError, ZeroDivisionError or IndexError, never a silent 512 for 512.7."""
+    d = AutoConfig.for_model(model_type).to_dict()
+    model_rope(d)
+    _break_each_numeric_field(d)
+
+
+# GPT-J / CodeGen read n_positions as max_position_embeddings, ESM rope_theta as base: named by those.
+ALIASED = {"gptj", "codegen", "esm"}
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("model_type", sorted(set(proof.hf_coverage.rope_model_types()) - ALIASED))
+def test_every_model_types_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error(model_type):
+    try:
+        d = AutoConfig.for_model(model_type).to_dict()
+        model_rope(d)
+    except ValueError:
+        pytest.skip("model_rope refuses the default config itself")
+    _break_each_numeric_field(d)
+
+
+@pytest.mark.parametrize(("key", "value"), [("floor_scale", 0), ("attn_scale", "0.1"), ("floor_scale", -8)])
+def test_llama4_temperature_keys_are_checked_where_no_layer_rotates(key, value):
+    # every layer NoPE: no RopeConfig is built, so the temperature's own keys must be checked where it is
+    d = hf_dict("llama4_text", num_hidden_layers=4, layer_types=None, no_rope_layers=[0, 0, 0, 0])
+    d[key] = value
+    with pytest.raises(ValueError, match=rf"scaling\['{key}'\]: expected a finite number > 0"):
+        model_rope(d)
+
+
+@pytest.mark.parametrize("model_type", ["ministral3", "llama4_text"])
+def test_the_temperature_of_a_negative_position_is_a_value_error(model_type):
+    layer = next(layer for layer in model_rope(AutoConfig.for_model(model_type)) if layer.temperature)
+    with pytest.raises(ValueError, match="positions: expected values >= 0, got a minimum of -1"):
+        layer.attention_temperature(torch.tensor([0, -1, 5]))
+    assert layer.attention_temperature(torch.tensor([], dtype=torch.int64)).shape == (0,)
+
+
+# -- what a layer's attention needs beyond the rotation ---------------------------------------------------
+def test_deepseek_v4_layers_say_the_values_are_rotated_and_the_output_rotated_back():
+    assert all(layer.shared_kv for layer in model_rope(AutoConfig.for_model("deepseek_v4")))
+    assert not any(layer.shared_kv for layer in model_rope(AutoConfig.for_model("llama")))

@@ -128,3 +128,31 @@ def test_missing_grids_and_lengths_are_value_errors():
         )
     with pytest.raises(ValueError, match="mm_token_type_ids"):
         ropekit.get_rope_index({"model_type": "qwen2_vl", "vision_config": {"spatial_merge_size": 2}}, ids)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_seconds_that_are_not_finite_and_non_negative_are_refused_as_for_qwen_vl(bad):
+    ids, mask = _batch([_visual(VIDEO, (2, 4, 4))])
+    with pytest.raises(ValueError, match=r"second_per_grid_ts: expected finite numbers >= 0"):
+        ropekit.get_rope_index(
+            _config(), ids, video_grid_thw=torch.tensor([[2, 4, 4]]), attention_mask=mask,
+            second_per_grid_ts=torch.tensor([bad]),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5])
+def test_an_image_run_that_is_not_its_grids_length_is_a_value_error(tokens):
+    row = [1, VSTART, *[IMAGE] * tokens, VEND, 5, 6, 7, 8]  # the grid (1, 4, 4) gives 4 tokens
+    ids, mask = _batch([row])
+    with pytest.raises(ValueError, match=rf"input_ids: the image run at token 1 holds {tokens} image tokens"):
+        ropekit.get_rope_index(_config(), ids, image_grid_thw=torch.tensor([[1, 4, 4]]), attention_mask=mask)
+
+
+def test_an_audio_run_that_is_not_its_lengths_is_a_value_error():
+    row = [1, ASTART, *[AUDIO] * 3, AEND, 2]  # 90 features give more than 3 tokens
+    ids, mask = _batch([row, [1, *_visual(IMAGE, (1, 4, 4))]])
+    with pytest.raises(ValueError, match=r"input_ids: the audio run at token 1 holds 3 audio tokens"):
+        ropekit.get_rope_index(
+            _config(), ids, image_grid_thw=torch.tensor([[1, 4, 4]]), attention_mask=mask,
+            audio_seqlens=torch.tensor([90]),
+        )  # fmt: skip

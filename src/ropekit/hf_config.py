@@ -33,7 +33,7 @@ from typing import Any
 from ropekit.schedules import get_schedule
 from ropekit.schedules.registry import STRUCTURAL_KEYS
 from ropekit.schedules.yarn import telechat3_attention_factor
-from ropekit.validation import check_fraction, describe
+from ropekit.validation import check_fraction, check_int, describe
 
 __all__ = [
     "fope_basis_kwargs",
@@ -209,16 +209,19 @@ def _head_dim(d: Mapping[str, Any]) -> int:
     # where its kv_channels is hidden_size / heads
     for key in (*keys, "attention_head_dim", "kv_channels"):
         if d.get(key) is not None:
-            return d[key]
-    hidden = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
-    heads = next((d[k] for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
-    if hidden is None or heads is None:
-        missing = [k for k, v in (("hidden_size", hidden), ("num_attention_heads", heads)) if v is None]
+            return check_int(f"config[{key!r}]", d[key])
+    hidden_key = next((k for k in ("hidden_size", "n_embd", "d_model") if d.get(k) is not None), None)
+    heads_key = next((k for k in ("num_attention_heads", "n_head", "n_heads") if d.get(k) is not None), None)
+    if hidden_key is None or heads_key is None:
+        found = (("hidden_size", hidden_key), ("num_attention_heads", heads_key))
+        missing = [k for k, v in found if v is None]
         raise ValueError(
             f"config: cannot tell the head width; expected 'head_dim', or 'hidden_size' and "
             f"'num_attention_heads' (missing {missing})"
         )
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+    heads = check_int(f"config[{heads_key!r}]", d[heads_key])  # True is not one head
+    hidden = check_int(f"config[{hidden_key!r}]", d[hidden_key])
+    if hidden % heads:
         raise ValueError(
             f"config['hidden_size']: expected a multiple of num_attention_heads ({heads!r}), got {hidden!r}"
         )
@@ -450,9 +453,11 @@ def layer_rope_kwargs(d: Mapping[str, Any], layer_type: str | None, overrides: M
             f"config['model_type']: {model_type!r} cannot be described by a RopeConfig: "
             f"{UNDESCRIBED_MODEL_TYPES[model_type]}"
         )
-    rotary_dim = d.get("rotary_dim") if isinstance(d.get("rotary_dim"), int) else None
+    rotary_dim = d.get("rotary_dim")
     if model_type in IGNORE_ROTARY_DIM:
         rotary_dim = None
+    elif rotary_dim is not None:  # '64' or 63.5 was read as no rotary_dim: the whole head rotated
+        rotary_dim = check_int("config['rotary_dim']", rotary_dim)
     rotary_position = "first"
     if model_type in MLA_MODEL_TYPES and isinstance(d.get("qk_rope_head_dim"), int):
         rotary_dim = head_dim = _mla_rope_width(d, params)
@@ -493,12 +498,10 @@ def _mla_rope_width(d: Mapping[str, Any], params: dict[str, Any]) -> int:
     rope_parameters give the rotated part as a fraction of the whole q/k head (Mistral 4: of
     qk_nope_head_dim + qk_rope_head_dim; dots3: of head_dim), it must come to qk_rope_head_dim.
     """
-    rope = d.get("qk_rope_head_dim")
-    nope = d.get("qk_nope_head_dim") or 0
-    if not isinstance(rope, int) or not isinstance(nope, int):
-        raise ValueError(
-            f"config['qk_rope_head_dim']: expected the MLA rotated width (an integer), got {describe(rope)}"
-        )
+    rope = check_int("config['qk_rope_head_dim']", d.get("qk_rope_head_dim"))
+    nope = check_int(
+        "config['qk_nope_head_dim']", d.get("qk_nope_head_dim") or 0, minimum=0, expected="an integer >= 0"
+    )
     partial = params.pop("partial_rotary_factor", None)
     whole = (
         d.get("head_dim") if isinstance(d.get("head_dim"), int) and d.get("head_dim") > rope else rope + nope

@@ -46,8 +46,8 @@ from ropekit.hf_config import (
     layer_rope_kwargs,
     load_hf_config,
 )
-from ropekit.schedules.softmax import attention_temperature
-from ropekit.validation import describe
+from ropekit.schedules.softmax import attention_temperature, check_temperature
+from ropekit.validation import check_int, describe
 
 __all__ = ["LayerRope", "model_rope"]
 
@@ -104,6 +104,18 @@ ZAYA_TYPES = ("hybrid", "hybrid_sliding")
 # Models whose attention_chunk_size chunks their "chunked_attention" layers (Llama 4).
 CHUNKED = "chunked_attention"
 SLIDING = "sliding_attention"
+# The layer types a config may name (layer_types, layers_block_type): transformers 5.25's
+# ALLOWED_LAYER_TYPES, the legacy names it remaps (mamba, attention, deepseek_sparse_attention,
+# qwen_sparse_attention), and the non-attention blocks of released hybrids. Anything else is a typo that
+# transformers refuses; read as a layer without RoPE it would make a plan silently wrong.
+KNOWN_LAYER_TYPES = frozenset(
+    {
+        "full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
+        "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse",
+        "reference_sliding_attention", "linear_attention", "sparse", "dense", "attention",
+        "deepseek_sparse_attention", "qwen_sparse_attention", *ZAYA_TYPES, *NON_ATTENTION,
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,10 @@ class LayerRope:
         attention_chunk_size: the chunk a query attends within (Llama 4's chunked layers), or None.
         temperature: the scaling keys its query temperature comes from (see :meth:`attention_temperature`),
             or None.
+        shared_kv: True where the layer's one key-value tensor is both key and value (DeepSeek-V4): the
+            values are rotated with the keys, and the attention output is rotated back by the query's
+            position (:func:`ropekit.rotate_shared_kv`, then :func:`ropekit.unrotate_output`). A layer
+            wired from ``rope`` alone (q and k rotated, values not, output as it is) is silently wrong there.
     """
 
     index: int
@@ -127,13 +143,15 @@ class LayerRope:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     temperature: FrozenScaling | None = None
+    shared_kv: bool = False
 
     def attention_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         """The factor this layer multiplies the query at each position by (float32, shaped like positions;
         ones for a layer without one).
 
         Raises:
-            ValueError: for positions that are not an integer tensor.
+            ValueError: for positions that are not an integer tensor, or negative (as every rotation
+                refuses them).
         """
         return attention_temperature(self.temperature, positions, torch.float32)
 
@@ -149,9 +167,10 @@ def model_rope(config: Any) -> list[LayerRope]:
         one :class:`LayerRope` per decoder layer, in order.
 
     Raises:
-        ValueError: for a config without a layer count, ``layer_types`` / ``no_rope_layers`` whose length is
-            not the layer count, a layer type without RoPE parameters, or anything
-            :meth:`RopeConfig.from_hf` refuses.
+        ValueError: naming the key, for a config without a layer count, ``layer_types`` /
+            ``no_rope_layers`` whose length is not the layer count, a layer type transformers does not know
+            (naming the layer), a window, chunk size or NoPE interval that is not a positive integer, a
+            layer type without RoPE parameters, or anything :meth:`RopeConfig.from_hf` refuses.
 
     Example:
         >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
@@ -183,6 +202,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         temperature = None
         if llama4 and rope is None and _is_attention(layer_type):
             temperature = FrozenScaling({k: d.get(k, v) for k, v in LLAMA4_TEMPERATURE.items()})
+            check_temperature(temperature)  # no RopeConfig checks it where every layer is NoPE
         elif rope is not None and rope.scaling and rope.scaling.get(POSITION_SCALING_KEY) is not None:
             keys = (POSITION_SCALING_KEY, "original_max_position_embeddings")
             temperature = FrozenScaling({k: rope.scaling[k] for k in keys})
@@ -194,6 +214,7 @@ def model_rope(config: Any) -> list[LayerRope]:
                 sliding_window=_sliding_window(d, layer_type),
                 attention_chunk_size=_chunk_size(d, layer_type),
                 temperature=temperature,
+                shared_kv=rope is not None and _model_type(d) == "deepseek_v4",
             )
         )
     return layers
@@ -265,10 +286,11 @@ def _layer_types(d: Mapping[str, Any], count: int) -> list | None:
     config properties derive it)."""
     model_type = _model_type(d)
     if model_type == "jamba":  # JambaConfig.layers_block_type
-        period, offset = d.get("attn_layer_period", 8), d.get("attn_layer_offset", 4)
-        for key, value in (("attn_layer_period", period), ("attn_layer_offset", offset)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"config[{key!r}]: expected a non-negative integer, got {describe(value)}")
+        period = check_int("config['attn_layer_period']", d.get("attn_layer_period", 8))
+        offset = check_int(
+            "config['attn_layer_offset']", d.get("attn_layer_offset", 4), minimum=0, maximum=period - 1,
+            expected=f"an integer in [0, attn_layer_period) = [0, {period}) (as JambaConfig checks)",
+        )  # fmt: skip
         return ["full_attention" if i % period == offset else "mamba" for i in range(count)]
     if model_type == "bamba":  # BambaConfig.layers_block_type
         indices = d.get("attn_layer_indices") or []
@@ -285,12 +307,24 @@ def _layer_types(d: Mapping[str, Any], count: int) -> list | None:
             )
         return [SLIDING if blocks[i % len(blocks)] == "attention" else "recurrent" for i in range(count)]
     if model_type in ("zamba2", "nemotron_h") and d.get("layer_types") is None:
-        types = _per_layer_list(d, "layers_block_type", count)
+        types = _known_types(d, "layers_block_type", count)
         # transformers' names: "linear_attention" is a Mamba-2 mixer, "hybrid" Zamba 2's shared attention
         # block before one
         names = {"linear_attention": "mamba", "hybrid": "hybrid_attention"}
         return None if types is None else [names.get(t, t) for t in types]
-    return _per_layer_list(d, "layer_types", count)
+    return _known_types(d, "layer_types", count)
+
+
+def _known_types(d: Mapping[str, Any], key: str, count: int) -> list | None:
+    """config[key]'s per-layer types, each one transformers knows (a typo is no layer without RoPE)."""
+    types = _per_layer_list(d, key, count)
+    for index, entry in enumerate(types or ()):
+        if not isinstance(entry, str) or entry not in KNOWN_LAYER_TYPES:
+            raise ValueError(
+                f"config[{key!r}][{index}]: layer {index}'s type is not a layer type transformers knows; "
+                f"expected one of {sorted(KNOWN_LAYER_TYPES)}, got {describe(entry)}"
+            )
+    return types
 
 
 def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
@@ -311,7 +345,7 @@ def _uses_rope(d: Mapping[str, Any], count: int) -> list[bool]:
     if flags is None or (not flags and _model_type(d) == "llama4"):
         if flags is None and _model_type(d) not in ("llama4", "smollm3"):
             return [True] * count
-        interval = 4 if interval is None else interval
+        interval = check_int("config['no_rope_layer_interval']", 4 if interval is None else interval)
         return [(i + 1) % interval != 0 for i in range(count)]
     flags = _per_layer_list(d, "no_rope_layers", count)
     if any(f not in (0, 1) or isinstance(f, float) for f in flags):
@@ -380,16 +414,21 @@ def _sliding_window(d: Mapping[str, Any], layer_type: str | None) -> int | None:
     window = d.get("sliding_window")
     if _model_type(d) == "recurrent_gemma":  # its attribute_map: sliding_window -> attention_window_size
         window = d.get("attention_window_size", window)
+    key = "attention_window_size" if _model_type(d) == "recurrent_gemma" else "sliding_window"
     if _model_type(d) == "modernbert" and d.get("local_attention") is not None:
         # Bidirectional: a query sees local_attention // 2 keys each side; HF passes half the window + 1.
-        window = d["local_attention"] // 2 + 1
+        window = check_int("config['local_attention']", d["local_attention"]) // 2 + 1
     if window is None or d.get("use_sliding_window") is False:
-        return None
+        return None  # an unused window is not read (Qwen2-MoE publishes 0 beside use_sliding_window false)
+    window = check_int(f"config[{key!r}]", window)
     if layer_type in (None, SLIDING, ZAYA_TYPES[1]) or _model_type(d) == "deepseek_v4":
-        return int(window)
+        return window
     return None
 
 
 def _chunk_size(d: Mapping[str, Any], layer_type: str | None) -> int | None:
     size = d.get("attention_chunk_size")
-    return int(size) if size is not None and layer_type == CHUNKED else None
+    if size is None:
+        return None
+    size = check_int("config['attention_chunk_size']", size)
+    return size if layer_type == CHUNKED else None

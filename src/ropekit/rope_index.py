@@ -241,24 +241,33 @@ def _video_intervals(
     if second_per_grid_ts is None:
         seconds = torch.ones(count)
     else:
-        check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
-        seconds = torch.as_tensor(second_per_grid_ts).cpu()
+        seconds = _seconds(second_per_grid_ts)
         if seconds.dim() != 1 or seconds.shape[0] < count:
             raise ValueError(
                 f"second_per_grid_ts: expected one number per video ({count}), "
                 f"got {describe(second_per_grid_ts)}"
-            )
-        # nan or inf seconds made frame positions of -2^63; negative ones run time backwards.
-        if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
-            raise ValueError(
-                f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
-                f"{seconds.tolist()[:8]}"
             )
     tokens_per_second = vision.get("tokens_per_second")
     if tokens_per_second is None:
         raise ValueError("config['vision_config']['tokens_per_second']: Qwen2.5-VL needs it, got none")
     check_number("config['vision_config']['tokens_per_second']", tokens_per_second, minimum=0)
     return tokens_per_second * seconds
+
+
+def _seconds(second_per_grid_ts: Any) -> torch.Tensor:
+    """second_per_grid_ts on the host, each a finite number >= 0 (Qwen2.5-VL, Qwen3-Omni).
+
+    nan or inf seconds made frame positions of -2^63 (Qwen2.5-VL) or NaN (Qwen3-Omni); negative ones run time
+    backwards.
+    """
+    check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
+    seconds = torch.as_tensor(second_per_grid_ts).cpu()
+    if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
+        raise ValueError(
+            f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
+            f"{seconds.reshape(-1).tolist()[:8]}"
+        )
+    return seconds
 
 
 def mrope_decode_positions(

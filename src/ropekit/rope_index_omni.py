@@ -121,15 +121,18 @@ def _row(tokens: list[int], ids: _Ids, grids: dict[str, Any], use_audio_in_video
                     f"input_ids: a vision start token at {run} is followed by {nxt!r}, expected the image "
                     f"({ids.image}) or video ({ids.video}) token, or the audio start with use_audio_in_video"
                 )
-        length = edge
+        length, sources = edge, []
         if kind in ("audio", "audio_in_video"):
-            n_audio = audio_output_length(grids["audio"](), ids.n_window)
+            features = grids["audio"]()
+            n_audio = audio_output_length(features, ids.n_window)
             audio = _text(p, n_audio)
             length += n_audio
+            sources.append(f"audio_seqlens {features}")
         if kind == "audio":
             pieces.append(audio)
         else:
             (t, h, w), seconds = grids["image" if kind == "image" else "video"]()
+            sources.append(f"{'image' if kind == 'image' else 'video'}_grid_thw {(t, h, w)}")
             h, w = h // ids.merge, w // ids.merge
             if kind == "image":  # one frame per second
                 times = (torch.arange(t) * ids.per_second).float()
@@ -138,11 +141,33 @@ def _row(tokens: list[int], ids: _Ids, grids: dict[str, Any], use_audio_in_video
             block = _vision(p, times, h, w)
             length += t * h * w
             pieces.extend(_merge_by_time(block, audio) if kind == "audio_in_video" else [block])
+        _check_run(tokens, run, edge, length - edge, kind, ids, sources)
         pieces.append(_text(start(), edge))
         cursor = run + length + edge
     if cursor < len(tokens):
         pieces.append(_text(start(), len(tokens) - cursor))
     return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0)
+
+
+def _check_run(
+    tokens: list[int], run: int, edge: int, expected: int, kind: str, ids: _Ids, sources: list[str]
+) -> None:
+    """The run's tokens after its start tokens are exactly as many image / video / audio tokens as its grid
+    or audio length gives (a shorter run took the end token and the text after it as patches).
+    ``run`` counts the prompt's real tokens (padding left out)."""
+    allowed = {
+        "image": {ids.image}, "video": {ids.video}, "audio": {ids.audio},
+        "audio_in_video": {ids.video, ids.audio},
+    }[kind]  # fmt: skip
+    found, at = 0, run + edge
+    while at + found < len(tokens) and tokens[at + found] in allowed:
+        found += 1
+    if found != expected:
+        what = "video and audio" if kind == "audio_in_video" else kind
+        raise ValueError(
+            f"input_ids: the {what} run at token {run} holds {found} {what} tokens; expected {expected}, "
+            f"from {' and '.join(sources)} (spatial_merge_size {ids.merge}, n_window {ids.n_window})"
+        )
 
 
 def _find(tokens: list[int], token: int, begin: int) -> int | None:
@@ -169,7 +194,9 @@ def omni_rope_index(
 
     Raises:
         ValueError: for a config without the token ids, shapes that disagree, fewer grids, audio lengths or
-            seconds than the prompts use, a vision start followed by neither an image nor a video token.
+            seconds than the prompts use, seconds that are not finite numbers >= 0, a run whose image /
+            video / audio tokens are not as many as its grid or audio length gives, a vision start followed
+            by neither an image nor a video token.
     """
     ids = _Ids(d, merge)
     check_bool("use_audio_in_video", use_audio_in_video)
@@ -234,7 +261,7 @@ def _counting(grids: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
 
 def _queues(image_grid_thw, video_grid_thw, second_per_grids, audio_seqlens) -> dict[str, Any]:
     """Batch-wide queues of (grid, seconds) per image and video, and feature lengths per audio."""
-    from ropekit.rope_index import _grids  # the grid check of the Qwen-VL families, shared
+    from ropekit.rope_index import _grids, _seconds  # the checks of the Qwen-VL families, shared
 
     images = _grids("image_grid_thw", image_grid_thw)
     videos = _grids("video_grid_thw", video_grid_thw)
@@ -242,7 +269,7 @@ def _queues(image_grid_thw, video_grid_thw, second_per_grids, audio_seqlens) -> 
     video_list = [] if videos is None else [tuple(g) for g in videos.tolist()]
     seconds = [1.0] * len(video_list)
     if second_per_grids is not None:
-        seconds = torch.as_tensor(second_per_grids).reshape(-1).tolist()
+        seconds = _seconds(second_per_grids).reshape(-1).tolist()
     audios = [] if audio_seqlens is None else torch.as_tensor(audio_seqlens).reshape(-1).tolist()
     videos_seconds = zip(video_list, seconds, strict=False)  # too few seconds: the queue ends early
     state = {"image": iter(image_list), "video": iter(videos_seconds), "audio": iter(audios)}

@@ -189,6 +189,63 @@ def test_cache_halves_are_read_where_they_lie(monkeypatch):
     assert (seen["q"], seen["q_out"], seen["cos"], seen["sin"]) == (ptr, ptr, base, base + 32 * 4)
 
 
+def test_a_cache_whose_strides_change_in_place_is_read_as_it_now_lies():
+    """Issue 39, defect 9: the memo of a cache's halves was keyed on (pointer, shape), so after ``t_()`` on a
+    square cache (same pointer, same shape, other strides) the stale halves rotated the query."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(64, 64, generator=g)
+    positions = torch.tensor([3, 17, 40])
+    query = torch.randn(3, 2 * 64, generator=g)
+    apply_rope_with_cos_sin_cache(positions, query, None, 64, cache)  # the halves of the cache as it was
+    cache.t_()
+    got, _ = apply_rope_with_cos_sin_cache(positions, query, None, 64, cache)
+    want, _ = apply_rope_with_cos_sin_cache(positions, query, None, 64, cache.contiguous())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    in_place = query.clone()
+    rotary_embedding(positions, in_place, None, 64, cache, True)
+    torch.testing.assert_close(in_place, want, rtol=0, atol=0)
+
+
+def test_a_cache_whose_dtype_changes_in_place_is_read_in_its_new_dtype():
+    """The memo's key holds everything its halves depend on: a bfloat16 cache whose ``.data`` becomes a
+    float16 view of the same bytes keeps its pointer, shape and strides, and must not be read as bfloat16."""
+    cache = torch.randn(16, 8).to(torch.bfloat16)
+    positions, query = torch.tensor([1, 5]), torch.randn(2, 8)
+    apply_rope_with_cos_sin_cache(positions, query, None, 8, cache)
+    cache.data = cache.data.view(torch.float16)
+    got, _ = apply_rope_with_cos_sin_cache(positions, query, None, 8, cache)
+    want, _ = apply_rope_with_cos_sin_cache(positions, query, None, 8, cache.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "match"),
+    [
+        ((16, 128), (16.0, 128), r"^head_size: expected a positive int, got 16\.0"),
+        ((16, 1), (16, True), r"^max_position: expected a positive int, got True"),
+        ((16, 128, True, {"rope_type": "linear", "factor": 1}), (16, 128, True, {"rope_type": "linear",
+         "factor": True}), r"factor"),
+    ],
+)  # fmt: skip
+def test_get_rope_refuses_what_it_refuses_in_a_fresh_process_even_after_an_equal_key_was_cached(
+    good, bad, match
+):
+    """Issue 39: the instance cache was read before the checks, so get_rope(16.0, ...) after
+    get_rope(16, ...) returned the cached module (16.0 == 16 as a key)."""
+    get_rope(*good)
+    with pytest.raises(ValueError, match=match):
+        get_rope(*bad)
+
+
+def test_telechat3_yarn_original_length_that_is_not_an_integer_is_a_value_error():
+    params = {"rope_type": "telechat3-yarn", "factor": 4.0, "original_max_position_embeddings": "4096"}
+    with pytest.raises(ValueError, match=r"rope_parameters\['original_max_position_embeddings'\]: expected"):
+        get_rope(64, 4096, True, params)
+    with pytest.raises(ValueError, match=r"rope_parameters\['original_max_position_embeddings'\]"):
+        deepseek = {**params, "rope_type": "deepseek_yarn", "original_max_position_embeddings": 0}
+        get_rope(64, 4096, True, deepseek)
+
+
 def test_errors_name_vllm_arguments():
     cache = get_rope(16, 32, True, {"rope_theta": 10000.0}).cos_sin_cache
     positions = torch.arange(4)

@@ -89,6 +89,24 @@ def test_fope_cache_follows_loaded_coefficients():
     assert half == 8 and not torch.equal(out, q)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 3), (1, 2), (1, 2, 3), (0, 2, 2)])
+def test_fope_weight_loader_of_the_wrong_coefficient_shape_is_a_value_error(shape):
+    rope = FourierRotaryEmbedding(8, 8, 16, 100.0, True, torch.float32, num_key_value_heads=1, num_inv_freq=2)
+    before = rope.cos_coef.detach().clone()
+    with pytest.raises(ValueError, match=r"loaded_weight: expected .*\(num_key_value_heads, 2, 2\)"):
+        rope.weight_loader(rope.cos_coef, torch.ones(shape))
+    assert torch.equal(rope.cos_coef, before)  # nothing written
+
+
+def test_fope_weight_loader_takes_this_shards_heads():
+    rope = FourierRotaryEmbedding(8, 8, 16, 100.0, True, torch.float32, num_key_value_heads=2, num_inv_freq=2)
+    rope.tp_rank, rope.tp_size = 1, 2
+    with pytest.raises(ValueError, match="loaded_weight"):
+        rope.weight_loader(rope.cos_coef, torch.ones(2, 2, 2))  # 1 head for this shard, the module holds 2
+    rope.weight_loader(rope.cos_coef, torch.arange(16.0).reshape(4, 2, 2))
+    assert torch.equal(rope.cos_coef, torch.arange(8.0, 16.0).reshape(2, 2, 2))
+
+
 def test_fope_refuses_gptj_pairing_and_shared_coefficients():
     with pytest.raises(ValueError, match="is_neox_style"):
         FourierRotaryEmbedding(8, 8, 16, 100.0, False, torch.float32, num_key_value_heads=1)
@@ -218,6 +236,14 @@ def test_llama4_vision_matches_reference_and_vllm_call():
     for got, x in ((q_out, q), (k_out, k)):
         want = ref.rotate_multiaxis(x.double().numpy(), positions, theta, axis_of_pair, interleaved=True)
         np.testing.assert_allclose(got.double().numpy(), want, **F32)
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 3, 16), (2, 18, 3, 16), (2, 17, 3, 32), (17, 3, 16)])
+def test_llama4_vision_query_that_is_not_one_row_per_patch_and_class_token_is_a_value_error(shape):
+    rope = get_rope(16, 16, False, {"rope_type": "mllama4", "partial_rotary_factor": 0.5})
+    q = torch.randn(shape)
+    with pytest.raises(ValueError, match=r"query: expected \(batch, 17 tokens, heads, 16\)"):
+        rope(q, q.clone())
 
 
 def test_dual_chunk_roles_match_reference():

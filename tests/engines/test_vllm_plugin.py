@@ -213,6 +213,17 @@ def test_llama4_vision_equals_vllms_forward(dtype):
     torch.testing.assert_close(got_k, want_k, **tol)
 
 
+def test_llama4_vision_refuses_a_patch_count_vllms_forward_refuses():
+    # Issue 39, defect 8: 16 tokens given to the 4x4-patch module (17 rows with the class token) were rotated
+    # by the cache's first 16 rows; vLLM's forward cannot view its cache against them and raises.
+    module = vllm_rope.get_rope(64, 16, False, LLAMA4_VISION, torch.complex64)
+    query = torch.randn(2, 16, 3, 64)
+    with pytest.raises(Exception):  # noqa: B017 - vLLM's own error, whatever its type
+        _vllm_class(module).forward_native(module, query, query.clone())
+    with pytest.raises(ValueError, match=r"query: expected \(batch, 17 tokens, heads, 64\)"):
+        module(query, query.clone())
+
+
 def test_deepseek_offsets_form_adds_offsets_to_positions():
     params = dict(FAMILIES[9][4])
     module = vllm_rope.get_rope(64, 128, False, params, torch.float32)

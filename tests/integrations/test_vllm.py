@@ -79,3 +79,44 @@ def test_mrope_rotate_uses_each_pairs_axis_as_ropekits_mrope_tables(section, int
     text_only = plugin.mrope_rotate(module, positions[:1].expand(3, 5), query, None, inplace=False)[0]
     plain = plugin.CacheForwards.forward_native(module, positions[0], query, None)[0]
     torch.testing.assert_close(text_only, plain, **tolerance(torch.float32, 4.0))
+
+
+def test_mrope_positions_past_the_cache_are_a_value_error_in_every_forward():
+    module = _module(32, 16, mrope_section=[4, 6, 6], mrope_interleaved=False)
+    positions = torch.tensor([[0, 3], [1, 16], [2, 2]])  # (axes, T): one past the 16 rows
+    query = torch.randn(2, 32)
+    before = query.clone()
+    for forward in (plugin.MRopeForwards.forward_cpu, plugin.MRopeForwards.forward_native):
+        with pytest.raises(ValueError, match=r"positions: expected positions in \[0, 16\)"):
+            forward(module, positions, query, None)
+        assert torch.equal(query, before)
+    with pytest.raises(ValueError, match=r"positions: expected positions in \[0, 16\)"):
+        plugin.MRopeForwards.forward_cpu(module, positions, query, None, offsets=torch.tensor([[0, -20]] * 3))
+
+
+def _llama4_vision_module(side=4, head=16):
+    """vLLM's Llama4VisionRotaryEmbedding as the plugin reads it: a complex (side^2 + 1, 1, head/2) cache."""
+    from ropekit.compat.vllm import get_rope
+
+    rope = get_rope(head, side * side, False, {"rope_type": "mllama4", "partial_rotary_factor": 0.5})
+    module = type("Llama4VisionRotaryEmbedding", (plugin.Llama4VisionForwards,), {})()
+    module.cos_sin_cache, module.head_size = rope.cos_sin_cache, head
+    return module, rope
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 2, 16), (1, 18, 2, 16), (1, 17, 2, 32)])
+def test_llama4_vision_forwards_refuse_a_query_that_is_not_one_row_per_patch_and_class_token(shape):
+    module, _ = _llama4_vision_module()
+    q = torch.randn(shape)
+    with pytest.raises(ValueError, match=r"query: expected \(batch, 17 tokens, heads, 16\)"):
+        plugin.Llama4VisionForwards.forward_native(module, q, q.clone())
+
+
+def test_llama4_vision_forwards_equal_the_compat_class():
+    module, rope = _llama4_vision_module()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 17, 3, 16, generator=g), torch.randn(2, 17, 3, 16, generator=g)
+    got = plugin.Llama4VisionForwards.forward_native(module, q, k)
+    want = rope(q, k)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **tolerance(torch.float32, 4.0))

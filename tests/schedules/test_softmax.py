@@ -219,6 +219,21 @@ def test_bad_arguments_are_value_errors():
         RopeConfig(64).attention_temperature(torch.tensor([0.5]))
 
 
+MINISTRAL3 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16384}
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"floor_scale": 8192, "attn_scale": 0.1}, {**MINISTRAL3, "llama_4_scaling_beta": 0.1}],
+)
+def test_the_temperature_of_a_negative_position_is_refused_as_the_rotations_refuse_it(scaling):
+    config = RopeConfig(64, scaling=scaling)
+    with pytest.raises(ValueError, match="positions: expected values >= 0, got a minimum of -3"):
+        config.attention_temperature(torch.tensor([[4, -3], [0, 1]]))
+    with pytest.raises(ValueError, match="positions: expected values >= 0"):
+        ropekit.apply_rotary(torch.ones(1, 2, 1, 64), *config.cos_sin(8), positions=torch.tensor([[0, -3]]))
+
+
 def test_position_scaling_is_one_plus_beta_log_of_whole_original_lengths():
     from ropekit.schedules.softmax import attention_temperature
 

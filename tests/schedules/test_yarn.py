@@ -50,3 +50,21 @@ def test_telechat3_attention_factor_is_yarn_with_0_07():
     assert telechat3_attention_factor(4.0) == pytest.approx(0.07 * math.log(4.0) + 1.0, rel=1e-15)
     assert telechat3_attention_factor(4.0, 2.0) == pytest.approx(2 * (0.07 * math.log(4.0) + 1.0), rel=1e-15)
     assert telechat3_attention_factor(1.0) == 1.0  # no extension, no temperature
+
+
+@pytest.mark.parametrize(
+    ("factor", "attn_factor", "match"),
+    [("4", 1.0, "factor"), (4.0, "2", "attn_factor"), (4.0, float("nan"), "attn_factor"),
+     (0.0, 1.0, "factor"), (True, 1.0, "factor")],
+)  # fmt: skip
+def test_telechat3_attention_factor_of_a_value_that_is_not_a_positive_number_is_a_value_error(
+    factor, attn_factor, match
+):
+    from ropekit.schedules.yarn import telechat3_attention_factor
+
+    with pytest.raises(ValueError, match=rf"rope_parameters\['{match}'\]: expected a finite number > 0"):
+        telechat3_attention_factor(factor, attn_factor)
+    params = {"rope_type": "telechat3-yarn", "factor": factor, "attn_factor": attn_factor, "rope_theta": 1e4,
+              "original_max_position_embeddings": 4096}  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        RopeConfig.from_hf({"head_dim": 64, "max_position_embeddings": 16384, "rope_parameters": params})

@@ -95,14 +95,17 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin): the (P, R/2) halves of a [cos | sin] cache, as views with row stride R.
 
     A decode step passes the same cache every time, and two slices cost more than all the checks of the
-    call, so the views are kept on the cache tensor itself (they live and die with it), keyed by its data
-    pointer and shape. Under torch.compile the slices are taken afresh: dynamo cannot trace a tensor's
+    call, so the views are kept on the cache tensor itself (they live and die with it), keyed by everything
+    the views depend on: data pointer, shape, strides, dtype and device. An in-place change of any
+    (``t_()``, ``set_()``, ``.data =``) takes the slices afresh, never stale views. A write to the cache's
+    values needs no key (the views show it), so the version counter is not part of it (inference tensors
+    have none). Under torch.compile the slices are taken afresh: dynamo cannot trace a tensor's
     ``__dict__``, and a compiled graph pays nothing for two views.
     """
     if torch.compiler.is_compiling():
         half = cache.shape[1] // 2
         return cache[:, :half], cache[:, half:]
-    key = (cache.data_ptr(), cache.shape)
+    key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device)
     memo = cache.__dict__.get("_ropekit_halves")
     if memo is None or memo[0] != key:
         half = cache.shape[1] // 2
@@ -441,7 +444,11 @@ _ROPE_CACHE: dict[tuple, nn.Module] = {}
 
 
 def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
+    """A cache key for a parameter value, with its type: 1, 1.0 and True are equal keys but not equal
+    arguments (a check may refuse one and take another)."""
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_hashable(v) for v in value)
+    return type(value).__name__, value
 
 
 def get_rope(
@@ -501,6 +508,12 @@ def get_rope(
             f"dual_chunk_attention_config: expected a dict with chunk_size and local_size or None, "
             f"got {describe(dual_chunk_attention_config)}"
         )
+    if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
+        raise ValueError(
+            f"rope_parameters: expected a dict of HF v5 RoPE parameters or None, "
+            f"got {describe(rope_parameters)}"
+        )
+    mrope_positions_factor = check_int("mrope_positions_factor", mrope_positions_factor)
     return _cached_rope(
         head_size, max_position, is_neox_style, rope_parameters, dtype, backend, dual_chunk_attention_config,
         mrope_positions_factor,
@@ -517,7 +530,14 @@ def _cached_rope(
     dual_chunk: Mapping[str, Any] | None = None,
     mrope_positions_factor: int = 4,
 ) -> nn.Module:
-    """get_rope's work: the module for this configuration, built once."""
+    """get_rope's work: the module for this configuration, built once.
+
+    The arguments are checked before the cache is read, and its key holds each value's type: a value refused
+    in a fresh process (16.0, True, a factor of True) is refused after an equal one (16, 1) was cached too.
+    """
+    head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
+    max_position = check_int("max_position", max_position, minimum=1, expected="a positive int")
+    backend = check_backend_name(backend)
     if dtype is None:
         dtype = torch.get_default_dtype()
     params = dict(rope_parameters or {})
@@ -532,8 +552,6 @@ def _cached_rope(
         ) from None
     if key in _ROPE_CACHE:
         return _ROPE_CACHE[key]
-    head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
-    max_position = check_int("max_position", max_position, minimum=1, expected="a positive int")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _SUPPORTED:
         raise ValueError(f"rope_parameters['rope_type']: expected one of {_SUPPORTED}, got {kind!r}")
@@ -611,6 +629,7 @@ def _build_rope(head_size, max_position, is_neox_style, params, kind, dtype, bac
             raise ValueError(
                 f"rope_parameters['original_max_position_embeddings']: {kind} needs it, got none"
             )
+        original = check_int("rope_parameters['original_max_position_embeddings']", original)
         if kind == "telechat3-yarn":
             attention = telechat3_attention_factor(f, params.get("attn_factor", 1.0))
             for key in ("extrapolation_factor",):

@@ -59,6 +59,20 @@ def _check_rows(name: str, positions: torch.Tensor, rows: int) -> None:
         )
 
 
+def check_patch_tokens(name: str, t: Any, tokens: int, head_size: int) -> None:
+    """Llama 4 vision's query / key: (batch, tokens, heads, head_size), one row per patch and the class token.
+
+    vLLM's ``forward_native`` views its cache as (1, tokens, 1, head_size / 2) against the query, so any other
+    token count or head width fails there; the rotation would otherwise read the first rows of a longer
+    table silently. Shared by :class:`Llama4VisionRotaryEmbedding` and the vLLM plugin's class.
+    """
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != tokens or t.shape[-1] != head_size:
+        raise ValueError(
+            f"{name}: expected (batch, {tokens} tokens, heads, {head_size}) (the {tokens - 1} patches and "
+            f"the class token), got {describe(t)}"
+        )
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """Mirrors vLLM's ``MRotaryEmbedding``, ``BailingMRotaryEmbedding`` and ``XDRotaryEmbedding``.
 
@@ -203,11 +217,26 @@ class FourierRotaryEmbedding(RotaryEmbedding):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this shard's key-value heads of a checkpoint's (total Hk, F, F) coefficients (vLLM's rule:
-        heads split evenly over tp_size shards, replicated when there are fewer heads than shards)."""
-        rank, world, heads = self.tp_rank, self.tp_size, loaded_weight.size(0)
-        if heads < world:
-            rank, world = rank // (world // heads), heads
-        param.data.copy_(loaded_weight.chunk(world, dim=0)[rank])
+        heads split evenly over tp_size shards, replicated when there are fewer heads than shards).
+
+        Raises:
+            ValueError: for a loaded_weight whose shard is not the parameter's (Hk, F, F); nothing is written.
+        """
+        want = tuple(param.shape)  # (Hk, F, F): this shard's heads
+        shard = None
+        if isinstance(loaded_weight, torch.Tensor) and loaded_weight.dim() == 3 and loaded_weight.size(0):
+            rank, world, heads = self.tp_rank, self.tp_size, loaded_weight.size(0)
+            if heads < world:
+                rank, world = rank // (world // heads), heads
+            chunks = loaded_weight.chunk(world, dim=0)
+            shard = chunks[rank] if rank < len(chunks) else None
+        if shard is None or tuple(shard.shape) != want:
+            raise ValueError(
+                f"loaded_weight: expected (num_key_value_heads, {want[1]}, {want[2]}) coefficients whose "
+                f"shard {self.tp_rank} of {self.tp_size} is this module's {want}, "
+                f"got {describe(loaded_weight)}"
+            )
+        param.data.copy_(shard)
         self._built_for = None  # .data writes leave the version counter alone: rebuild on the next call
 
     def _cache(self, query: torch.Tensor) -> torch.Tensor:
@@ -429,11 +458,7 @@ class Llama4VisionRotaryEmbedding(nn.Module):
         if key is None:
             raise ValueError("key: expected a tensor (vLLM's Llama 4 vision RoPE rotates both), got None")
         for name, t in (("query", query), ("key", key)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != self.cos.shape[0]:
-                raise ValueError(
-                    f"{name}: expected (batch, {self.cos.shape[0]} tokens, heads, {self.head_size}), "
-                    f"got {describe(t)}"
-                )
+            check_patch_tokens(name, t, self.cos.shape[0], self.head_size)
         cos, sin = self.cos.to(query.device), self.sin.to(query.device)
         return apply_rotary_qk(query, key, cos, sin, interleaved=True, backend=self.backend)
 

@@ -43,6 +43,7 @@ import logging
 import torch
 
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, rotary_embedding
+from ropekit.compat.vllm_variants import _check_rows, check_patch_tokens
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.schedules.mrope import mrope_axis_of_pair
 from ropekit.validation import describe
@@ -91,6 +92,8 @@ def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
     """
     positions = _with_offsets(positions, offsets)
     cache = _cache(module, query)
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_rows("positions", positions, cache.shape[0])  # a ValueError, not the gather's IndexError
     half = cache.shape[1] // 2
     axis = mrope_axis_of_pair(module.mrope_section, bool(module.mrope_interleaved)).to(cache.device)
     rows = cache[positions]  # (axes, T, R)
@@ -142,6 +145,10 @@ class Llama4VisionForwards:
 
     def forward_native(self, query, key=None):
         cos, sin = self._tables(query)
+        # vLLM's forward views the cache against each input: one row per patch and the class token
+        for name, t in (("query", query), ("key", key)):
+            if t is not None:
+                check_patch_tokens(name, t, cos.shape[0], 2 * cos.shape[1])
         if key is None:
             return apply_rotary(query, cos, sin, interleaved=True), None
         return apply_rotary_qk(query, key, cos, sin, interleaved=True)

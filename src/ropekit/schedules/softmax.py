@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ropekit.schedules.yarn import yarn_mscale
-from ropekit.validation import check_head_dim, check_positive, describe
+from ropekit.validation import check_head_dim, check_positive, describe, is_compiling
 
 __all__ = ["attention_temperature", "check_temperature", "softmax_scale"]
 
@@ -101,10 +101,19 @@ def attention_temperature(
         a tensor shaped like positions.
 
     Raises:
-        ValueError: for positions that are not an integer tensor.
+        ValueError: for positions that are not an integer tensor, or negative ones (every rotation refuses
+            them; the formula would give -inf or NaN). Values are read on the host for CPU tensors; on another
+            device a negative position fails a device-side assert (no sync), as the rotation kernels do.
     """
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
         raise ValueError(f"positions: expected an integer tensor, got {describe(positions)}")
+    if positions.numel() and not is_compiling():
+        if positions.device.type == "cpu":
+            lowest = int(positions.min())
+            if lowest < 0:
+                raise ValueError(f"positions: expected values >= 0, got a minimum of {lowest}")
+        else:
+            torch._assert_async((positions >= 0).all(), "positions: expected values >= 0")
     pos = positions.to(torch.float64)
     if scaling and scaling.get("llama_4_scaling_beta") is not None:
         steps = torch.floor(pos / float(scaling["original_max_position_embeddings"]))  # (...,)

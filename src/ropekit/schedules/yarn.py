@@ -16,6 +16,7 @@ import torch
 
 from ropekit.schedules.params import check_flag, check_length, check_value
 from ropekit.schedules.registry import RopeSpec, register_schedule
+from ropekit.validation import check_positive
 
 # The paper's defaults: extrapolate pairs with > 32 rotations in the original context, interpolate those
 # with < 1.
@@ -33,7 +34,13 @@ def telechat3_attention_factor(factor: float, attn_factor: float = 1.0) -> float
 
     TeleChat3 is YaRN with 0.07 where the paper has 0.1 (vLLM 0.11's ``TeleChat3RoPEScaledRotaryEmbedding``,
     ``rope_type "telechat3-yarn"``); ropekit reads it as rope_type "yarn" with this ``attention_factor``.
+
+    Raises:
+        ValueError: for a factor or attn_factor that is not a finite number > 0 (named as the
+            rope_parameters keys they come from).
     """
+    factor = check_positive("rope_parameters['factor']", factor)
+    attn_factor = check_positive("rope_parameters['attn_factor']", attn_factor)
     return (1.0 if factor <= 1 else 0.07 * math.log(factor) + 1.0) * attn_factor
 
 
