@@ -331,13 +331,13 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
     calls: dict = {}
     with _recording_attention(model, observed), torch.no_grad():
         for _, layer, functions in candidates:
-            recorders = {n: hf._recorder(calls, (id(layer), n), f) for n, f in functions.items()}
-            hf._replace_functions(layer, recorders)
+            recorders = {n: hf._recorder(calls, (id(layer), n), hf._plain(f)) for n, f in functions.items()}
+            hf._replace_functions(layer, functions, recorders)
         try:
             model(**model.__dict__[INPUTS_ATTR])
         finally:
             for _, layer, _ in candidates:
-                del layer.__dict__["forward"]
+                hf._restore_functions(layer)
     for name, layer, functions in candidates:
         index = _layer_of(name, _encoder_decoder(model))
         if index is None:
@@ -345,7 +345,7 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
         for fn_name, fn in functions.items():
             call = calls.get((id(layer), fn_name))
             if call is not None:
-                observed.setdefault(index, Observed()).rotations.append((name, fn, call))
+                observed.setdefault(index, Observed()).rotations.append((name, hf._plain(fn), call))
     return observed
 
 

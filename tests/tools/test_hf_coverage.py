@@ -111,8 +111,8 @@ def test_patched_rotation_functions_raise_while_checked():
     hf_coverage.hf.patch(model)
     ids = hf_coverage.hf._token_ids(model, torch.device("cpu"))
     layer = model.model.layers[0].self_attn
-    scope = hf_coverage.hf._unwrap(layer.forward.__func__).__globals__
-    original = scope["apply_rotary_pos_emb"].__wrapped_model_function__
+    stand_in = layer.__dict__[hf_coverage.hf.STAND_INS_ATTR]["apply_rotary_pos_emb"]
+    original = stand_in.__wrapped_model_function__
     with hf_coverage._model_functions_raise(model):
         model(input_ids=ids)  # ropekit alone: no error
         with pytest.raises(AssertionError, match="own rotation function ran"):
