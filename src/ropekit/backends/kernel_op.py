@@ -16,6 +16,7 @@ Triton kernel on the device (a clamped row, and a trap that fails the launch: no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.dtensor_inputs import is_dtensor
 from ropekit.positions import check_cu_seqlens
-from ropekit.validation import check_no_alias, check_writable, describe
+from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
 
 jit_tracing = torch._C._get_tracing_state  # torch.jit.trace's recorder: None unless it records
 
@@ -250,19 +251,55 @@ _REGISTERED: dict[str, tuple] = {}
 _OPS: dict[str, object] = {}
 
 
-def register_op(name: str, impl: Callable, fake: Callable, *, mutates_args: tuple[str, ...], schema: str):
+def register_op(
+    name: str,
+    impl: Callable,
+    fake: Callable,
+    *,
+    mutates_args: tuple[str, ...],
+    schema: str,
+    guard: Callable[..., None] | None = None,
+):
     """``torch.ops.ropekit.<name>``: impl as a custom op with a shape-only fake implementation, registered
     once per process (a second call returns the first op: registering again would replace it under a compiled
     graph that holds it). Every ropekit op is registered here: the rotary kernels' pairs and the serving
     fusions. The op is the public face of a raw kernel, so impl keeps the kernel wall: it checks what the
-    kernel relies on, whatever the caller passed."""
+    kernel relies on, whatever the caller passed, and the value checks of its public function.
+
+    What depends on the caller's grad mode runs before the op's autograd kernel, where that mode is still
+    the caller's (inside impl it is always off): PyTorch's in-place refusals for every argument the op
+    writes (:func:`~ropekit.validation.check_in_place_allowed`: a leaf that requires grad, a view of one, an
+    inference tensor outside inference mode), then ``guard(*args)`` if given (the serving fusions: inference
+    only). Nothing is written when either raises. The library's own calls skip the dispatcher (their public
+    function checked all of it once)."""
     qualname = f"ropekit::{name}"
     op = _OPS.get(qualname)
     if op is None:
         op = torch.library.custom_op(qualname, impl, mutates_args=mutates_args, schema=schema)
         op.register_fake(fake)
+        _guard_autograd(op, name, guard)
         _OPS[qualname] = op
     return op
+
+
+def _guard_autograd(op, name: str, guard: Callable[..., None] | None) -> None:
+    """Put the op's caller-grad-mode checks (see :func:`register_op`) in front of its autograd kernel."""
+    from torch._library.autograd import make_autograd_impl  # the kernel custom_op registered, rebuilt
+
+    written = [(i, a.name) for i, a in enumerate(op._opoverload._schema.arguments) if a.is_write]
+    autograd = make_autograd_impl(op._opoverload, op)
+
+    def checked(keyset, *args, **kwargs):
+        for i, arg_name in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                check_in_place_allowed(arg_name, args[i])
+        if guard is not None:
+            guard(*args)
+        return autograd(keyset, *args, **kwargs)
+
+    with warnings.catch_warnings():  # it replaces the autograd kernel custom_op registered, on purpose
+        warnings.filterwarnings("ignore", message="Warning only once for all operators", category=UserWarning)
+        op._lib.impl(name, checked, "Autograd", with_keyset=True)
 
 
 def plain_eager(x) -> bool:
