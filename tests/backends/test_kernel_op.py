@@ -342,3 +342,34 @@ def test_a_registered_in_place_op_writes_a_leaf_under_no_grad_as_pytorch_does(op
         leaf.mul_(1)  # PyTorch allows it
         call(leaf)
     assert not torch.equal(leaf.detach(), before)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_op_refuses_an_offset_beside_positions_as_apply_rotary_does(inplace):
+    """Issue 39, defect 3: cpu_rotary(q, None, cos, sin, positions, ..., 5) dropped the offset (it equalled
+    offset 0); apply_rotary refuses the combination, and so does the op, in the same words."""
+    q = Q.clone()
+    with pytest.raises(ValueError, match=r"^offsets: expected 0 when positions is given") as want:
+        apply_rotary(q, COS, SIN, positions=POS, offsets=5)
+    with pytest.raises(ValueError) as got:
+        (torch.ops.ropekit.cpu_rotary_ if inplace else op)(q, None, COS, SIN, POS, False, False, 5)
+    assert str(got.value) == str(want.value)
+    assert torch.equal(q, Q)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_op_fake_checks_k_against_q_as_the_real_op_does(inplace, packed):
+    """Issue 39: the fake kernels check the same shapes as the real ops (docs/safety.md); the fake of
+    cpu_rotary did not check k's batch against q, so a compiled graph traced a call the op refuses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # k of batch 1 against q's 2; packed (T, H, D): 2 tokens against q's 3
+    q, k = (Q[0], torch.randn(2, 2, 12)) if packed else (Q, K[:1])
+    call = torch.ops.ropekit.cpu_rotary_ if inplace else op
+    match = r"^k: expected q's (batch, seq|tokens) and head_dim"
+    with pytest.raises(ValueError, match=match):
+        call(q.clone(), k, COS, SIN, None, False, False)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
+        fake = [mode.from_tensor(t) for t in (q, k, COS, SIN)]
+        call(*fake, None, False, False)

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ropekit.dtensor_inputs import is_dtensor
-from ropekit.positions import check_cu_seqlens
+from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
 from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
 
 jit_tracing = torch._C._get_tracing_state  # torch.jit.trace's recorder: None unless it records
@@ -193,8 +193,19 @@ def _check_op_inputs(q, k, positions) -> None:
         _fail("q", "a (batch, seq, heads, head_dim) or (total_tokens, heads, head_dim) tensor", describe(q))
     if k is not None and (not isinstance(k, torch.Tensor) or k.dim() != q.dim()):
         _fail("k", f"a {q.dim()}-D tensor like q", describe(k))
+    if k is not None and (k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]):
+        axes = "batch, seq" if q.dim() == 4 else "tokens"
+        _fail("k", f"q's {axes} and head_dim {tuple(q.shape)}", str(tuple(k.shape)))
     if positions is not None and (not isinstance(positions, torch.Tensor) or positions.shape != q.shape[:-2]):
         _fail("positions", f"a tensor of shape {tuple(q.shape[:-2])} (q's leading axes)", describe(positions))
+
+
+def _check_op_values(q, k, positions, offset) -> None:
+    """The op's shapes (:func:`_check_op_inputs`), then the values its public function checks that the
+    kernel wall does not: an offset beside positions is refused (the kernel would drop it)."""
+    _check_op_inputs(q, k, positions)
+    if positions is not None:
+        check_offsets_beside_positions(offset)
 
 
 def _check_devices(q, k, cos, sin, positions) -> None:
@@ -340,14 +351,14 @@ class KernelBackend:
         self._launch = launch
 
         def rotary(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
-            _check_op_inputs(q, k, positions)
+            _check_op_values(q, k, positions, offset)
             q_out = torch.empty_like(q)
             k_out = None if k is None else torch.empty_like(k)
             _run(launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate)
             return [q_out] if k is None else [q_out, k_out]
 
         def rotary_(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
-            _check_op_inputs(q, k, positions)
+            _check_op_values(q, k, positions, offset)
             _run(launch, q, k, q, k, cos, sin, positions, offset, interleaved, conjugate)
 
         def rotary_fake(q, k, cos, sin, positions, interleaved, conjugate, offset=0):

@@ -38,7 +38,7 @@ from ropekit.backends.eager.rotary import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
 from ropekit.fused.planned import qk_norm_plan
-from ropekit.positions import resolve
+from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
@@ -120,6 +120,19 @@ def _check_weight(name: str, w: object, features: int, qkv: torch.Tensor, form: 
         raise ValueError(f"{name}: expected shape ({features},) ({form}), got {tuple(w.shape)}")
     if w.device != qkv.device:
         raise ValueError(f"{name}: expected a tensor on qkv's device {qkv.device}, got one on {w.device}")
+
+
+def _check_norm_numbers(eps: object, weight_offset: object) -> tuple[float, float]:
+    """eps a finite number > 0 and weight_offset a finite number, as floats (a NaN in either, or eps <= 0,
+    makes every normalised value NaN)."""
+    eps = check_positive("eps", eps)
+    if (
+        isinstance(weight_offset, bool)
+        or not isinstance(weight_offset, (int, float))
+        or not math.isfinite(weight_offset)
+    ):
+        raise ValueError(f"weight_offset: expected a finite number, got {describe(weight_offset)}")
+    return eps, float(weight_offset)
 
 
 def _check_qkv(qkv: object, varlen: bool) -> torch.Tensor:
@@ -220,17 +233,11 @@ def qk_norm_rotary_(
     )
     _check_weight("q_weight", q_weight, q_heads * head_dim if all_heads else head_dim, qkv, form)
     _check_weight("k_weight", k_weight, k_heads * head_dim if all_heads else head_dim, qkv, form)
-    eps = check_positive("eps", eps)
-    if (
-        isinstance(weight_offset, bool)
-        or not isinstance(weight_offset, (int, float))
-        or not math.isfinite(weight_offset)
-    ):
-        raise ValueError(f"weight_offset: expected a finite number, got {describe(weight_offset)}")
+    eps, weight_offset = _check_norm_numbers(eps, weight_offset)
     if cast_before_weight is None:
         cast_before_weight = not all_heads and weight_offset == 0
     spec = NormSpec(
-        q_heads, k_heads, head_dim, eps, float(weight_offset), all_heads,
+        q_heads, k_heads, head_dim, eps, weight_offset, all_heads,
         check_bool("cast_before_weight", cast_before_weight), check_bool("interleaved", interleaved),
     )  # fmt: skip
     check_tables(cos, sin, head_dim)
@@ -298,6 +305,8 @@ def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_back
     impl = named_backend(name, "qk_norm")
     if not checked:
         _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec)
+        if positions is not None:
+            check_offsets_beside_positions(offset)
     view = qkv.unsqueeze(0) if qkv.dim() == 2 else qkv  # (B, S, W); packed (T, W) as (1, T, W)
     # The kernels write through pointers: checked, tell autograd (the registered op's dispatcher does it).
     impl.launch_qk_norm(
@@ -308,6 +317,7 @@ def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_back
 def _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec: NormSpec) -> None:
     """What the kernels rely on to stay inside their tensors, for the registered op's own callers."""
     qkv = _check_qkv(qkv, False)
+    _check_norm_numbers(spec.eps, spec.weight_offset)  # the public call's value checks
     width = (spec.q_heads + 2 * spec.k_heads) * spec.head_dim
     if min(spec.q_heads, spec.k_heads, spec.head_dim) < 1 or qkv.shape[-1] != width:
         raise ValueError(f"qkv: expected {width} features ((Hq + 2 Hk) * D), got shape {tuple(qkv.shape)}")
