@@ -25,6 +25,7 @@ __all__ = [
     "ROTATED",
     "SHARDED_OPS",
     "TABLE",
+    "check_no_dtensor",
     "check_placements",
     "is_dtensor",
     "lift",
@@ -50,6 +51,21 @@ def is_dtensor(t: object) -> bool:
         return False
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def check_no_dtensor(op: str, named: tuple[tuple[str, object], ...], instead: str) -> None:
+    """Refuse a DTensor argument of an op that has no sharding rule (a ValueError naming the argument and its
+    placements; ``instead`` says what to do). Without the check, a DTensor reached the op's dispatch ("got
+    mixed torch.Tensor and DTensor") or, beside a plain q, a kernel that writes through its pointer. No
+    cost until ``torch.distributed.tensor`` is imported: before that no tensor can be a DTensor."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    for name, t in named:
+        if type(t) is not torch.Tensor and is_dtensor(t):
+            raise ValueError(
+                f"{name}: {op} has no DTensor rule, got a DTensor with placements {tuple(t.placements)}; "
+                f"{instead}"
+            )
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.dtensor_inputs import is_dtensor
+from ropekit.dtensor_inputs import SHARDED_OPS, check_no_dtensor, is_dtensor
 from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
 from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
 
@@ -293,14 +293,24 @@ def register_op(
     return op
 
 
+_NO_RULE = (
+    "call it with each rank's local tensors (t.to_local()), or rotate DTensors with ropekit.apply_rotary / "
+    "apply_rotary_qk (ropekit.integrations.dtensor)"
+)
+
+
 def _guard_autograd(op, name: str, guard: Callable[..., None] | None) -> None:
     """Put the op's caller-grad-mode checks (see :func:`register_op`) in front of its autograd kernel."""
     from torch._library.autograd import make_autograd_impl  # the kernel custom_op registered, rebuilt
 
-    written = [(i, a.name) for i, a in enumerate(op._opoverload._schema.arguments) if a.is_write]
+    arguments = op._opoverload._schema.arguments
+    written = [(i, a.name) for i, a in enumerate(arguments) if a.is_write]
     autograd = make_autograd_impl(op._opoverload, op)
 
     def checked(keyset, *args, **kwargs):
+        if name not in SHARDED_OPS:  # before DTensor's dispatch, which says "mixed torch.Tensor and DTensor"
+            named = tuple(zip([a.name for a in arguments], args, strict=False))  # trailing defaults: dropped
+            check_no_dtensor(f"torch.ops.ropekit.{name}", named, _NO_RULE)
         for i, arg_name in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 check_in_place_allowed(arg_name, args[i])

@@ -37,6 +37,7 @@ from ropekit.backends.kernel_op import register_op
 from ropekit.backends.plan import MAX_PLANS, gate, keep, launch_rotary_positions, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.functional import apply_resolved
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_int, describe, shares_memory
@@ -301,6 +302,11 @@ def rotary_embedding(
         or _get_current_dispatch_mode()
         or _jit_tracing()
     ):
+        check_no_dtensor(
+            "compat.vllm.rotary_embedding",
+            (("positions", positions), ("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)),
+            "rotate each rank's local tensors (t.to_local()), or DTensors with ropekit.apply_rotary_qk",
+        )
         torch.ops.ropekit.rotary_embedding(
             positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend
         )

@@ -14,6 +14,7 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.checks import (
     cache_takes_scale,
     cache_view,
@@ -115,6 +116,13 @@ def apply_rotary_qk_and_cache(
     args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_tensor,
             v_tensor)  # fmt: skip
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
+    check_no_dtensor(
+        "apply_rotary_qk_and_cache",
+        (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache),
+         ("slot_mapping", slot_mapping), ("positions", positions), ("offsets", offsets),
+         ("cu_seqlens", cu_seqlens), ("k_scale", k_scale), ("v_scale", v_scale)),
+        "write each rank's cache with its local tensors (t.to_local())",
+    )  # fmt: skip
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
     cache_only = q is None

@@ -19,6 +19,7 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.checks import check_inference, check_scale, check_scale_values
 from ropekit.fused.planned import fp8_plan
 from ropekit.positions import check_offsets_beside_positions, resolve
@@ -89,6 +90,13 @@ def apply_rotary_qk_fp8(
     k_tensor = k_scale if type(k_scale) is torch.Tensor else None
     planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
     check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
+    check_no_dtensor(
+        "apply_rotary_qk_fp8",
+        (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("q_scale", q_scale), ("k_scale", k_scale),
+         ("q_nope", q_nope), ("k_nope", k_nope), ("positions", positions), ("offsets", offsets),
+         ("cu_seqlens", cu_seqlens)),
+        "quantise each rank's local tensors (t.to_local())",
+    )  # fmt: skip
     check_bool("interleaved", interleaved)
     _check_fp8_dtype(fp8_dtype)
     _check_nope_pair(q_nope, k_nope)

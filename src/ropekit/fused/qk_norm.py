@@ -37,6 +37,7 @@ from ropekit.backends.eager.qk_norm import heads as _heads
 from ropekit.backends.eager.rotary import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.planned import qk_norm_plan
 from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import (
@@ -213,6 +214,12 @@ def qk_norm_rotary_(
     )  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
+    check_no_dtensor(
+        "qk_norm_rotary_",
+        (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin),
+         ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)),
+        "normalise and rotate each rank's local tensors (t.to_local())",
+    )  # fmt: skip
     qkv = _check_qkv(qkv, cu_seqlens is not None)
     q_heads = check_int("num_q_heads", num_q_heads, minimum=1, expected="a positive int")
     k_heads = check_int("num_kv_heads", num_kv_heads, minimum=1, expected="a positive int")

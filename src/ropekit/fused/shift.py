@@ -14,6 +14,7 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view, pages
 from ropekit.fused.planned import shift_plan
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
@@ -63,6 +64,11 @@ def shift_cache_(
     if done is not None:  # a shift seen before: its launch plan (ropekit.fused.planned.shift_plan)
         return k_cache
     planned = (k_cache, cos, sin, delta, slots)
+    check_no_dtensor(
+        "shift_cache_",
+        (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots)),
+        "shift each rank's local cache (t.to_local())",
+    )
     check_bool("interleaved", interleaved)
     delta = check_int("delta", delta, minimum=-(1 << 62), expected="an int (positions to move by)")
     if not isinstance(k_cache, torch.Tensor) or not k_cache.is_floating_point() or k_cache.dtype.itemsize < 2:
