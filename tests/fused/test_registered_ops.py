@@ -446,3 +446,27 @@ def test_the_registered_serving_ops_refuse_an_offset_beside_positions(op):
     with pytest.raises(ValueError, match=r"^offsets: expected 0 when positions is given"):
         getattr(torch.ops.ropekit, op)(*args)
     assert all(torch.equal(a, b) for a, b in zip((q, k_cache, qkv), before, strict=True))
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_shift_op_refuses_an_fp8_cache_as_the_function_does(backend):
+    """The torch backend shifted an FP8 cache's bytes through the op; shift_cache_ refuses FP8 caches."""
+    k_cache = torch.randn(PAGES, PAGE_SIZE, 2, 16).to(torch.float8_e4m3fn)
+    cos, sin = tables()
+    before = k_cache.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=r"^k_cache: expected a float32, float16, bfloat16 or float64 cache"):
+        torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", None, False, backend)
+    assert torch.equal(k_cache.view(torch.uint8), before)
+
+
+def test_the_registered_qk_norm_op_refuses_tables_that_require_grad_as_the_function_does():
+    """qk_norm_rotary_ treats the tables as constants and refuses tables that require grad (they would get
+    no gradient); so does its op."""
+    qkv = torch.randn(2, 3, 128)
+    before = qkv.clone()
+    cos, sin = tables()
+    cos.requires_grad_()
+    with pytest.raises(ValueError, match=r"^cos, sin: expected tables that do not require grad"):
+        torch.ops.ropekit.qk_norm_rotary_(qkv, torch.ones(16), torch.ones(16), cos, sin, None, 0, 4, 2, 16,
+                                          1e-6, 0.0, False, True, False, "cpu")  # fmt: skip
+    assert torch.equal(qkv, before)

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_HALF",
     "KernelBackend",
     "Launch",
+    "check_device",
     "check_launch",
     "check_packed_rows",
     "jit_tracing",
@@ -208,6 +209,15 @@ def _check_op_values(q, k, positions, offset) -> None:
         check_offsets_beside_positions(offset)
 
 
+def check_device(backend, device: torch.device) -> None:
+    """A registered op's backend can run on device (its ``device_reason``), in select_backend's words:
+    Triton on CPU tensors without its interpreter raised Triton's own "0 active drivers"."""
+    reason = getattr(backend, "device_reason", None)
+    reason = None if reason is None else reason(device)
+    if reason is not None:
+        raise ValueError(f"backend: {backend.name!r} cannot serve these inputs: {reason}")
+
+
 def _check_devices(q, k, cos, sin, positions) -> None:
     """Every tensor on q's device. The fake kernels need this: a meta tensor among CPU ones sends the
     dispatcher to them, and they would answer with uninitialised CPU memory (the real kernels' launchers
@@ -362,6 +372,7 @@ class KernelBackend:
 
         def rotary(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
             _check_op_values(q, k, positions, offset)
+            check_device(self, q.device)
             q_out = torch.empty_like(q)
             k_out = None if k is None else torch.empty_like(k)
             _run(launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate)
@@ -369,6 +380,7 @@ class KernelBackend:
 
         def rotary_(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
             _check_op_values(q, k, positions, offset)
+            check_device(self, q.device)
             _run(launch, q, k, q, k, cos, sin, positions, offset, interleaved, conjugate)
 
         def rotary_fake(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
@@ -397,6 +409,11 @@ class KernelBackend:
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
+
+    def device_reason(self, device: torch.device) -> str | None:
+        """The part of :meth:`unavailable_reason` that depends on the device alone (a registered op names
+        its backend, so only the device is left to refuse): None when the kernel can run there."""
+        return None
 
     def kernels(self) -> tuple[Callable[..., None], Callable[..., None]]:
         """(the fused serving launcher, the QK-norm launcher) of this backend's kernel family."""

@@ -218,7 +218,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
     into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
     wall and the memory rule are checked here, the kernels check table rows and slots."""
-    impl = named_backend(backend, "fused")
+    impl = named_backend(backend, "fused", None if checked else k.device)
     if not checked:  # a registered op called directly: the public call's memory rule and distinct slots
         if q_out is not None:
             check_writable("q_out", q_out)

@@ -160,7 +160,7 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
             backend, *, checked: bool) -> tuple[list[torch.Tensor], list[FusedLaunch]]:  # fmt: skip
     """The FP8 outputs, shaped like q, k (and q_nope, k_nope), and the launches run. checked=True: the public
     call checked everything; False (the registered op): the launcher checks the kernel wall."""
-    impl = named_backend(backend, "fused")
+    impl = named_backend(backend, "fused", None if checked else q.device)
     kind = _check_fp8_dtype(fp8_dtype)
     if not checked:  # a registered op called directly: the public call's value checks
         _check_nope_pair(q_nope, k_nope)

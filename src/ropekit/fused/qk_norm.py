@@ -136,6 +136,14 @@ def _check_norm_numbers(eps: object, weight_offset: object) -> tuple[float, floa
     return eps, float(weight_offset)
 
 
+def _check_constant_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The tables are constants here: a table that requires grad would get no gradient."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(
+            "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"
+        )
+
+
 def _check_qkv(qkv: object, varlen: bool) -> torch.Tensor:
     if not isinstance(qkv, torch.Tensor) or not qkv.is_floating_point():
         raise ValueError(f"qkv: expected a floating-point tensor, got {describe(qkv)}")
@@ -250,10 +258,7 @@ def qk_norm_rotary_(
     check_tables(cos, sin, head_dim)
     check_movable("cos", cos, qkv.device, where="qkv's device")
     check_movable("sin", sin, qkv.device, where="qkv's device")
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError(
-            "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"
-        )
+    _check_constant_tables(cos, sin)
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
 
@@ -309,7 +314,7 @@ def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_back
     table rows."""
     *fields, name = spec_and_backend
     spec = NormSpec(*fields)
-    impl = named_backend(name, "qk_norm")
+    impl = named_backend(name, "qk_norm", None if checked else qkv.device)
     if not checked:
         _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec)
         if positions is not None:
@@ -354,6 +359,7 @@ _OP = register_op(
     lambda *args: _launch(*args, checked=False),
     lambda *args: None,
     mutates_args=("qkv",),
+    guard=lambda qkv, q_weight, k_weight, cos, sin, *rest: _check_constant_tables(cos, sin),
     schema=(
         "(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, Tensor? positions, "
         "SymInt offset, int num_q_heads, int num_kv_heads, int head_dim, float eps, float weight_offset, "
