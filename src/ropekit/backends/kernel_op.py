@@ -314,13 +314,13 @@ def _guard_autograd(op, name: str, guard: Callable[..., None] | None) -> None:
     from torch._library.autograd import make_autograd_impl  # the kernel custom_op registered, rebuilt
 
     arguments = op._opoverload._schema.arguments
+    names = tuple(a.name for a in arguments)
     written = [(i, a.name) for i, a in enumerate(arguments) if a.is_write]
     autograd = make_autograd_impl(op._opoverload, op)
 
     def checked(keyset, *args, **kwargs):
         if name not in SHARDED_OPS:  # before DTensor's dispatch, which says "mixed torch.Tensor and DTensor"
-            named = tuple(zip([a.name for a in arguments], args, strict=False))  # trailing defaults: dropped
-            check_no_dtensor(f"torch.ops.ropekit.{name}", named, _NO_RULE)
+            check_no_dtensor(f"torch.ops.ropekit.{name}", names[: len(args)], args, _NO_RULE)
         for i, arg_name in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 check_in_place_allowed(arg_name, args[i])

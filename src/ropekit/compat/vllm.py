@@ -304,7 +304,8 @@ def rotary_embedding(
     ):
         check_no_dtensor(
             "compat.vllm.rotary_embedding",
-            (("positions", positions), ("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)),
+            ("positions", "query", "key", "cos_sin_cache"),
+            (positions, query, key, cos_sin_cache),
             "rotate each rank's local tensors (t.to_local()), or DTensors with ropekit.apply_rotary_qk",
         )
         torch.ops.ropekit.rotary_embedding(

@@ -40,6 +40,10 @@ from ropekit.validation import (
 
 __all__ = ["apply_rotary_qk_and_cache"]
 
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping", "positions", "offsets",
+              "cu_seqlens", "k_scale", "v_scale")  # fmt: skip
+
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
 # scale (k_scale$ / v_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
 # the key: the checked path proved it).
@@ -117,10 +121,8 @@ def apply_rotary_qk_and_cache(
             v_tensor)  # fmt: skip
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
     check_no_dtensor(
-        "apply_rotary_qk_and_cache",
-        (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache),
-         ("slot_mapping", slot_mapping), ("positions", positions), ("offsets", offsets),
-         ("cu_seqlens", cu_seqlens), ("k_scale", k_scale), ("v_scale", v_scale)),
+        "apply_rotary_qk_and_cache", _ARGUMENTS,
+        (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale, v_scale),
         "write each rank's cache with its local tensors (t.to_local())",
     )  # fmt: skip
     check_bool("interleaved", interleaved)

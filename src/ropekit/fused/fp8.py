@@ -27,6 +27,10 @@ from ropekit.validation import check_bool, check_movable, check_tables, describe
 
 __all__ = ["apply_rotary_qk_fp8"]
 
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("q", "k", "cos", "sin", "q_scale", "k_scale", "q_nope", "k_nope", "positions", "offsets",
+              "cu_seqlens")  # fmt: skip
+
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
 # scale (q_scale$ / k_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
 # the key: the checked path proved it).
@@ -91,10 +95,8 @@ def apply_rotary_qk_fp8(
     planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
     check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
     check_no_dtensor(
-        "apply_rotary_qk_fp8",
-        (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("q_scale", q_scale), ("k_scale", k_scale),
-         ("q_nope", q_nope), ("k_nope", k_nope), ("positions", positions), ("offsets", offsets),
-         ("cu_seqlens", cu_seqlens)),
+        "apply_rotary_qk_fp8", _ARGUMENTS,
+        (q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens),
         "quantise each rank's local tensors (t.to_local())",
     )  # fmt: skip
     check_bool("interleaved", interleaved)

@@ -54,6 +54,9 @@ from ropekit.validation import (
 
 __all__ = ["qk_norm_rotary_"]
 
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("qkv", "q_weight", "k_weight", "cos", "sin", "positions", "offsets", "cu_seqlens")
+
 _NORMS = ("head", "all_heads")
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
 _launch_planned = gate(
@@ -223,9 +226,7 @@ def qk_norm_rotary_(
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
     check_no_dtensor(
-        "qk_norm_rotary_",
-        (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin),
-         ("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)),
+        "qk_norm_rotary_", _ARGUMENTS, (qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens),
         "normalise and rotate each rank's local tensors (t.to_local())",
     )  # fmt: skip
     qkv = _check_qkv(qkv, cu_seqlens is not None)

@@ -66,7 +66,8 @@ def shift_cache_(
     planned = (k_cache, cos, sin, delta, slots)
     check_no_dtensor(
         "shift_cache_",
-        (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots)),
+        ("k_cache", "cos", "sin", "slots"),
+        (k_cache, cos, sin, slots),
         "shift each rank's local cache (t.to_local())",
     )
     check_bool("interleaved", interleaved)
