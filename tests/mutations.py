@@ -575,6 +575,74 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "registered ops: no in-place refusal in front of the autograd kernel",
+        "ropekit/backends/kernel_op.py",
+        "                check_in_place_allowed(arg_name, args[i])\n",
+        "                pass\n",
+        (
+            "tests/backends/test_kernel_op.py::"
+            "test_a_registered_in_place_op_refuses_what_pytorch_refuses_before_writing",
+        ),
+    ),
+    Mutation(
+        "registered ops: an offset beside positions taken",
+        "ropekit/backends/kernel_op.py",
+        "    if positions is not None:\n        check_offsets_beside_positions(offset)\n",
+        "",
+        (
+            "tests/backends/test_kernel_op.py::test_cpu_op_refuses_an_offset_beside_positions_as_apply_rotary_does",
+        ),
+    ),
+    Mutation(
+        "registered ops: the fake does not check k against q",
+        "ropekit/backends/kernel_op.py",
+        "    if k is not None and (k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]):\n",
+        "    if False:\n",
+        ("tests/backends/test_kernel_op.py::test_cpu_op_fake_checks_k_against_q_as_the_real_op_does",),
+    ),
+    Mutation(
+        "fp8 op: no check of the scales' values",
+        "ropekit/fused/fp8.py",
+        '        check_scale_values("q_scale", q_scale)\n        check_scale_values("k_scale", k_scale)\n',
+        "",
+        (
+            "tests/fused/test_registered_ops.py::test_the_registered_fp8_op_refuses_a_scale_the_function_refuses",
+        ),
+    ),
+    Mutation(
+        "cache op: no scale rule nor values",
+        "ropekit/fused/cache.py",
+        "            if cache_takes_scale(name, cache, scale):  # the public call's scale rule and values\n"
+        "                check_scale_values(name, scale)\n",
+        "            pass\n",
+        (
+            "tests/fused/test_registered_ops.py::"
+            "test_the_registered_cache_op_refuses_an_fp8_cache_scale_the_function_refuses",
+            "tests/fused/test_registered_ops.py::"
+            "test_the_registered_cache_op_refuses_a_scale_for_a_cache_that_is_not_fp8_and_needs_one_for_fp8",
+        ),
+    ),
+    Mutation(
+        "qk_norm op: no check of eps and the weight offset",
+        "ropekit/fused/qk_norm.py",
+        "    _check_norm_numbers(spec.eps, spec.weight_offset)  # the public call's value checks\n",
+        "",
+        (
+            "tests/fused/test_registered_ops.py::"
+            "test_the_registered_qk_norm_op_refuses_an_eps_or_offset_the_function_refuses_and_writes_nothing",
+        ),
+    ),
+    Mutation(
+        "functional: cu_seqlens or per-sequence offsets inside q, in place",
+        "ropekit/functional.py",
+        "    if inplace is True and (cu_seqlens is not None or type(offsets) is torch.Tensor):\n",
+        "    if False:\n",
+        (
+            "tests/test_functional.py::"
+            "test_in_place_with_cu_seqlens_or_offsets_inside_the_input_is_refused_as_plans_decline_it",
+        ),
+    ),
+    Mutation(
         "jit trace: the registered op, not the pointer call",
         "ropekit/backends/kernel_op.py",
         "        and jit_tracing() is None\n",

@@ -91,3 +91,70 @@ def test_importing_ropekit_does_not_import_torch_distributed_tensor():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == "False"
+
+
+def _no_rule_worker(rank):
+    """Each entry point without a DTensor rule, given DTensors on a 1-rank mesh: (error type, message)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ropekit
+    import ropekit.compat.vllm as vllm
+
+    mesh = init_device_mesh("cpu", (1,))
+    cos, sin = ropekit.RopeConfig(16).cos_sin(64)
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    dq = distribute_tensor(q, mesh, [Shard(2)])
+    caches = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    d_cache = distribute_tensor(caches[0], mesh, [Replicate()])
+    before = caches[0].clone()
+    slots = torch.tensor([[0, 5, -1], [3, 9, 12]])
+    pos, query = torch.arange(6), distribute_tensor(torch.randn(6, 64), mesh, [Shard(1)])
+    cache = torch.cat([cos, sin], -1)
+    ops = torch.ops.ropekit
+
+    def fused(q, k_cache):
+        return ropekit.apply_rotary_qk_and_cache(
+            q, k, v, cos, sin, k_cache=k_cache, v_cache=caches[1], slot_mapping=slots
+        )
+
+    calls = {
+        "apply_rotary_qk_and_cache q": lambda: fused(dq, caches[0]),
+        # beside a plain q, a DTensor cache reached the C loop, which wrote through its pointer (a crash)
+        "apply_rotary_qk_and_cache k_cache": lambda: fused(q, d_cache),
+        "rotary_qk_and_cache_ op": lambda: ops.rotary_qk_and_cache_(
+            dq, k, v, cos, sin, None, 0, slots.view(-1), *caches, "nhd", False, None, None, "cpu"
+        ),
+        "compat.vllm.rotary_embedding": lambda: vllm.rotary_embedding(pos, query, None, 16, cache, True),
+        "rotary_embedding op": lambda: ops.rotary_embedding(pos, query, None, 16, cache, True),
+    }
+    results = {}
+    with torch.no_grad():
+        for name, call in calls.items():
+            try:
+                call()
+                results[name] = "no error"
+            except Exception as e:
+                results[name] = f"{type(e).__name__}: {e}"
+    results["cache written"] = not torch.equal(caches[0], before)
+    return results
+
+
+def test_entry_points_without_a_dtensor_rule_refuse_dtensors_with_a_value_error(tmp_path):
+    """Issue 39: the fused cache op and compat.vllm.rotary_embedding given DTensors raised DTensor's "got
+    mixed torch.Tensor and DTensor" (and a DTensor cache beside a plain q crashed the C loop); each is now a
+    ValueError naming the argument, before anything is written."""
+    from gloo_ranks import run_ranks
+
+    (results,) = run_ranks(_no_rule_worker, tmp_path, world=1)
+    assert results.pop("cache written") is False
+    names = {
+        "apply_rotary_qk_and_cache q": "q",
+        "apply_rotary_qk_and_cache k_cache": "k_cache",
+        "rotary_qk_and_cache_ op": "q",
+        "compat.vllm.rotary_embedding": "query",
+        "rotary_embedding op": "query",
+    }
+    for call, message in results.items():
+        assert message.startswith(f"ValueError: {names[call]}: "), (call, message)
+        assert "has no DTensor rule, got a DTensor with placements" in message, (call, message)

@@ -591,3 +591,27 @@ def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_of
         step()
         counts[name] = len(ropekit_calls(step))
     assert counts["positions"] <= counts["int"], counts
+
+
+@pytest.mark.parametrize("index", ["cu_seqlens", "offsets"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_in_place_with_cu_seqlens_or_offsets_inside_the_input_is_refused_as_plans_decline_it(backend, index):
+    """Issue 39: cu_seqlens (or per-sequence offsets) lying in q's memory, rotated in place, was accepted on
+    the checked path while the launch plan declines it (a kernel reading them as it writes q): the memory
+    rule refuses it on every path, before anything is written."""
+    cos, sin = RopeConfig(16).cos_sin(64)
+    storage = torch.zeros(6 * 2 * 16)  # q (6, 2, 16); the index tensor in its first bytes
+    q = storage[: 6 * 2 * 16].view(6, 2, 16)
+    q.copy_(torch.randn(6, 2, 16))
+    index_tensor = torch.empty(0, dtype=torch.int32).set_(storage.untyped_storage(), 0, (3,), (1,))
+    index_tensor.copy_(torch.tensor([0, 2, 6] if index == "cu_seqlens" else [0, 1, 2]))
+    before = storage.clone()
+    if index == "cu_seqlens":
+        kwargs = {"cu_seqlens": index_tensor}
+        x = q
+    else:  # (B, S, H, D) with one offset per batch row
+        kwargs = {"offsets": index_tensor}
+        x = q.view(3, 2, 2, 16)
+    with pytest.raises(ValueError, match=rf"^x: it is written and shares memory with {index}"):
+        apply_rotary(x, cos, sin, inplace=True, backend=backend, **kwargs)
+    assert torch.equal(storage.view(torch.int32), before.view(torch.int32))

@@ -25,6 +25,7 @@ __all__ = [
     "ROTATED",
     "SHARDED_OPS",
     "TABLE",
+    "check_no_dtensor",
     "check_placements",
     "is_dtensor",
     "lift",
@@ -50,6 +51,24 @@ def is_dtensor(t: object) -> bool:
         return False
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def check_no_dtensor(op: str, names: tuple[str, ...], values: tuple, instead: str) -> None:
+    """Refuse a DTensor among ``values`` (the arguments ``names``) of an op that has no sharding rule: a
+    ValueError naming the argument and its placements; ``instead`` says what to do. Without it a DTensor
+    reached the op's dispatch ("got mixed torch.Tensor and DTensor") or, beside a plain q, a kernel that
+    wrote through its pointer. No tensor can be a DTensor before ``torch.distributed.tensor`` is imported:
+    until then this is one dictionary lookup."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    dtensor = module.DTensor
+    for name, t in zip(names, values, strict=True):
+        if t is not None and t.__class__ is not torch.Tensor and isinstance(t, dtensor):
+            raise ValueError(
+                f"{name}: {op} has no DTensor rule, got a DTensor with placements {tuple(t.placements)}; "
+                f"{instead}"
+            )
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,11 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
     cos, sin, positions = token_tables(q, cos, sin, positions, offsets, cu_seqlens, interleaved, **forms)
     name = "q" if k is not None else "x"
     pos = resolve(q, positions=positions, offsets=offsets, cu_seqlens=cu_seqlens, name=name)
+    if inplace is True and (cu_seqlens is not None or type(offsets) is torch.Tensor):
+        # The memory rule for what a kernel (and so a plan) reads as it writes, though the rows were resolved
+        # into a tensor of their own here: refused on every path alike.
+        per_sequence = offsets if type(offsets) is torch.Tensor else None
+        check_no_alias(((name, q), ("k", k)), (("offsets", per_sequence), ("cu_seqlens", cu_seqlens)))
     # What the plan reads in the kernel: explicit positions (with a packed batch's cu_seqlens, checked),
     # per-sequence offsets (a decode step), a packed batch's cu_seqlens with its int or per-sequence offsets.
     read = (

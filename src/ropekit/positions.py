@@ -22,7 +22,7 @@ import torch
 from ropekit.dtensor_inputs import local
 from ropekit.validation import check_movable, check_x, describe, is_compiling
 
-__all__ = ["Positions", "check_cu_seqlens", "resolve", "resolve_positions"]
+__all__ = ["Positions", "check_cu_seqlens", "check_offsets_beside_positions", "resolve", "resolve_positions"]
 
 # Positions and offsets are int64 in every kernel; anything at or past this cannot be a table row.
 INT64_LIMIT = 1 << 63
@@ -127,6 +127,15 @@ def _offsets_tensor(offsets: int | torch.Tensor, n: int, what: str, device: torc
     return torch.full((n,), _check_int_offset(offsets), dtype=torch.int64, device=device)
 
 
+def check_offsets_beside_positions(offsets: object) -> None:
+    """Positions are absolute: beside them the offset must be 0 (the rule of :func:`resolve`, and of every
+    registered op that takes positions and an offset)."""
+    if isinstance(offsets, torch.Tensor) or offsets != 0:
+        raise ValueError(
+            f"offsets: expected 0 when positions is given (positions are absolute), got {describe(offsets)}"
+        )
+
+
 def resolve(
     x: torch.Tensor,
     *,
@@ -169,11 +178,8 @@ def resolve(
         if tuple(positions.shape) != lead:
             want = "(total_tokens,)" if cu is not None else "(batch, seq)"
             raise ValueError(f"positions: expected shape {want} = {lead}, got {tuple(positions.shape)}")
-        if isinstance(offsets, torch.Tensor) or offsets != 0:
-            raise ValueError(
-                f"offsets: expected 0 when positions is given (positions are absolute), "
-                f"got {describe(offsets)}"
-            )
+        if isinstance(offsets, torch.Tensor) or offsets != 0:  # the test inline: no call on the hot path
+            check_offsets_beside_positions(offsets)
         pos = positions.to(device=x.device, dtype=torch.int64)
     elif cu is not None:
         total = lead[0]

@@ -215,3 +215,161 @@ def test_cpu_op_refuses_an_output_sharing_memory_with_a_table():
     with pytest.raises(ValueError, match=r"q: it is written and shares memory with cos"):
         torch.ops.ropekit.cpu_rotary_(x, None, x[0, :, 0, :8], torch.zeros(4, 8), None, False, False)
     assert torch.equal(x, before)
+
+
+def _in_place_op_calls():
+    """(name of the written tensor, its shape, a call of a registered in-place op writing it): every op that
+    writes an argument in place (issue 39, defect 2)."""
+    import ropekit.compat.vllm  # registers ropekit::rotary_embedding
+    import ropekit.fused  # noqa: F401  registers the serving fusions
+
+    ops = torch.ops.ropekit
+    cos16, sin16 = tables(16)  # (64, 8)
+    k, v = torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    slots = torch.tensor([0, 5, -1, 3, 9, 12])
+
+    def caches(cache=None):
+        return (torch.zeros(4, 4, 2, 16) if cache is None else cache), torch.zeros(4, 4, 2, 16)
+
+    cache_args = ("nhd", False, None, None, "cpu")
+    return {
+        "cpu_rotary_": ("q", (2, 3, 4, 12), lambda x: ops.cpu_rotary_(x, None, COS, SIN, None, False, False)),
+        "cpu_rotary_ k": (
+            "k",
+            (2, 3, 2, 12),
+            lambda x: ops.cpu_rotary_(Q.clone(), x, COS, SIN, None, False, False),
+        ),
+        "shift_cache_": (
+            "k_cache",
+            (4, 4, 2, 16),
+            lambda x: ops.shift_cache_(x, cos16, sin16, 5, "nhd", None, False, "cpu"),
+        ),
+        "qk_norm_rotary_": (
+            "qkv",
+            (2, 3, 128),
+            lambda x: ops.qk_norm_rotary_(
+                x,
+                torch.ones(16),
+                torch.ones(16),
+                cos16,
+                sin16,
+                None,
+                0,
+                4,
+                2,
+                16,
+                1e-6,
+                0.0,
+                False,
+                True,
+                False,
+                "cpu",
+            ),
+        ),
+        "rotary_embedding": (
+            "query",
+            (6, 64),
+            lambda x: ops.rotary_embedding(torch.arange(6), x, None, 16, torch.cat([cos16, sin16], -1), True),
+        ),
+        "rotary_qk_and_cache_": (
+            "q",
+            (2, 3, 4, 16),
+            lambda x: ops.rotary_qk_and_cache_(x, k, v, cos16, sin16, None, 2, slots, *caches(), *cache_args),
+        ),
+        "rotary_qk_and_cache q_out": (
+            "q_out",
+            (2, 3, 4, 16),
+            lambda x: ops.rotary_qk_and_cache(
+                torch.randn(2, 3, 4, 16), x, k, v, cos16, sin16, None, 2, slots, *caches(), *cache_args
+            ),
+        ),
+        "rotary_qk_and_cache k_cache": (
+            "k_cache",
+            (4, 4, 2, 16),
+            lambda x: ops.rotary_qk_and_cache(
+                None, None, k, v, cos16, sin16, None, 2, slots, *caches(x), *cache_args
+            ),
+        ),
+    }
+
+
+IN_PLACE_OPS = [
+    "cpu_rotary_",
+    "cpu_rotary_ k",
+    "shift_cache_",
+    "qk_norm_rotary_",
+    "rotary_embedding",
+    "rotary_qk_and_cache_",
+    "rotary_qk_and_cache q_out",
+    "rotary_qk_and_cache k_cache",
+]
+
+
+@pytest.mark.parametrize("case", ["leaf", "view of a leaf", "inference tensor"])
+@pytest.mark.parametrize("op_name", IN_PLACE_OPS)
+def test_a_registered_in_place_op_refuses_what_pytorch_refuses_before_writing(op_name, case):
+    """Issue 39, defect 2: ``x.mul_(2)`` raises for a leaf that requires grad, a view of one and an inference
+    tensor outside inference mode; the registered op called directly raises InPlaceError (a ValueError and
+    the RuntimeError PyTorch raises) and leaves the tensor as it was."""
+    from ropekit.validation import InPlaceError
+
+    name, shape, call = _in_place_op_calls()[op_name]
+    values = torch.randn(shape)
+
+    def make():  # (the tensor to write, the tensor that must keep its values)
+        if case == "inference tensor":
+            with torch.inference_mode():
+                x = values.clone()
+            return x, x
+        leaf = values.clone().requires_grad_()
+        return (leaf if case == "leaf" else leaf[:]), leaf
+
+    with pytest.raises(RuntimeError):  # PyTorch refuses the same write (an inference tensor's: after it)
+        make()[0].mul_(2)
+    x, written = make()
+    with pytest.raises(InPlaceError, match=rf"^{name}: "):
+        call(x)
+    assert torch.equal(written.detach(), values)
+
+
+@pytest.mark.parametrize("op_name", IN_PLACE_OPS)
+def test_a_registered_in_place_op_writes_a_leaf_under_no_grad_as_pytorch_does(op_name):
+    """The refusal follows the caller's grad mode, as PyTorch's: under no_grad a leaf may be written."""
+    _, shape, call = _in_place_op_calls()[op_name]
+    leaf = torch.randn(shape).requires_grad_()
+    before = leaf.detach().clone()
+    with torch.no_grad():
+        leaf.mul_(1)  # PyTorch allows it
+        call(leaf)
+    assert not torch.equal(leaf.detach(), before)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_op_refuses_an_offset_beside_positions_as_apply_rotary_does(inplace):
+    """Issue 39, defect 3: cpu_rotary(q, None, cos, sin, positions, ..., 5) dropped the offset (it equalled
+    offset 0); apply_rotary refuses the combination, and so does the op, in the same words."""
+    q = Q.clone()
+    with pytest.raises(ValueError, match=r"^offsets: expected 0 when positions is given") as want:
+        apply_rotary(q, COS, SIN, positions=POS, offsets=5)
+    with pytest.raises(ValueError) as got:
+        (torch.ops.ropekit.cpu_rotary_ if inplace else op)(q, None, COS, SIN, POS, False, False, 5)
+    assert str(got.value) == str(want.value)
+    assert torch.equal(q, Q)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_op_fake_checks_k_against_q_as_the_real_op_does(inplace, packed):
+    """Issue 39: the fake kernels check the same shapes as the real ops (docs/safety.md); the fake of
+    cpu_rotary did not check k's batch against q, so a compiled graph traced a call the op refuses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # k of batch 1 against q's 2; packed (T, H, D): 2 tokens against q's 3
+    q, k = (Q[0], torch.randn(2, 2, 12)) if packed else (Q, K[:1])
+    call = torch.ops.ropekit.cpu_rotary_ if inplace else op
+    match = r"^k: expected q's (batch, seq|tokens) and head_dim"
+    with pytest.raises(ValueError, match=match):
+        call(q.clone(), k, COS, SIN, None, False, False)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
+        fake = [mode.from_tensor(t) for t in (q, k, COS, SIN)]
+        call(*fake, None, False, False)

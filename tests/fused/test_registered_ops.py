@@ -297,3 +297,176 @@ def test_the_registered_shift_op_refuses_a_cache_sharing_the_table_and_writes_no
     with pytest.raises(ValueError, match="k_cache: it is written and shares memory with cos, which the call"):
         torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", None, False, backend)
     assert torch.equal(storage, before)
+
+
+BAD_SCALES = [0.0, -1.0, float("nan"), float("inf")]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("which", ["q_scale", "k_scale"])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_fp8_op_refuses_a_scale_the_function_refuses(backend, which, bad):
+    """Issue 39, defect 1: scale 0 saturated every byte of q; the op checks each scale's values as
+    apply_rotary_qk_fp8 does (finite and > 0 in float32, as the kernel divides by it)."""
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16)
+    cos, sin = tables()
+    scales = {"q_scale": torch.ones(1), "k_scale": torch.full((2,), 0.5)}
+    scales[which] = torch.tensor([bad]) if which == "q_scale" else torch.tensor([0.5, bad])
+    with pytest.raises(ValueError, match=rf"^{which}: expected every value a finite scale > 0"):
+        torch.ops.ropekit.rotary_qk_fp8(q, k, cos, sin, None, 0, scales["q_scale"], scales["k_scale"],
+                                        torch.float8_e4m3fn, None, None, False, backend)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^{which}: expected every value a finite scale > 0"):
+        public = {n: t.reshape(()) if t.numel() == 1 else t for n, t in scales.items()}  # (1,): 0-d
+        ropekit.apply_rotary_qk_fp8(q, k, cos, sin, **public, backend=backend)  # the function's own words
+
+
+@pytest.mark.parametrize("given", ["q_nope", "k_nope"])
+def test_the_registered_fp8_op_refuses_one_nope_part_without_the_other(given):
+    """Issue 39 (an unclear error): q_nope without k_nope was an AttributeError."""
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16)
+    nopes = {"q_nope": None, "k_nope": None}
+    nopes[given] = torch.randn(2, 3, 4 if given == "q_nope" else 2, 8)
+    cos, sin = tables()
+    with pytest.raises(ValueError, match=r"^q_nope, k_nope: expected both \(the MLA form\) or neither"):
+        torch.ops.ropekit.rotary_qk_fp8(q, k, cos, sin, None, 0, torch.ones(1), torch.ones(1),
+                                        torch.float8_e4m3fn, *nopes.values(), False, "cpu")  # fmt: skip
+
+
+def _qk_norm_op(qkv, eps=1e-6, weight_offset=0.0, backend="cpu"):
+    cos, sin = tables()
+    torch.ops.ropekit.qk_norm_rotary_(qkv, torch.ones(16), torch.ones(16), cos, sin, None, 0, 4, 2, 16, eps,
+                                      weight_offset, False, True, False, backend)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("eps", -1.0), ("eps", 0.0), ("eps", float("nan")), ("eps", float("inf")),
+     ("weight_offset", float("nan")), ("weight_offset", float("inf"))],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_qk_norm_op_refuses_an_eps_or_offset_the_function_refuses_and_writes_nothing(
+    backend, name, value
+):
+    """Issue 39, defect 1: eps -1 (or NaN, or a NaN weight offset) wrote NaN into qkv."""
+    qkv = torch.randn(2, 3, 128)
+    before = qkv.clone()
+    with pytest.raises(ValueError, match=rf"^{name}: expected a finite number"):
+        _qk_norm_op(qkv, backend=backend, **{name: value})
+    assert torch.equal(qkv, before)
+    with pytest.raises(ValueError, match=rf"^{name}: expected a finite number"):  # the function's own words
+        cos, sin = tables()
+        ropekit.qk_norm_rotary_(qkv, torch.ones(16), torch.ones(16), cos, sin, num_q_heads=4, num_kv_heads=2,
+                                head_dim=16, backend=backend, **{"eps": 1e-6, name: value})  # fmt: skip
+
+
+def _fp8_cache_call(k_scale, v_scale, *, fp8=True, in_place=False):
+    q = torch.randn(2, 3, 4, 16)
+    k, v, cos, sin, pos, offset, slots, k_cache, v_cache, layout, interleaved, _, _, backend = cache_args(
+        "cpu", fp8=fp8
+    )
+    before = [t.clone() for t in (q, k_cache, v_cache)]
+    args = (k, v, cos, sin, pos, offset, slots, k_cache, v_cache, layout, interleaved, k_scale, v_scale,
+            backend)  # fmt: skip
+    try:
+        if in_place:
+            torch.ops.ropekit.rotary_qk_and_cache_(q, *args)
+        else:
+            torch.ops.ropekit.rotary_qk_and_cache(q, torch.empty_like(q), *args)
+    finally:  # bit for bit (FP8 bytes)
+        for a, b in zip((q, k_cache, v_cache), before, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "a refused call wrote"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_the_registered_cache_op_refuses_an_fp8_cache_scale_the_function_refuses(which, bad, in_place):
+    """Issue 39, defect 1: k_scale 0 and v_scale -1 (which stored -v) were taken."""
+    scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(2)}
+    scales[which] = torch.tensor([bad])
+    with pytest.raises(ValueError, match=rf"^{which}: expected every value a finite scale > 0"):
+        _fp8_cache_call(scales["k_scale"], scales["v_scale"], in_place=in_place)
+
+
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_the_registered_cache_op_refuses_a_scale_for_a_cache_that_is_not_fp8_and_needs_one_for_fp8(which):
+    """Issue 39, defect 1: a scale given for a float32 cache was ignored silently; the function refuses it.
+    An FP8 cache without its scale is refused in the function's words."""
+    scales = {"k_scale": None, "v_scale": None}
+    scales[which] = torch.full((1,), 2.0)
+    with pytest.raises(ValueError, match=rf"^{which}: expected None for a torch.float32 cache"):
+        _fp8_cache_call(scales["k_scale"], scales["v_scale"], fp8=False)
+    scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
+    scales[which] = None
+    with pytest.raises(ValueError, match=rf"^{which}: expected a scale for the torch.float8_e4m3fn cache"):
+        _fp8_cache_call(scales["k_scale"], scales["v_scale"])
+
+
+@pytest.mark.parametrize("op", ["rotary_qk_and_cache", "rotary_qk_and_cache_", "rotary_qk_fp8"])
+def test_the_registered_serving_ops_are_inference_only_as_their_functions(op):
+    """A source that requires grad (grad mode on) is refused before anything is written, as the function
+    refuses it; under no_grad it is served."""
+    q = torch.randn(2, 3, 4, 16)
+    k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest = cache_args("cpu")
+    k = k.requires_grad_()
+    before = k_cache.clone()
+    if op == "rotary_qk_fp8":
+        args = (q, k, cos, sin, None, 0, torch.ones(1), torch.ones(1), torch.float8_e4m3fn, None, None, False,
+                "cpu")  # fmt: skip
+    else:
+        args = (k, v, cos, sin, pos, offset, slots, k_cache, v_cache, *rest)
+        args = (q, *args) if op.endswith("_") else (q, torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match=r"^k: .* is inference only"):
+        getattr(torch.ops.ropekit, op)(*args)
+    assert torch.equal(k_cache, before)
+    with torch.no_grad():
+        getattr(torch.ops.ropekit, op)(*args)
+
+
+SERVING_OPS = ["rotary_qk_and_cache", "rotary_qk_and_cache_", "rotary_qk_fp8", "qk_norm_rotary_"]
+
+
+@pytest.mark.parametrize("op", SERVING_OPS)
+def test_the_registered_serving_ops_refuse_an_offset_beside_positions(op):
+    """Issue 39, defect 3 on the serving ops: positions are absolute, an offset beside them was dropped."""
+    q = torch.randn(2, 3, 4, 16)
+    k, v, cos, sin, _, _, slots, k_cache, v_cache, *rest = cache_args("cpu")
+    positions = torch.arange(6)
+    qkv = torch.randn(2, 3, 128)
+    before = [t.clone() for t in (q, k_cache, qkv)]
+    if op == "rotary_qk_fp8":
+        args = (q, k, cos, sin, positions, 3, torch.ones(1), torch.ones(1), torch.float8_e4m3fn, None, None,
+                False, "cpu")  # fmt: skip
+    elif op == "qk_norm_rotary_":
+        args = (qkv, torch.ones(16), torch.ones(16), cos, sin, positions, 3, 4, 2, 16, 1e-6, 0.0, False, True,
+                False, "cpu")  # fmt: skip
+    else:
+        args = (k, v, cos, sin, positions, 3, slots, k_cache, v_cache, *rest)
+        args = (q, *args) if op.endswith("_") else (q, torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match=r"^offsets: expected 0 when positions is given"):
+        getattr(torch.ops.ropekit, op)(*args)
+    assert all(torch.equal(a, b) for a, b in zip((q, k_cache, qkv), before, strict=True))
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_shift_op_refuses_an_fp8_cache_as_the_function_does(backend):
+    """The torch backend shifted an FP8 cache's bytes through the op; shift_cache_ refuses FP8 caches."""
+    k_cache = torch.randn(PAGES, PAGE_SIZE, 2, 16).to(torch.float8_e4m3fn)
+    cos, sin = tables()
+    before = k_cache.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=r"^k_cache: expected a float32, float16, bfloat16 or float64 cache"):
+        torch.ops.ropekit.shift_cache_(k_cache, cos, sin, 5, "nhd", None, False, backend)
+    assert torch.equal(k_cache.view(torch.uint8), before)
+
+
+def test_the_registered_qk_norm_op_refuses_tables_that_require_grad_as_the_function_does():
+    """qk_norm_rotary_ treats the tables as constants and refuses tables that require grad (they would get
+    no gradient); so does its op."""
+    qkv = torch.randn(2, 3, 128)
+    before = qkv.clone()
+    cos, sin = tables()
+    cos.requires_grad_()
+    with pytest.raises(ValueError, match=r"^cos, sin: expected tables that do not require grad"):
+        torch.ops.ropekit.qk_norm_rotary_(qkv, torch.ones(16), torch.ones(16), cos, sin, None, 0, 4, 2, 16,
+                                          1e-6, 0.0, False, True, False, "cpu")  # fmt: skip
+    assert torch.equal(qkv, before)

@@ -18,6 +18,7 @@ import torch
 from ropekit.backends.base import Backend
 from ropekit.backends.c.rotary import CpuBackend
 from ropekit.backends.eager.rotary import EagerBackend
+from ropekit.backends.kernel_op import check_device
 from ropekit.backends.plan import clear_plans
 from ropekit.backends.triton.rotary import TritonBackend
 
@@ -133,9 +134,12 @@ def _select_fused(name, q, cos, op: str, widest: int, spec) -> Backend:
     raise ValueError(f"backend: {backend.name!r} {reason}")
 
 
-def named_backend(name: object, op: str) -> Backend:
-    """The backend a registered op names (its ``str backend`` argument), which must run ``op``."""
+def named_backend(name: object, op: str, device: torch.device | None = None) -> Backend:
+    """The backend a registered op names (its ``str backend`` argument), which must run ``op``; with
+    ``device`` (a registered op called directly), on that device (:func:`kernel_op.check_device`)."""
     backend = BACKENDS.get(name) if type(name) is str else None
     if backend is None or not hasattr(backend, _LAUNCHES[op]):
         raise ValueError(f"backend: expected one of {list(FUSED_BACKENDS)}, got {name!r}")
+    if device is not None:
+        check_device(backend, device)
     return backend

@@ -16,14 +16,15 @@ Triton kernel on the device (a clamped row, and a trap that fails the launch: no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.dtensor_inputs import is_dtensor
-from ropekit.positions import check_cu_seqlens
-from ropekit.validation import check_no_alias, check_writable, describe
+from ropekit.dtensor_inputs import SHARDED_OPS, check_no_dtensor, is_dtensor
+from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
+from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
 
 jit_tracing = torch._C._get_tracing_state  # torch.jit.trace's recorder: None unless it records
 
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_HALF",
     "KernelBackend",
     "Launch",
+    "check_device",
     "check_launch",
     "check_packed_rows",
     "jit_tracing",
@@ -192,8 +194,28 @@ def _check_op_inputs(q, k, positions) -> None:
         _fail("q", "a (batch, seq, heads, head_dim) or (total_tokens, heads, head_dim) tensor", describe(q))
     if k is not None and (not isinstance(k, torch.Tensor) or k.dim() != q.dim()):
         _fail("k", f"a {q.dim()}-D tensor like q", describe(k))
+    if k is not None and (k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]):
+        axes = "batch, seq" if q.dim() == 4 else "tokens"
+        _fail("k", f"q's {axes} and head_dim {tuple(q.shape)}", str(tuple(k.shape)))
     if positions is not None and (not isinstance(positions, torch.Tensor) or positions.shape != q.shape[:-2]):
         _fail("positions", f"a tensor of shape {tuple(q.shape[:-2])} (q's leading axes)", describe(positions))
+
+
+def _check_op_values(q, k, positions, offset) -> None:
+    """The op's shapes (:func:`_check_op_inputs`), then the values its public function checks that the
+    kernel wall does not: an offset beside positions is refused (the kernel would drop it)."""
+    _check_op_inputs(q, k, positions)
+    if positions is not None:
+        check_offsets_beside_positions(offset)
+
+
+def check_device(backend, device: torch.device) -> None:
+    """A registered op's backend can run on device (its ``device_reason``), in select_backend's words:
+    Triton on CPU tensors without its interpreter raised Triton's own "0 active drivers"."""
+    reason = getattr(backend, "device_reason", None)
+    reason = None if reason is None else reason(device)
+    if reason is not None:
+        raise ValueError(f"backend: {backend.name!r} cannot serve these inputs: {reason}")
 
 
 def _check_devices(q, k, cos, sin, positions) -> None:
@@ -250,19 +272,65 @@ _REGISTERED: dict[str, tuple] = {}
 _OPS: dict[str, object] = {}
 
 
-def register_op(name: str, impl: Callable, fake: Callable, *, mutates_args: tuple[str, ...], schema: str):
+def register_op(
+    name: str,
+    impl: Callable,
+    fake: Callable,
+    *,
+    mutates_args: tuple[str, ...],
+    schema: str,
+    guard: Callable[..., None] | None = None,
+):
     """``torch.ops.ropekit.<name>``: impl as a custom op with a shape-only fake implementation, registered
     once per process (a second call returns the first op: registering again would replace it under a compiled
     graph that holds it). Every ropekit op is registered here: the rotary kernels' pairs and the serving
     fusions. The op is the public face of a raw kernel, so impl keeps the kernel wall: it checks what the
-    kernel relies on, whatever the caller passed."""
+    kernel relies on, whatever the caller passed, and the value checks of its public function.
+
+    What depends on the caller's grad mode runs before the op's autograd kernel, where that mode is still
+    the caller's (inside impl it is always off): PyTorch's in-place refusals for every argument the op
+    writes (:func:`~ropekit.validation.check_in_place_allowed`: a leaf that requires grad, a view of one, an
+    inference tensor outside inference mode), then ``guard(*args)`` if given (the serving fusions: inference
+    only). Nothing is written when either raises. The library's own calls skip the dispatcher (their public
+    function checked all of it once)."""
     qualname = f"ropekit::{name}"
     op = _OPS.get(qualname)
     if op is None:
         op = torch.library.custom_op(qualname, impl, mutates_args=mutates_args, schema=schema)
         op.register_fake(fake)
+        _guard_autograd(op, name, guard)
         _OPS[qualname] = op
     return op
+
+
+_NO_RULE = (
+    "call it with each rank's local tensors (t.to_local()), or rotate DTensors with ropekit.apply_rotary / "
+    "apply_rotary_qk (ropekit.integrations.dtensor)"
+)
+
+
+def _guard_autograd(op, name: str, guard: Callable[..., None] | None) -> None:
+    """Put the op's caller-grad-mode checks (see :func:`register_op`) in front of its autograd kernel."""
+    from torch._library.autograd import make_autograd_impl  # the kernel custom_op registered, rebuilt
+
+    arguments = op._opoverload._schema.arguments
+    names = tuple(a.name for a in arguments)
+    written = [(i, a.name) for i, a in enumerate(arguments) if a.is_write]
+    autograd = make_autograd_impl(op._opoverload, op)
+
+    def checked(keyset, *args, **kwargs):
+        if name not in SHARDED_OPS:  # before DTensor's dispatch, which says "mixed torch.Tensor and DTensor"
+            check_no_dtensor(f"torch.ops.ropekit.{name}", names[: len(args)], args, _NO_RULE)
+        for i, arg_name in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                check_in_place_allowed(arg_name, args[i])
+        if guard is not None:
+            guard(*args)
+        return autograd(keyset, *args, **kwargs)
+
+    with warnings.catch_warnings():  # it replaces the autograd kernel custom_op registered, on purpose
+        warnings.filterwarnings("ignore", message="Warning only once for all operators", category=UserWarning)
+        op._lib.impl(name, checked, "Autograd", with_keyset=True)
 
 
 def plain_eager(x) -> bool:
@@ -303,14 +371,16 @@ class KernelBackend:
         self._launch = launch
 
         def rotary(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
-            _check_op_inputs(q, k, positions)
+            _check_op_values(q, k, positions, offset)
+            check_device(self, q.device)
             q_out = torch.empty_like(q)
             k_out = None if k is None else torch.empty_like(k)
             _run(launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate)
             return [q_out] if k is None else [q_out, k_out]
 
         def rotary_(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
-            _check_op_inputs(q, k, positions)
+            _check_op_values(q, k, positions, offset)
+            check_device(self, q.device)
             _run(launch, q, k, q, k, cos, sin, positions, offset, interleaved, conjugate)
 
         def rotary_fake(q, k, cos, sin, positions, interleaved, conjugate, offset=0):
@@ -339,6 +409,11 @@ class KernelBackend:
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         raise NotImplementedError
+
+    def device_reason(self, device: torch.device) -> str | None:
+        """The part of :meth:`unavailable_reason` that depends on the device alone (a registered op names
+        its backend, so only the device is left to refuse): None when the kernel can run there."""
+        return None
 
     def kernels(self) -> tuple[Callable[..., None], Callable[..., None]]:
         """(the fused serving launcher, the QK-norm launcher) of this backend's kernel family."""

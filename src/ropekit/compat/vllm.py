@@ -33,9 +33,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ropekit.backends import select_backend
 from ropekit.backends.c.rotary import pointer_launch
 from ropekit.backends.kernel_op import jit_tracing as _jit_tracing
+from ropekit.backends.kernel_op import register_op
 from ropekit.backends.plan import MAX_PLANS, gate, keep, launch_rotary_positions, rotary_plan, span
 from ropekit.compat._common import check_backend_name, peer_names, renamed
 from ropekit.config import RopeConfig
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.functional import apply_resolved
 from ropekit.positions import resolve
 from ropekit.validation import check_bool, check_int, describe, shares_memory
@@ -260,16 +262,16 @@ def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_n
 
 # vLLM's op signature (csrc/torch_bindings.cpp: ``rotary_embedding(Tensor positions, Tensor! query,
 # Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()``) plus ropekit's backend choice.
-rotary_embedding_op = torch.library.custom_op(
-    "ropekit::rotary_embedding",
+rotary_embedding_op = register_op(
+    "rotary_embedding",
     _rotary_embedding_op,
+    _rotary_embedding_fake,
     mutates_args=("query", "key"),
     schema=(
         "(Tensor positions, Tensor(a!) query, Tensor(b!)? key, SymInt head_size, Tensor cos_sin_cache, "
         "bool is_neox, str backend='auto') -> ()"
     ),
 )
-rotary_embedding_op.register_fake(_rotary_embedding_fake)
 
 
 def rotary_embedding(
@@ -303,6 +305,12 @@ def rotary_embedding(
         or _get_current_dispatch_mode()
         or _jit_tracing()
     ):
+        check_no_dtensor(
+            "compat.vllm.rotary_embedding",
+            ("positions", "query", "key", "cos_sin_cache"),
+            (positions, query, key, cos_sin_cache),
+            "rotate each rank's local tensors (t.to_local()), or DTensors with ropekit.apply_rotary_qk",
+        )
         torch.ops.ropekit.rotary_embedding(
             positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend
         )

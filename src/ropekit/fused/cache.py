@@ -14,17 +14,20 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch, fp8_kind
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.checks import (
+    cache_takes_scale,
     cache_view,
     check_distinct_slots,
     check_inference,
     check_scale,
+    check_scale_values,
     check_slots,
     paged_view,
     pages,
 )
 from ropekit.fused.planned import cache_plan
-from ropekit.positions import resolve
+from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
@@ -36,6 +39,10 @@ from ropekit.validation import (
 )
 
 __all__ = ["apply_rotary_qk_and_cache"]
+
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping", "positions", "offsets",
+              "cu_seqlens", "k_scale", "v_scale")  # fmt: skip
 
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
 # scale (k_scale$ / v_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
@@ -113,6 +120,11 @@ def apply_rotary_qk_and_cache(
     args = (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_tensor,
             v_tensor)  # fmt: skip
     check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
+    check_no_dtensor(
+        "apply_rotary_qk_and_cache", _ARGUMENTS,
+        (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, positions, offsets, cu_seqlens, k_scale, v_scale),
+        "write each rank's cache with its local tensors (t.to_local())",
+    )  # fmt: skip
     check_bool("interleaved", interleaved)
     check_bool("inplace", inplace)
     cache_only = q is None
@@ -163,18 +175,10 @@ def apply_rotary_qk_and_cache(
             f"v_cache: expected k_cache's pages and page size {tuple(kc.shape[:2])}, got shape "
             f"{tuple(v_cache.shape)}"
         )
-    scales = []
-    for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
-        if fp8_kind(cache.dtype):
-            if scale is None:
-                raise ValueError(f"{name}: expected a scale for the {cache.dtype} cache, got None")
-            scales.append(check_scale(name, scale, k_heads, q.device))
-        elif scale is not None:
-            raise ValueError(
-                f"{name}: expected None for a {cache.dtype} cache (scales are for FP8), got {describe(scale)}"
-            )
-        else:
-            scales.append(None)
+    scales = [
+        check_scale(name, scale, k_heads, q.device) if cache_takes_scale(name, cache, scale) else None
+        for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale))
+    ]
     slots = check_slots("slot_mapping", slot_mapping, (batch, seq), q.device)
     if inplace:
         check_in_place_allowed("q", q)
@@ -216,7 +220,7 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     """Rotate q into q_out (q itself: in place; None with q None: the caches only), k into k_cache, copy v
     into v_cache. checked=True: the public call checked everything; False (the registered ops): the kernel
     wall and the memory rule are checked here, the kernels check table rows and slots."""
-    impl = named_backend(backend, "fused")
+    impl = named_backend(backend, "fused", None if checked else k.device)
     if not checked:  # a registered op called directly: the public call's memory rule and distinct slots
         if q_out is not None:
             check_writable("q_out", q_out)
@@ -228,6 +232,8 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
             optional=False,
         )  # fmt: skip
         check_distinct_slots("slot_mapping", slots)
+        if positions is not None:
+            check_offsets_beside_positions(offset)
     q4, k4, v4, out4 = (t if t is None or t.dim() == 4 else t[None] for t in (q, k, v, q_out))  # (1, T, H, D)
     sources = [
         t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4)
@@ -237,6 +243,9 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
         views = [pages(k_cache, cache_layout), pages(v_cache, cache_layout)]
     else:
         views = [paged_view("k_cache", k_cache, cache_layout), paged_view("v_cache", v_cache, cache_layout)]
+        for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
+            if cache_takes_scale(name, cache, scale):  # the public call's scale rule and values
+                check_scale_values(name, scale)
     kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
     kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
     batch, seq = k4.shape[:2]
@@ -259,6 +268,11 @@ def _fake(*args) -> None:
     pass
 
 
+def _inference_only(q, k, v) -> None:
+    """The ops' check of the caller's grad mode (kernel_op.register_op): inference only, as the function."""
+    check_inference("apply_rotary_qk_and_cache", q=q, k=k, v=v)
+
+
 # torch.ops.ropekit.rotary_qk_and_cache(q, q_out, k, ...): q rotated into q_out (both None: the caches only);
 # torch.ops.ropekit.rotary_qk_and_cache_(q, k, ...): q in place. Both write the caches.
 _OP = register_op(
@@ -267,6 +281,7 @@ _OP = register_op(
     _fake,
     mutates_args=("q_out", "k_cache", "v_cache"),
     schema=f"(Tensor? q, Tensor(c!)? q_out, {_ARGS}) -> ()",
+    guard=lambda q, q_out, k, v, *rest: _inference_only(q, k, v),
 )
 _OP_ = register_op(
     "rotary_qk_and_cache_",
@@ -274,4 +289,5 @@ _OP_ = register_op(
     _fake,
     mutates_args=("q", "k_cache", "v_cache"),
     schema=f"(Tensor(c!) q, {_ARGS}) -> ()",
+    guard=lambda q, k, v, *rest: _inference_only(q, k, v),
 )

@@ -19,15 +19,17 @@ import numbers
 import numpy as np
 import torch
 
-from ropekit.backends.fused_launch import FP8_KINDS
+from ropekit.backends.fused_launch import FP8_KINDS, fp8_kind
 from ropekit.validation import check_in_place_allowed, check_movable, check_writable, describe, is_compiling
 
 __all__ = [
     "CACHE_LAYOUTS",
+    "cache_takes_scale",
     "cache_view",
     "check_distinct_slots",
     "check_inference",
     "check_scale",
+    "check_scale_values",
     "check_slots",
     "paged_view",
     "pages",
@@ -109,12 +111,15 @@ def pages(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache.transpose(1, 2)  # (num_pages, page_size, heads, width)
 
 
+_EXPECTED_SCALE = "a finite scale > 0 in float32 (stored = value / scale; the kernels divide in float32)"
+
+
 def check_scale(name: str, scale: object, heads: int, device: torch.device) -> torch.Tensor:
     """An FP8 scale (stored = value / scale): a number, a 0-d tensor or a (heads,) tensor. Every value is
     checked as the kernels divide by it, after its cast to float32: finite and > 0 there (1e-46 is 0 in
     float32, 1e300 is inf). Returns it as a contiguous float32 (1,) or (heads,) tensor on device. Values of a
     CUDA tensor are checked with a device-side assert (no host sync)."""
-    expected = "a finite scale > 0 in float32 (stored = value / scale; the kernels divide in float32)"
+    expected = _EXPECTED_SCALE
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         try:
             as_float32 = torch.tensor([float(scale)], dtype=torch.float32)  # (1,)
@@ -134,15 +139,41 @@ def check_scale(name: str, scale: object, heads: int, device: torch.device) -> t
         )
     check_movable(name, scale, device, where="the inputs' device")
     out = scale.detach().reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-    ok = (out > 0) & (out < math.inf)
-    if out.device.type == "cpu" and not is_compiling():
+    check_scale_values(name, out, scale)
+    return out
+
+
+def check_scale_values(name: str, scale: torch.Tensor, given: torch.Tensor | None = None) -> None:
+    """Every value of a scale as the kernels use it (float32: :func:`check_scale`'s result, or the tensor a
+    registered op is given) finite and > 0; ``given`` is the caller's tensor, for the message. On the host
+    for CPU tensors, a device-side assert otherwise (no host sync)."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        return  # not a kernel's scale: the launcher's wall names it
+    ok = (scale > 0) & (scale < math.inf)
+    if scale.device.type == "cpu" and not is_compiling():
         if not bool(ok.all()):
+            given = scale if given is None else given
             raise ValueError(
-                f"{name}: expected every value {expected}, got {scale.tolist()} ({out.tolist()} in float32)"
+                f"{name}: expected every value {_EXPECTED_SCALE}, got {given.tolist()} ({scale.tolist()} in "
+                f"float32)"
             )
     else:
         torch._assert_async(ok.all(), f"ropekit: {name} must be finite and > 0 in float32")
-    return out
+
+
+def cache_takes_scale(name: str, cache: torch.Tensor, scale: object) -> bool:
+    """Whether a cache is FP8 and so takes its scale (k_scale / v_scale): a scale is required for an FP8
+    cache and refused for any other (it would be ignored). The one rule for apply_rotary_qk_and_cache and
+    its registered ops."""
+    if fp8_kind(cache.dtype):
+        if scale is None:
+            raise ValueError(f"{name}: expected a scale for the {cache.dtype} cache, got None")
+        return True
+    if scale is not None:
+        raise ValueError(
+            f"{name}: expected None for a {cache.dtype} cache (scales are for FP8), got {describe(scale)}"
+        )
+    return False
 
 
 def check_slots(name: str, slots: object, shape: tuple[int, ...], device) -> torch.Tensor:

@@ -19,12 +19,17 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
-from ropekit.fused.checks import check_inference, check_scale
+from ropekit.dtensor_inputs import check_no_dtensor
+from ropekit.fused.checks import check_inference, check_scale, check_scale_values
 from ropekit.fused.planned import fp8_plan
-from ropekit.positions import resolve
+from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import check_bool, check_movable, check_tables, describe
 
 __all__ = ["apply_rotary_qk_fp8"]
+
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("q", "k", "cos", "sin", "q_scale", "k_scale", "q_nope", "k_nope", "positions", "offsets",
+              "cu_seqlens")  # fmt: skip
 
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take. A
 # scale (q_scale$ / k_scale$) is a tensor (its values checked by the plan's run) or a number (its value in
@@ -89,14 +94,14 @@ def apply_rotary_qk_fp8(
     k_tensor = k_scale if type(k_scale) is torch.Tensor else None
     planned = (q, k, cos, sin, q_tensor, k_tensor, q_nope, k_nope, positions, offsets, cu_seqlens)
     check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
+    check_no_dtensor(
+        "apply_rotary_qk_fp8", _ARGUMENTS,
+        (q, k, cos, sin, q_scale, k_scale, q_nope, k_nope, positions, offsets, cu_seqlens),
+        "quantise each rank's local tensors (t.to_local())",
+    )  # fmt: skip
     check_bool("interleaved", interleaved)
-    if fp8_dtype not in FP8_KINDS:
-        raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
-    if (q_nope is None) != (k_nope is None):
-        raise ValueError(
-            f"q_nope, k_nope: expected both (the MLA form) or neither, got {describe(q_nope)} and "
-            f"{describe(k_nope)}"
-        )
+    _check_fp8_dtype(fp8_dtype)
+    _check_nope_pair(q_nope, k_nope)
     if not isinstance(q, torch.Tensor):
         raise ValueError(f"q: expected a torch.Tensor, got {describe(q)}")
     ropes = _as_4d([q, k])
@@ -157,10 +162,14 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
             backend, *, checked: bool) -> tuple[list[torch.Tensor], list[FusedLaunch]]:  # fmt: skip
     """The FP8 outputs, shaped like q, k (and q_nope, k_nope), and the launches run. checked=True: the public
     call checked everything; False (the registered op): the launcher checks the kernel wall."""
-    impl = named_backend(backend, "fused")
-    kind = FP8_KINDS.get(fp8_dtype)
-    if kind is None:
-        raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
+    impl = named_backend(backend, "fused", None if checked else q.device)
+    kind = _check_fp8_dtype(fp8_dtype)
+    if not checked:  # a registered op called directly: the public call's value checks
+        _check_nope_pair(q_nope, k_nope)
+        if positions is not None:
+            check_offsets_beside_positions(offset)
+        check_scale_values("q_scale", q_scale)
+        check_scale_values("k_scale", k_scale)
     q4 = _as_4d([q])[0]
     outs = []
 
@@ -199,12 +208,32 @@ _OP = register_op(
     lambda *args: _launch(*args, checked=False)[0],
     _fake,
     mutates_args=(),
+    guard=lambda q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_nope, k_nope, *flags: (
+        check_inference("apply_rotary_qk_fp8", q=q, k=k, q_nope=q_nope, k_nope=k_nope)
+    ),
     schema=(
         "(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? positions, SymInt offset, Tensor q_scale, "
         "Tensor k_scale, ScalarType fp8_dtype, Tensor? q_nope, Tensor? k_nope, bool interleaved, "
         "str backend) -> Tensor[]"
     ),
 )
+
+
+def _check_fp8_dtype(fp8_dtype: object) -> int:
+    """The kernels' code for fp8_dtype, one of the two FP8 formats."""
+    kind = FP8_KINDS.get(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else None
+    if kind is None:
+        raise ValueError(f"fp8_dtype: expected one of {[str(d) for d in FP8_KINDS]}, got {fp8_dtype!r}")
+    return kind
+
+
+def _check_nope_pair(q_nope: object, k_nope: object) -> None:
+    """The MLA form takes both nope parts or neither."""
+    if (q_nope is None) != (k_nope is None):
+        raise ValueError(
+            f"q_nope, k_nope: expected both (the MLA form) or neither, got {describe(q_nope)} and "
+            f"{describe(k_nope)}"
+        )
 
 
 def _as_4d(tensors: list) -> list:

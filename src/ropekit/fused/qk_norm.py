@@ -37,8 +37,9 @@ from ropekit.backends.eager.qk_norm import heads as _heads
 from ropekit.backends.eager.rotary import rotate, table_rows
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.planned import qk_norm_plan
-from ropekit.positions import resolve
+from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import (
     check_bool,
     check_in_place_allowed,
@@ -52,6 +53,9 @@ from ropekit.validation import (
 )
 
 __all__ = ["qk_norm_rotary_"]
+
+# The public function's arguments, named in a DTensor's refusal (dtensor_inputs.check_no_dtensor).
+_ARGUMENTS = ("qkv", "q_weight", "k_weight", "cos", "sin", "positions", "offsets", "cu_seqlens")
 
 _NORMS = ("head", "all_heads")
 # The op's launch-plan gate (ropekit.backends.plan.gate): its arguments in the order its plans' runs take.
@@ -120,6 +124,27 @@ def _check_weight(name: str, w: object, features: int, qkv: torch.Tensor, form: 
         raise ValueError(f"{name}: expected shape ({features},) ({form}), got {tuple(w.shape)}")
     if w.device != qkv.device:
         raise ValueError(f"{name}: expected a tensor on qkv's device {qkv.device}, got one on {w.device}")
+
+
+def _check_norm_numbers(eps: object, weight_offset: object) -> tuple[float, float]:
+    """eps a finite number > 0 and weight_offset a finite number, as floats (a NaN in either, or eps <= 0,
+    makes every normalised value NaN)."""
+    eps = check_positive("eps", eps)
+    if (
+        isinstance(weight_offset, bool)
+        or not isinstance(weight_offset, (int, float))
+        or not math.isfinite(weight_offset)
+    ):
+        raise ValueError(f"weight_offset: expected a finite number, got {describe(weight_offset)}")
+    return eps, float(weight_offset)
+
+
+def _check_constant_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The tables are constants here: a table that requires grad would get no gradient."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(
+            "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"
+        )
 
 
 def _check_qkv(qkv: object, varlen: bool) -> torch.Tensor:
@@ -200,6 +225,10 @@ def qk_norm_rotary_(
     )  # fmt: skip
     if out is not None:  # a decode step seen before: its launch plan (ropekit.fused.planned)
         return out
+    check_no_dtensor(
+        "qk_norm_rotary_", _ARGUMENTS, (qkv, q_weight, k_weight, cos, sin, positions, offsets, cu_seqlens),
+        "normalise and rotate each rank's local tensors (t.to_local())",
+    )  # fmt: skip
     qkv = _check_qkv(qkv, cu_seqlens is not None)
     q_heads = check_int("num_q_heads", num_q_heads, minimum=1, expected="a positive int")
     k_heads = check_int("num_kv_heads", num_kv_heads, minimum=1, expected="a positive int")
@@ -220,26 +249,17 @@ def qk_norm_rotary_(
     )
     _check_weight("q_weight", q_weight, q_heads * head_dim if all_heads else head_dim, qkv, form)
     _check_weight("k_weight", k_weight, k_heads * head_dim if all_heads else head_dim, qkv, form)
-    eps = check_positive("eps", eps)
-    if (
-        isinstance(weight_offset, bool)
-        or not isinstance(weight_offset, (int, float))
-        or not math.isfinite(weight_offset)
-    ):
-        raise ValueError(f"weight_offset: expected a finite number, got {describe(weight_offset)}")
+    eps, weight_offset = _check_norm_numbers(eps, weight_offset)
     if cast_before_weight is None:
         cast_before_weight = not all_heads and weight_offset == 0
     spec = NormSpec(
-        q_heads, k_heads, head_dim, eps, float(weight_offset), all_heads,
+        q_heads, k_heads, head_dim, eps, weight_offset, all_heads,
         check_bool("cast_before_weight", cast_before_weight), check_bool("interleaved", interleaved),
     )  # fmt: skip
     check_tables(cos, sin, head_dim)
     check_movable("cos", cos, qkv.device, where="qkv's device")
     check_movable("sin", sin, qkv.device, where="qkv's device")
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError(
-            "cos, sin: expected tables that do not require grad (qk_norm_rotary_ treats them as constants)"
-        )
+    _check_constant_tables(cos, sin)
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
 
@@ -295,9 +315,11 @@ def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_back
     table rows."""
     *fields, name = spec_and_backend
     spec = NormSpec(*fields)
-    impl = named_backend(name, "qk_norm")
+    impl = named_backend(name, "qk_norm", None if checked else qkv.device)
     if not checked:
         _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec)
+        if positions is not None:
+            check_offsets_beside_positions(offset)
     view = qkv.unsqueeze(0) if qkv.dim() == 2 else qkv  # (B, S, W); packed (T, W) as (1, T, W)
     # The kernels write through pointers: checked, tell autograd (the registered op's dispatcher does it).
     impl.launch_qk_norm(
@@ -308,6 +330,7 @@ def _launch(qkv, q_weight, k_weight, cos, sin, positions, offset, *spec_and_back
 def _check_op(qkv, q_weight, k_weight, cos, sin, positions, spec: NormSpec) -> None:
     """What the kernels rely on to stay inside their tensors, for the registered op's own callers."""
     qkv = _check_qkv(qkv, False)
+    _check_norm_numbers(spec.eps, spec.weight_offset)  # the public call's value checks
     width = (spec.q_heads + 2 * spec.k_heads) * spec.head_dim
     if min(spec.q_heads, spec.k_heads, spec.head_dim) < 1 or qkv.shape[-1] != width:
         raise ValueError(f"qkv: expected {width} features ((Hq + 2 Hk) * D), got shape {tuple(qkv.shape)}")
@@ -337,6 +360,7 @@ _OP = register_op(
     lambda *args: _launch(*args, checked=False),
     lambda *args: None,
     mutates_args=("qkv",),
+    guard=lambda qkv, q_weight, k_weight, cos, sin, *rest: _check_constant_tables(cos, sin),
     schema=(
         "(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, Tensor? positions, "
         "SymInt offset, int num_q_heads, int num_kv_heads, int head_dim, float eps, float weight_offset, "

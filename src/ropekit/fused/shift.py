@@ -14,6 +14,7 @@ from ropekit.backends import named_backend, select_backend
 from ropekit.backends.fused_launch import Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
+from ropekit.dtensor_inputs import check_no_dtensor
 from ropekit.fused.checks import cache_view, check_distinct_slots, check_slots, paged_view, pages
 from ropekit.fused.planned import shift_plan
 from ropekit.validation import check_bool, check_int, check_movable, check_no_alias, check_tables, describe
@@ -63,13 +64,15 @@ def shift_cache_(
     if done is not None:  # a shift seen before: its launch plan (ropekit.fused.planned.shift_plan)
         return k_cache
     planned = (k_cache, cos, sin, delta, slots)
+    check_no_dtensor(
+        "shift_cache_",
+        ("k_cache", "cos", "sin", "slots"),
+        (k_cache, cos, sin, slots),
+        "shift each rank's local cache (t.to_local())",
+    )
     check_bool("interleaved", interleaved)
     delta = check_int("delta", delta, minimum=-(1 << 62), expected="an int (positions to move by)")
-    if not isinstance(k_cache, torch.Tensor) or not k_cache.is_floating_point() or k_cache.dtype.itemsize < 2:
-        raise ValueError(
-            f"k_cache: expected a float32, float16, bfloat16 or float64 cache (FP8 caches cannot be shifted "
-            f"in place), got {describe(k_cache)}"
-        )
+    _check_cache_dtype(k_cache)
     if k_cache.dim() not in (3, 4):
         raise ValueError(f"k_cache: expected a 3-D or 4-D cache, got {describe(k_cache)}")
     if k_cache.is_meta:  # its keys are rotated in place: there must be keys (PyTorch fails inside the op)
@@ -115,16 +118,27 @@ def shift_cache_(
     return k_cache
 
 
+def _check_cache_dtype(k_cache: object) -> None:
+    """A cache of a float dtype of at least 16 bits: re-rotating FP8 bytes would need their scale and a
+    second rounding."""
+    if not isinstance(k_cache, torch.Tensor) or not k_cache.is_floating_point() or k_cache.dtype.itemsize < 2:
+        raise ValueError(
+            f"k_cache: expected a float32, float16, bfloat16 or float64 cache (FP8 caches cannot be shifted "
+            f"in place), got {describe(k_cache)}"
+        )
+
+
 def _launch(k_cache, cos, sin, delta, cache_layout, slots, interleaved, backend, *,
             checked: bool) -> FusedLaunch:  # fmt: skip
     """Rotate k_cache's keys (slots: flat ids, -1 skipped; None: every slot) by delta, in place; returns the
     launch it ran (the model of a launch plan: :func:`ropekit.fused.planned.shift_plan`).
     checked=False (the registered op): the launcher checks the kernel wall and the slots; the row |delta|
     is checked here."""
-    impl = named_backend(backend, "fused")
+    impl = named_backend(backend, "fused", None if checked else k_cache.device)
     view = pages(k_cache, cache_layout) if checked else paged_view("k_cache", k_cache, cache_layout)
     row = abs(delta)
     if not checked:  # a registered op called directly: the public call's value checks
+        _check_cache_dtype(k_cache)
         if not 0 <= row < cos.shape[0]:
             raise ValueError(f"delta: |delta| = {row} is past the cos/sin table (table_len {cos.shape[0]})")
         reads = (("k_cache", k_cache), ("cos", cos), ("sin", sin), ("slots", slots))

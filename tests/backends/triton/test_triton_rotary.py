@@ -31,6 +31,33 @@ def test_triton_on_cpu_tensors_without_interpreter_is_a_clear_value_error():
         apply_rotary(torch.randn(1, 3, 2, 4), cos, sin, backend="triton")
 
 
+@pytest.mark.parametrize("op", ["triton_rotary", "triton_rotary_", "rotary_qk_fp8", "qk_norm_rotary_"])
+def test_triton_ops_on_cpu_tensors_without_interpreter_are_the_functions_value_error(monkeypatch, op):
+    """Issue 39: the registered op on a CPU tensor without TRITON_INTERPRET raised Triton's "0 active
+    drivers"; it says what apply_rotary says (the backend's own reason), before anything is written."""
+    import ropekit.fused  # noqa: F401  registers the serving ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call
+    cos, sin = tables(16)
+    q, k = torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16)
+    qkv = torch.randn(1, 3, 96)
+    before = q.clone(), qkv.clone()
+    ops, scale = torch.ops.ropekit, torch.ones(1)
+    norm = (torch.ones(16), torch.ones(16), cos, sin, None, 0, 2, 2, 16, 1e-6, 0.0, False, True, False)
+    calls = {
+        "triton_rotary": lambda: ops.triton_rotary(q, k, cos, sin, None, False, False, 0),
+        "triton_rotary_": lambda: ops.triton_rotary_(q, k, cos, sin, None, False, False, 0),
+        "rotary_qk_fp8": lambda: ops.rotary_qk_fp8(
+            q, k, cos, sin, None, 0, scale, scale, torch.float8_e4m3fn, None, None, False, "triton"
+        ),
+        "qk_norm_rotary_": lambda: ops.qk_norm_rotary_(qkv, *norm, "triton"),
+    }
+    match = r"backend: 'triton' cannot serve these inputs: q is on the CPU; .*CUDA"
+    with pytest.raises(ValueError, match=match):
+        calls[op]()
+    assert torch.equal(q, before[0]) and torch.equal(qkv, before[1])
+
+
 def test_triton_fake_op_gives_output_shapes_and_strides_without_running():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

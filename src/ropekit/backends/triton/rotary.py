@@ -307,13 +307,19 @@ class TritonBackend(KernelBackend):
 
         return run
 
-    def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
+    def device_reason(self, device: torch.device) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "Triton is not installed (pip install 'ropekit[triton]')"
-        if q.device.type == "cpu" and not interpreter_enabled():
+        if device.type == "cpu" and not interpreter_enabled():
             return "q is on the CPU; the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 in tests)"
-        if q.device.type not in ("cuda", "cpu"):
-            return f"q is on {q.device.type}; the Triton kernel needs a CUDA device"
+        if device.type not in ("cuda", "cpu"):
+            return f"q is on {device.type}; the Triton kernel needs a CUDA device"
+        return None
+
+    def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
+        reason = self.device_reason(q.device)
+        if reason is not None:
+            return reason
         if q.dtype not in SUPPORTED_DTYPES:
             return f"dtype {q.dtype} is not supported (float32, float16, bfloat16)"
         if cos.shape[-1] > MAX_HALF:
