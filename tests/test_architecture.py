@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("public API", ("ropekit",)),  # the package root: only the exact name "ropekit"
-    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations")),
+    # ropekit.jax: JAX / Flax, an adapter on the config layer's tables (the [jax] extra).
+    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations", "ropekit.jax")),
     # Plugins an engine loads (docs/engines.md): on the peers (compat.vllm serves vLLM's cache contract).
     ("engine plugins", ("ropekit.integrations.vllm", "ropekit.integrations.sglang")),
     ("tools", ("ropekit.tools",)),
@@ -54,6 +56,8 @@ HEAVY = ("matplotlib", "tqdm", "transformers", "vllm", "sglang")
 # Modules that import an engine at module level: only the engine imports them (torchtitan's
 # --override.imports), and only the engines environment has the engine.
 ENGINE_MODULES = ("ropekit.integrations.torchtitan",)
+# Modules of an optional extra: importable only where the extra is installed (module -> the package it needs).
+EXTRA_MODULES = {"ropekit.jax": "jax"}
 
 
 def _matches(name: str, prefix: str) -> bool:
@@ -188,7 +192,10 @@ def test_the_checker_sees_lazy_relative_and_type_checking_imports(tmp_path, monk
 
 @pytest.mark.slow
 def test_importing_the_whole_core_loads_no_tool_and_no_heavy_dependency():
-    core = sorted(n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES)
+    missing = {n for n, package in EXTRA_MODULES.items() if importlib.util.find_spec(package) is None}
+    core = sorted(
+        n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES and n not in missing
+    )
     script = (
         "import importlib, sys\n"
         "import numpy, torch\n"  # whatever these load themselves (torch pulls in parts of tqdm) is not ours
