@@ -108,6 +108,36 @@ def test_eager_rotation_equals_the_torch_path_bit_for_bit(layout, interleaved, r
     np.testing.assert_array_equal(np.asarray(out), ref)
 
 
+def _pair_ulps(x: np.ndarray, config: RopeConfig) -> np.ndarray:
+    """Per element of x: a float32 ulp of its pair's magnitude sqrt(a^2 + b^2) times the tables' scaling
+    (the tiniest ulp for features that pass through: those must be equal)."""
+    rot, head_dim = config.rotary_dim, config.head_dim
+    start = head_dim - rot if config.rotary_position == "last" else 0
+    part = x[..., start : start + rot].astype(np.float64)
+    if config.interleaved:
+        norm = np.repeat(np.hypot(part[..., 0::2], part[..., 1::2]), 2, axis=-1)
+    else:
+        norm = np.tile(np.hypot(part[..., : rot // 2], part[..., rot // 2 :]), 2)
+    magnitude = np.zeros(x.shape)
+    magnitude[..., start : start + rot] = norm * max(1.0, config.attention_scaling())
+    return np.spacing(magnitude.astype(np.float32))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_preset_and_scaling_type_rotates_like_the_torch_path(config):
+    """Eager: bit for bit. The nnx module under nnx.jit: within one ulp of each pair's magnitude."""
+    cos, sin = rj.cos_sin(config, 64)
+    x = _random((2, 12, 2, config.head_dim))
+    flags = dict(interleaved=config.interleaved, rotary_position=config.rotary_position)
+    offsets = np.array([0, 40])
+    eager = rj.apply_rotary(jnp.asarray(x), cos, sin, offsets=jnp.asarray(offsets), **flags)
+    ref = _torch_rotary(x, *config.cos_sin(64), "bshd", offsets=torch.from_numpy(offsets), **flags)
+    np.testing.assert_array_equal(np.asarray(eager), ref)
+    rope = rj.RotaryEmbedding(config, max_len=64)
+    jitted = np.asarray(nnx.jit(lambda rope, x, off: rope(x, offsets=off))(rope, jnp.asarray(x), offsets))
+    assert (np.abs(jitted - ref) <= _pair_ulps(x, config)).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_jitted_rotation_is_torchs_rounding_with_fused_multiply_adds_within_one_ulp(dtype):
     """Under jax.jit XLA fuses a*c - b*s into fma(a, c, -(b*s)) (CPU): bit for bit that operation order, and
