@@ -108,7 +108,7 @@ def cos_sin(
 
 
 def far_tables(config: RopeConfig, *, seq_len: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Tables that serve any position below 2^33 in a few kilobytes: (cos, sin) of (FAR_LEVELS, K, R/2).
+    """Tables that serve any position below 2^33 in 3 x 2048 rows: (cos, sin) of (FAR_LEVELS, K, R/2).
 
     Level j, row m holds the unscaled cos / sin of the angle at position m * K^j (K = 2^11), each exact in
     float64 before its cast; a row is composed from one row of each level by the angle-addition formula
@@ -441,6 +441,8 @@ class RotaryEmbedding(nnx.Module):
     def rows(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos / sin rows (..., R/2) of integer positions (...,): the direct table's below max_len, composed
         far rows past it."""
+        shape = tuple(getattr(positions, "shape", ()))
+        positions = _integer_array("positions", positions, shape, "of any shape")
         _check_nonnegative("positions", positions)
         near_cos, near_sin = _table_rows(self.cos, self.sin, positions)
         far_cos, far_sin = _far_rows((self.far_cos, self.far_sin, self.far_scale), positions)
