@@ -366,6 +366,7 @@ def test_module_equals_the_torch_module_and_keeps_its_tables_out_of_params():
             r"max_len: expected a positive integer.*0",
         ),
         (lambda x, c, s: rj.RotaryEmbedding(RopeConfig(64))(x[..., :32]), r"q: expected head_dim 64"),
+        (lambda x, c, s: rj.RotaryEmbedding(RopeConfig(64))(x, x[:1]), r"k: expected q's token axes"),
         (lambda x, c, s: rj.RotaryEmbedding(RopeConfig(64)).rows(x[0, 0]), r"positions: expected an integer"),
         (
             lambda x, c, s: rj.MaxTextRotaryEmbedding(1, 10000, object()),

@@ -182,15 +182,19 @@ def _segment_positions(segment_ids: jax.Array) -> jax.Array:
     return index - start
 
 
+def _tokens(x_shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """x's token axes: (B, S) for the 4-D layouts, (T,) for "thd"."""
+    if layout == "thd":
+        return (x_shape[0],)
+    batch, seq = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}[layout]
+    return (x_shape[batch], x_shape[seq])
+
+
 def _positions(
     x_shape: tuple[int, ...], layout: str, positions: Any, offsets: Any, segment_ids: Any, cu_seqlens: Any
 ) -> jax.Array:
     """Each token's position: (B, S) for the 4-D layouts, (T,) for "thd"."""
-    if layout == "thd":
-        tokens = (x_shape[0],)
-    else:
-        batch, seq = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}[layout]
-        tokens = (x_shape[batch], x_shape[seq])
+    tokens = _tokens(x_shape, layout)
     given = [n for n, v in (("positions", positions), ("segment_ids", segment_ids)) if v is not None]
     if cu_seqlens is not None:
         given.append("cu_seqlens")
@@ -484,11 +488,12 @@ class RotaryEmbedding(nnx.Module):
                 raise ValueError(
                     f"{name}: expected head_dim {config.head_dim} (the config's), got {_describe(t)}"
                 )
+        if k is not None and _tokens(k.shape, self.layout) != _tokens(q.shape, self.layout):
+            raise ValueError(
+                f"k: expected q's token axes {_tokens(q.shape, self.layout)} ({LAYOUT_SHAPES[self.layout]}), "
+                f"got {_describe(k)}"
+            )
         pos = _positions(q.shape, self.layout, positions, offsets, segment_ids, cu_seqlens)
-        if k is not None:
-            k_pos = _positions(k.shape, self.layout, positions, offsets, segment_ids, cu_seqlens)
-            if k_pos.shape != pos.shape:
-                raise ValueError(f"k: expected q's batch and sequence axes {pos.shape}, got {_describe(k)}")
         c, s = self.rows(pos)
         flags = dict(interleaved=config.interleaved, inverse=inverse, rotary_position=config.rotary_position)
         out_q = _rotate(q, c, s, self.layout, **flags)
