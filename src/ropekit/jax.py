@@ -32,11 +32,11 @@ try:
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError("ropekit.jax needs jax and flax: pip install 'ropekit[jax]'") from error
 
-from ropekit.config import RopeConfig
+from ropekit.config import RopeConfig, config_from
+from ropekit.module import LAYOUT_SHAPES, LAYOUTS
 from ropekit.validation import check_bool, check_even, check_int, check_positive
 
 __all__ = [
-    "LAYOUTS",
     "MaxTextRotaryEmbedding",
     "RotaryEmbedding",
     "apply_rotary",
@@ -44,13 +44,6 @@ __all__ = [
     "far_tables",
 ]
 
-LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
-LAYOUT_SHAPES = {
-    "bshd": "(batch, seq, heads, head_dim)",
-    "bhsd": "(batch, heads, seq, head_dim)",
-    "sbhd": "(seq, batch, heads, head_dim)",
-    "thd": "(total_tokens, heads, head_dim)",
-}
 # Far rows: a position p = sum_j p_j K^j (K = 2^FAR_BITS) turns by the sum of its digits' angles, each digit's
 # cos / sin read from a float64-exact table of K rows; FAR_LEVELS digits cover every position below 2^33.
 FAR_BITS = 11
@@ -426,15 +419,7 @@ class RotaryEmbedding(nnx.Module):
         seq_len: int | None = None,
         **config_kwargs: Any,
     ) -> None:
-        if config is None:
-            config = RopeConfig(**config_kwargs)
-        elif config_kwargs:
-            raise ValueError(
-                f"config_kwargs: pass either a RopeConfig or its keyword arguments, not both; got config and "
-                f"{sorted(config_kwargs)}"
-            )
-        if not isinstance(config, RopeConfig):
-            raise ValueError(f"config: expected a ropekit.RopeConfig or None, got {_describe(config)}")
+        config = config_from(config, config_kwargs)
         if max_len is None:
             max_len = min(config.max_position_embeddings or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
         max_len = check_int("max_len", max_len, minimum=1, expected="a positive integer (table rows)")
