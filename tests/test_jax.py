@@ -316,6 +316,33 @@ def test_module_equals_the_torch_module_and_keeps_its_tables_out_of_params():
     assert not jax.tree.leaves(nnx.state(rope, nnx.Param))
 
 
+MROPE_PRESETS = [name for name in sorted(PRESETS) if RopeConfig.preset(name).mrope_section is not None]
+
+
+@pytest.mark.parametrize("name", MROPE_PRESETS)
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mrope_positions_rotate_like_the_torch_module(name, layout):
+    config = RopeConfig.preset(name)
+    axes, head_dim = len(config.mrope_section), config.head_dim
+    positions = np.random.default_rng(4).integers(0, 300, (axes, 2, 10))  # (axes, batch, seq)
+    positions[:, :, -1] = 100_000  # past the direct table: composed rows, per axis
+    x = _random((2, 10, 3, head_dim))
+    if layout == "thd":
+        x, positions = x.reshape(20, 3, head_dim), positions.reshape(axes, 20)
+    rope = rj.RotaryEmbedding(config, max_len=512, layout=layout)
+    out = np.asarray(rope(jnp.asarray(x), positions=jnp.asarray(positions)))
+    cu = {"cu_seqlens": torch.tensor([0, 20])} if layout == "thd" else {}  # unused beside positions
+    ref = ropekit.RotaryEmbedding(config, layout=layout, backend="torch")(
+        torch.from_numpy(x), positions=torch.from_numpy(positions), **cu
+    ).numpy()
+    near = positions[0] < 100_000  # tokens whose every axis reads the direct table
+    np.testing.assert_array_equal(out[near], ref[near])
+    assert (np.abs(out - ref) <= 8 * np.spacing(np.float32(np.abs(x).max()))).all()
+    expected = re.escape(f"positions: expected shape {(axes, *x.shape[:-2])}")
+    with pytest.raises(ValueError, match=expected):
+        rope(jnp.asarray(x), positions=jnp.asarray(positions[1:]))  # one axis short
+
+
 # -- bad input --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "call, match",

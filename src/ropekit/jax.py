@@ -34,6 +34,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
 
 from ropekit.config import RopeConfig, config_from
 from ropekit.module import LAYOUT_SHAPES, LAYOUTS
+from ropekit.schedules import mrope_axis_of_pair
 from ropekit.validation import check_bool, check_even, check_int, check_positive
 
 __all__ = [
@@ -402,6 +403,9 @@ class RotaryEmbedding(nnx.Module):
         seq_len: the sequence length a length-dependent schedule (dynamic NTK, LongRoPE) is built for: the
             tables are fixed at construction (as ``CosSinCache.freeze`` fixes the torch module's).
 
+    M-RoPE configs (``mrope_section``) take positions (axes, B, S) (temporal, height, width), or (axes, T)
+    for "thd", as the torch module does; (B, S) positions are text positions (plain RoPE).
+
     The tables are plain arrays on the module (nnx data, not ``nnx.Param``): an optimizer over ``nnx.Param``
     never touches them.
 
@@ -426,6 +430,10 @@ class RotaryEmbedding(nnx.Module):
         self.config, self.layout, self.seq_len = config, _check_layout(layout), seq_len
         self.cos, self.sin = cos_sin(config, max_len, seq_len=seq_len)  # (L, R/2) each
         self.far_cos, self.far_sin, self.far_scale = far_tables(config, seq_len=seq_len)
+        mrope = config.mrope_section is not None
+        axis = mrope_axis_of_pair(config.mrope_section, config.mrope_layout).numpy() if mrope else None
+        # M-RoPE: which position axis turns each frequency pair, (R/2,); None for 1-D RoPE
+        self.axis_of_pair = jnp.asarray(axis, jnp.int32) if mrope else None
 
     def rows(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos / sin rows (..., R/2) of integer positions (...,): the direct table's below max_len, composed
@@ -478,11 +486,31 @@ class RotaryEmbedding(nnx.Module):
                 f"k: expected q's token axes {_tokens(q.shape, self.layout)} ({LAYOUT_SHAPES[self.layout]}), "
                 f"got {_describe(k)}"
             )
-        pos = _positions(q.shape, self.layout, positions, offsets, segment_ids, cu_seqlens)
-        c, s = self.rows(pos)
+        if (
+            self.axis_of_pair is not None
+            and getattr(positions, "ndim", 0) == len(_tokens(q.shape, self.layout)) + 1
+        ):
+            c, s = self._mrope_rows(q.shape, positions, offsets)
+        else:
+            c, s = self.rows(_positions(q.shape, self.layout, positions, offsets, segment_ids, cu_seqlens))
         flags = dict(interleaved=config.interleaved, inverse=inverse, rotary_position=config.rotary_position)
         out_q = _rotate(q, c, s, self.layout, **flags)
         return out_q if k is None else (out_q, _rotate(k, c, s, self.layout, **flags))
+
+    def _mrope_rows(self, q_shape, positions, offsets) -> tuple[jax.Array, jax.Array]:
+        """M-RoPE rows from positions (axes, B, S), or (axes, T) for "thd": pair j takes the row of its own
+        axis's position, as :meth:`ropekit.RopeConfig.cos_sin` builds it."""
+        tokens, axes = _tokens(q_shape, self.layout), len(self.config.mrope_section)
+        shape_text = f"(axes={axes}, {'total_tokens' if self.layout == 'thd' else 'batch, seq'}) for M-RoPE"
+        if not (isinstance(offsets, int) and not isinstance(offsets, bool) and offsets == 0):
+            raise ValueError(
+                f"offsets: M-RoPE positions name every position already; expected 0, got {offsets!r}"
+            )
+        c, s = self.rows(
+            _integer_array("positions", positions, (axes, *tokens), shape_text)
+        )  # (axes, ..., R/2)
+        index = jnp.broadcast_to(self.axis_of_pair, c.shape[1:])[None]  # (1, ..., R/2)
+        return jnp.take_along_axis(c, index, axis=0)[0], jnp.take_along_axis(s, index, axis=0)[0]
 
 
 class MaxTextRotaryEmbedding(RotaryEmbedding):
