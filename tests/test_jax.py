@@ -34,6 +34,15 @@ CONFIGS = [pytest.param(RopeConfig.preset(name), id=name) for name in sorted(PRE
     pytest.param(RopeConfig(64, scaling=s, max_position_embeddings=128), id=s["rope_type"])
     for s in EXTRA_SCALINGS
 ]
+# And a config read the way a Hugging Face config.json is (RopeConfig.from_hf, a dict here).
+HF_CONFIG = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1e6,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+}
+CONFIGS.append(pytest.param(RopeConfig.from_hf(HF_CONFIG), id="from_hf-yarn"))
 # Where each layout keeps batch and sequence (axes of x), for building the torch reference.
 TO_BSHD = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
 
