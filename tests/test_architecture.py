@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("public API", ("ropekit",)),  # the package root: only the exact name "ropekit"
-    # ropekit.mlx: MLX arrays on ropekit's tables, a peer-level adapter beside compat/.
-    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations", "ropekit.mlx")),
+    # ropekit.jax, ropekit.mlx: JAX / Flax and MLX adapters on the config layer's tables (extras).
+    ("peers", ("ropekit.compat", "ropekit.nn", "ropekit.integrations", "ropekit.jax", "ropekit.mlx")),
     # Plugins an engine loads (docs/engines.md): on the peers (compat.vllm serves vLLM's cache contract).
     ("engine plugins", ("ropekit.integrations.vllm", "ropekit.integrations.sglang")),
     ("tools", ("ropekit.tools",)),
@@ -55,9 +56,8 @@ HEAVY = ("matplotlib", "tqdm", "transformers", "vllm", "sglang")
 # Modules that import an engine at module level: only the engine imports them (torchtitan's
 # --override.imports), and only the engines environment has the engine.
 ENGINE_MODULES = ("ropekit.integrations.torchtitan",)
-# Modules that import an optional extra at module level (pip install 'ropekit[mlx]'): the main environment
-# need not have it.
-EXTRA_MODULES = ("ropekit.mlx",)
+# Modules of an optional extra: importable only where the extra is installed (module -> the package it needs).
+EXTRA_MODULES = {"ropekit.jax": "jax", "ropekit.mlx": "mlx"}
 
 
 def _matches(name: str, prefix: str) -> bool:
@@ -192,8 +192,9 @@ def test_the_checker_sees_lazy_relative_and_type_checking_imports(tmp_path, monk
 
 @pytest.mark.slow
 def test_importing_the_whole_core_loads_no_tool_and_no_heavy_dependency():
+    missing = {n for n, package in EXTRA_MODULES.items() if importlib.util.find_spec(package) is None}
     core = sorted(
-        n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES + EXTRA_MODULES
+        n for n in MODULES if not _in_tools_wing(n) and n not in ENGINE_MODULES and n not in missing
     )
     script = (
         "import importlib, sys\n"

@@ -28,7 +28,7 @@ from ropekit.validation import (
     is_compiling,
 )
 
-__all__ = ["FrozenScaling", "RopeConfig"]
+__all__ = ["FrozenScaling", "RopeConfig", "config_from"]
 
 # cos_sin forms at most this many float64 angles at once (2 MB): tables are built in chunks of rows.
 COS_SIN_CHUNK_ELEMENTS = 1 << 18
@@ -395,6 +395,24 @@ class RopeConfig:
             positions, self._spec.params["chunk_size"], self._spec.params["local_size"]
         )
         return DualChunkTables(*(self.cos_sin(p, dtype=dtype, device=device) for p in roles))
+
+
+def config_from(config: RopeConfig | None, config_kwargs: Mapping[str, Any]) -> RopeConfig:
+    """A module's config: the RopeConfig it was given, or one built from its keyword arguments (not both).
+
+    Raises:
+        ValueError: for both, or for a config that is not a RopeConfig.
+    """
+    if config is None:
+        return RopeConfig(**config_kwargs)
+    if config_kwargs:
+        raise ValueError(
+            f"config_kwargs: pass either a RopeConfig or its keyword arguments, not both; got config and "
+            f"{sorted(config_kwargs)}"
+        )
+    if not isinstance(config, RopeConfig):
+        raise ValueError(f"config: expected a RopeConfig or None, got {type(config).__name__}")
+    return config
 
 
 def _frozen(value: Any) -> Any:

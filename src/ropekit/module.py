@@ -15,7 +15,7 @@ from torch.nn.modules import module as _torch_module
 
 from ropekit.backends import BACKENDS
 from ropekit.backends.plan import gate
-from ropekit.config import RopeConfig
+from ropekit.config import RopeConfig, config_from
 from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.layer_rope import model_rope
 from ropekit.positions import resolve
@@ -101,15 +101,7 @@ class RotaryEmbedding(nn.Module):
         **config_kwargs: Any,
     ) -> None:
         super().__init__()
-        if config is None:
-            config = RopeConfig(**config_kwargs)
-        elif config_kwargs:
-            raise ValueError(
-                f"config_kwargs: pass either a RopeConfig or its keyword arguments, not both; got config and "
-                f"{sorted(config_kwargs)}"
-            )
-        if not isinstance(config, RopeConfig):
-            raise ValueError(f"config: expected a RopeConfig or None, got {type(config).__name__}")
+        config = config_from(config, config_kwargs)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if backend != "auto" and backend not in BACKENDS:

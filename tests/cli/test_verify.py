@@ -148,3 +148,14 @@ def test_backends_triton_compile_only_compiles_for_three_gpus_and_says_so(capsys
     assert "backend triton" not in out  # nothing was run
     assert main(["verify", "--backends", "torch", "--compile-only"]) == 2
     assert "compile_only: expected --backends to include 'triton'" in capsys.readouterr().err
+
+
+def test_framework_jax_runs_the_theorem_checks_and_the_jax_rows(capsys):
+    pytest.importorskip("jax", reason="ropekit.jax needs the jax extra: pip install 'ropekit[jax]'")
+    pytest.importorskip("flax.nnx", reason="ropekit.jax needs the jax extra (flax)")
+    assert main(["verify", "--framework", "jax", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "R_m^T R_n = R_(n-m)" in out and "jax: jit traces of 4 decode steps - 1" in out
+    assert "backend torch" not in out and out.rstrip().endswith("passed, 0 failed")
+    assert main(["verify", "--framework", "jax", "--backends", "torch"]) == 2
+    assert "framework: --backends and --compile-only pick torch backends" in capsys.readouterr().err

@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --backends triton: compile the kernels for sm_80/90/100 and check their machine code "
         "instead of running them (no GPU needed)",
     )  # fmt: skip
+    p.add_argument(
+        "--framework", choices=("torch", "jax"), default="torch",
+        help="where the backend rows run: torch (the backends above, default) or jax (ropekit.jax, needs the "
+        "[jax] extra: its rows replace the torch backends)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
 
@@ -68,9 +73,17 @@ def _use_triton_interpreter_without_a_gpu(backends: list[str] | None, compile_on
 
 def run(args: argparse.Namespace) -> int:
     from ropekit.config import RopeConfig
-    from ropekit.tools.verify import TRITON_MODES, run_checks, triton_compile_checks, triton_mode
+    from ropekit.tools.verify import run_checks, triton_compile_checks, triton_mode
 
     config = RopeConfig(args.head_dim, args.base, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
+    if args.framework == "jax":
+        if args.backends or args.compile_only:
+            raise ValueError(
+                "framework: --backends and --compile-only pick torch backends; drop them for 'jax'"
+            )
+        from ropekit.tools.verify_jax import run_jax_checks
+
+        return _print(run_jax_checks(config), args.json, config, None)
     triton = bool(args.backends) and "triton" in args.backends
     if args.compile_only and not triton:
         raise ValueError("compile_only: expected --backends to include 'triton', the kernel it compiles")
@@ -81,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
     if compile_only:
         checks += triton_compile_checks(config)
     mode = triton_mode(compile_only) if triton else None
-    if args.json:
+    return _print(checks, args.json, config, mode)
+
+
+def _print(checks: list[Check], as_json: bool, config, mode: str | None) -> int:
+    from ropekit.tools.verify import TRITON_MODES
+
+    if as_json:
         out = {"checks": [c.as_dict() for c in checks]}
         if mode:
             out["triton_mode"] = {"mode": mode, "proves": TRITON_MODES[mode]}
