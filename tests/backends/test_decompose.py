@@ -17,6 +17,7 @@ from torch import nn
 from torch.export import Dim, export
 
 import ropekit
+from export_models import LlamaBlock, block_inputs, tiny_hf_llama
 from ropekit.backends import BACKENDS
 from ropekit.backends.decompose import DECOMPOSED_OPS, rotary_decomposition
 
@@ -159,49 +160,11 @@ def test_rotary_embedding_exports_lowers_and_equals_eager_bit_for_bit(call, layo
         _same(ep.module()(q, k, positions), want)
 
 
-class LlamaBlock(nn.Module):
-    """A Llama-style decoder block: RMSNorm, GQA attention with RoPE (ropekit's module, HF's bhsd layout),
-    SwiGLU MLP. Attention and SiLU are written out: torch's own decompositions of scaled_dot_product_attention
-    and silu round differently from their eager kernels (torch's, not ropekit's), which would hide whether
-    ropekit's lowering is exact."""
-
-    def __init__(self, dim: int = 64, heads: int = 4, kv_heads: int = 2, rope_scaling=None) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-        self.gate_up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(2 * dim, dim, bias=False)
-        config = ropekit.RopeConfig(head_dim=self.head_dim, max_position_embeddings=128, scaling=rope_scaling)
-        self.rope = ropekit.RotaryEmbedding(config, layout="bhsd")
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)  # (B, S, H, D) each
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        q, k = self.rope(q, k, positions=positions)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, S, S)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v  # (B, H, S, D)
-        x = x + self.out(att.transpose(1, 2).reshape(b, s, -1))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(gate * torch.sigmoid(gate) * up)
-
-
-def _block_inputs(seq: int = SEQ):
-    torch.manual_seed(0)
-    return torch.randn(2, seq, 64), torch.arange(seq).expand(2, seq)
-
-
 @needs_cpu_kernel
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic_seq"])
 def test_llama_block_lowers_to_core_aten_and_equals_eager_bit_for_bit(dynamic):
     block = LlamaBlock().eval()
-    x, positions = _block_inputs()
+    x, positions = block_inputs()
     shapes = {"x": {1: Dim("seq", min=2, max=64)}, "positions": {1: Dim("seq", min=2, max=64)}}
     with torch.no_grad():
         ep = export(block, (x, positions), dynamic_shapes=shapes if dynamic else None)
@@ -210,7 +173,7 @@ def test_llama_block_lowers_to_core_aten_and_equals_eager_bit_for_bit(dynamic):
         assert ropekit_nodes(ep) == []
         assert torch.equal(ep.module()(x, positions), block(x, positions))
         if dynamic:
-            x2, positions2 = _block_inputs(20)
+            x2, positions2 = block_inputs(20)
             assert torch.equal(ep.module()(x2, positions2), block(x2, positions2))
 
 
@@ -218,7 +181,7 @@ def test_llama_block_lowers_to_core_aten_and_equals_eager_bit_for_bit(dynamic):
 def test_lowered_program_runs_in_a_process_without_ropekit(tmp_path):
     """The saved, decomposed program loads and runs where ropekit was never imported (its ops unknown)."""
     block = LlamaBlock().eval()
-    x, positions = _block_inputs()
+    x, positions = block_inputs()
     with torch.no_grad():
         ep = export(block, (x, positions)).run_decompositions()
         torch.export.save(ep, tmp_path / "block.pt2")
@@ -239,29 +202,9 @@ print("ok")
 
 @needs_cpu_kernel
 def test_patched_hf_llama_lowers_to_core_aten_and_equals_eager_bit_for_bit():
-    transformers = pytest.importorskip("transformers")
-    from ropekit.integrations import hf
-
-    # eager attention and ReLU: torch's decompositions of scaled_dot_product_attention and silu round
-    # differently from their eager kernels (LlamaBlock's docstring)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, hidden_act="relu",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    assert hf.patch(model) > 0
+    pytest.importorskip("transformers")
+    wrapper = tiny_hf_llama()
     ids = torch.randint(0, 64, (2, SEQ))
-
-    class Logits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, use_cache=False).logits
-
-    wrapper = Logits()
     with torch.no_grad():
         ep = export(wrapper, (ids,))
         assert ropekit_nodes(ep)
