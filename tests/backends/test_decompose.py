@@ -253,11 +253,12 @@ def test_compiled_graph_keeps_the_kernel_op(grad):
     seen: list[str] = []
 
     def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_module_simplified
 
         def inner(graph, _):
             seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
-            return graph
+            return make_boxed_func(graph.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=inner)
 
@@ -271,3 +272,30 @@ def test_compiled_graph_keeps_the_kernel_op(grad):
         got.sum().backward()
         assert torch.equal(q.grad, ropekit.apply_rotary(torch.ones_like(q), cos, sin, inverse=True))
     assert "ropekit.cpu_rotary.default" in seen
+
+
+@needs_cpu_kernel
+def test_rotary_embedding_past_its_first_rows_exports_a_dynamic_length():
+    """max_position_embeddings past the 2048 rows a module builds first: the exported call computes its own
+    rows (table_cache), for any length, and still equals eager bit for bit."""
+    model = nn.Module()
+    model.rope = ropekit.RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=4096)
+    model.forward = lambda q, k, positions: model.rope(q, k, positions=positions)
+    q, k, positions = (
+        torch.randn(1, SEQ, 2, HEAD_DIM),
+        torch.randn(1, SEQ, 2, HEAD_DIM),
+        torch.arange(SEQ)[None],
+    )
+    seq = Dim("seq", min=2, max=4096)
+    with torch.no_grad():
+        ep = export(
+            model, (q, k, positions), dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "positions": {1: seq}}
+        )
+        ep = ep.run_decompositions()
+        assert ropekit_nodes(ep) == []
+        q, k, positions = (
+            torch.randn(1, 20, 2, HEAD_DIM),
+            torch.randn(1, 20, 2, HEAD_DIM),
+            torch.arange(3000, 3020)[None],
+        )
+        _same(ep.module()(q, k, positions), model.rope(q, k, positions=positions))
