@@ -72,3 +72,14 @@ def tiny_hf_llama():
             return self.model(input_ids=ids, use_cache=False).logits
 
     return Logits().eval()
+
+
+class Decode(nn.Module):
+    """Rotation at the offset a KV cache's length gives (a symbolic int under a dynamic cache length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope = ropekit.RotaryEmbedding(head_dim=16, max_position_embeddings=64)
+
+    def forward(self, q, k, past):
+        return self.rope(q, k, offsets=past.shape[1])

@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim, export
 
 import ropekit
-from export_models import LlamaBlock, block_inputs, tiny_hf_llama
+from export_models import Decode, LlamaBlock, block_inputs, tiny_hf_llama
 from ropekit.backends import BACKENDS
 from ropekit.backends.decompose import DECOMPOSED_OPS, rotary_decomposition
 
@@ -299,3 +299,17 @@ def test_rotary_embedding_past_its_first_rows_exports_a_dynamic_length():
             torch.arange(3000, 3020)[None],
         )
         _same(ep.module()(q, k, positions), model.rope(q, k, positions=positions))
+
+
+@needs_cpu_kernel
+def test_an_offset_from_a_dynamic_cache_length_lowers_bit_for_bit():
+    """offsets=past.shape[1]: the op's offset is a symbolic int, which the decomposition's arange takes."""
+    model = Decode().eval()
+    q, k = torch.randn(1, 4, 2, HEAD_DIM), torch.randn(1, 4, 2, HEAD_DIM)
+    shapes = {"q": None, "k": None, "past": {1: Dim("past", min=1, max=32)}}
+    with torch.no_grad():
+        ep = export(model, (q, k, torch.zeros(1, 5)), dynamic_shapes=shapes)
+        assert ropekit_nodes(ep)
+        ep = ep.run_decompositions()
+        assert ropekit_nodes(ep) == []
+        _same(ep.module()(q, k, torch.zeros(1, 9)), model(q, k, torch.zeros(1, 9)))

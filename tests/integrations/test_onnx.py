@@ -17,7 +17,7 @@ for _name in ("onnx", "onnxscript", "onnxruntime"):
 import onnxruntime as ort  # noqa: E402
 
 import ropekit  # noqa: E402
-from export_models import LlamaBlock, block_inputs, tiny_hf_llama  # noqa: E402
+from export_models import Decode, LlamaBlock, block_inputs, tiny_hf_llama  # noqa: E402
 from ropekit.backends import BACKENDS  # noqa: E402
 from ropekit.integrations import onnx as rk_onnx  # noqa: E402
 
@@ -308,3 +308,18 @@ def test_layouts_and_nope_first_heads_export_as_rotary_embedding(layout, where):
             view, back, got = view[..., 8:], back[..., 8:], got[..., 8:]
         terms = largest_term(view, rope.cos, rope.sin, positions, False)
         assert term_ulps(got.contiguous().numpy(), back.contiguous(), terms) <= 1
+
+
+def test_an_offset_from_a_dynamic_cache_length_becomes_position_ids():
+    model = Decode().eval()
+    q, k = torch.randn(1, 4, 2, HEAD_DIM), torch.randn(1, 4, 2, HEAD_DIM)
+    shapes = {"q": None, "k": None, "past": {1: torch.export.Dim("past", min=1, max=32)}}
+    with torch.no_grad():
+        program = rk_onnx.export(model, (q, k, torch.zeros(1, 5)), dynamic_shapes=shapes)
+        want = model(q, k, torch.zeros(1, 9))
+    assert op_types(program).count("RotaryEmbedding") == 2
+    rows = torch.arange(9, 13)[None]
+    for x, got, w in zip(
+        (q, k), run(program, {"q": q, "k": k, "past": torch.zeros(1, 9)}), want, strict=True
+    ):
+        assert term_ulps(got, w, largest_term(x, model.rope.cos, model.rope.sin, rows, False)) <= 1
