@@ -313,3 +313,27 @@ def test_an_offset_from_a_dynamic_cache_length_lowers_bit_for_bit():
         ep = ep.run_decompositions()
         assert ropekit_nodes(ep) == []
         _same(ep.module()(q, k, torch.zeros(1, 9)), model(q, k, torch.zeros(1, 9)))
+
+
+@needs_cpu_kernel
+def test_mrope_positions_lower_bit_for_bit():
+    scaling = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    rope = ropekit.RotaryEmbedding(head_dim=HEAD_DIM, scaling=scaling, max_position_embeddings=64)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rope = rope
+
+        def forward(self, q, k, positions):
+            return self.rope(q, k, positions=positions)
+
+    model = Model().eval()
+    q, k = torch.randn(2, SEQ, 4, HEAD_DIM), torch.randn(2, SEQ, 2, HEAD_DIM)
+    positions = torch.randint(0, 48, (3, 2, SEQ))
+    with torch.no_grad():
+        ep = export(model, (q, k, positions))
+        assert ropekit_nodes(ep)
+        ep = ep.run_decompositions()
+        assert ropekit_nodes(ep) == []
+        _same(ep.module()(q, k, positions), model(q, k, positions))

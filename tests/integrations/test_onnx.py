@@ -323,3 +323,22 @@ def test_an_offset_from_a_dynamic_cache_length_becomes_position_ids():
         (q, k), run(program, {"q": q, "k": k, "past": torch.zeros(1, 9)}), want, strict=True
     ):
         assert term_ulps(got, w, largest_term(x, model.rope.cos, model.rope.sin, rows, False)) <= 1
+
+
+def test_mrope_positions_export_as_rotary_embedding_of_the_calls_own_rows():
+    """M-RoPE (3, B, S) positions: the module builds each token's row in the graph, and the operator reads
+    them at rows 0 .. B*S - 1."""
+    scaling = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    config = ropekit.RopeConfig(head_dim=HEAD_DIM, scaling=scaling, max_position_embeddings=64)
+    module = Attention(ropekit.RotaryEmbedding(config)).eval()
+    q, k = torch.randn(2, SEQ, 4, HEAD_DIM), torch.randn(2, SEQ, 2, HEAD_DIM)
+    positions = torch.randint(0, 48, (3, 2, SEQ))
+    with torch.no_grad():
+        want = module(q, k, positions)
+        program = rk_onnx.export(module, (q, k, positions))
+    assert op_types(program).count("RotaryEmbedding") == 2
+    cos, sin = config.cos_sin(positions)  # (B, S, R/2): each token's row
+    rows = torch.arange(2 * SEQ).reshape(2, SEQ)
+    cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+    for x, got, w in zip((q, k), run(program, {"q": q, "k": k, "positions": positions}), want, strict=True):
+        assert term_ulps(got, w, largest_term(x, cos, sin, rows, False)) <= 1
