@@ -10,6 +10,19 @@ import ropekit
 SEQ = 8
 
 
+class Attention(nn.Module):
+    """q and k through a RotaryEmbedding, at explicit positions or an offset."""
+
+    def __init__(self, rope: ropekit.RotaryEmbedding, offsets: int | None = None) -> None:
+        super().__init__()
+        self.rope, self.offsets = rope, offsets
+
+    def forward(self, q, k, positions):
+        if self.offsets is not None:
+            return self.rope(q, k, offsets=self.offsets)
+        return self.rope(q, k, positions=positions)
+
+
 class LlamaBlock(nn.Module):
     """A Llama-style decoder block: RMSNorm, GQA attention with RoPE (ropekit's module, HF's bhsd layout),
     SwiGLU MLP. Attention and SiLU are written out: torch's own decompositions of scaled_dot_product_attention

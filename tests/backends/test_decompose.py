@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim, export
 
 import ropekit
-from export_models import Decode, LlamaBlock, block_inputs, tiny_hf_llama
+from export_models import Attention, Decode, LlamaBlock, block_inputs, tiny_hf_llama
 from ropekit.backends import BACKENDS
 from ropekit.backends.decompose import DECOMPOSED_OPS, rotary_decomposition
 
@@ -33,27 +33,14 @@ def ropekit_nodes(ep) -> list[str]:
     return [str(n.target) for n in ep.graph.nodes if n.op == "call_function" and "ropekit" in str(n.target)]
 
 
-def lowered(module: nn.Module, args: tuple, kwargs: dict | None = None, dynamic: bool = False):
-    """Export module(*args, **kwargs) (seq dynamic: axis 1 of every 4-D or 3-D tensor argument, and of a
-    (B, S) positions tensor), check a ropekit op is in the graph, decompose, check none is left."""
-    kwargs = kwargs or {}
-    shapes = None
-    if dynamic:
-        seq = Dim("seq", min=2, max=32)
-        shapes = tuple({1: seq} if isinstance(a, torch.Tensor) and a.dim() >= 2 else None for a in args)
-        shapes = shapes + tuple({1: seq} if isinstance(v, torch.Tensor) else None for v in kwargs.values())
-        shapes = dict(zip(list(_arg_names(module, len(args))) + list(kwargs), shapes, strict=True))
-    ep = export(module, args, kwargs, dynamic_shapes=shapes)
+def lowered(module: nn.Module, args: tuple, shapes=None):
+    """Export module(*args) (with dynamic_shapes=shapes), check a ropekit op is in the graph, decompose,
+    check none is left."""
+    ep = export(module, args, dynamic_shapes=shapes)
     assert ropekit_nodes(ep), "nothing to lower: the export holds no ropekit op"
     ep = ep.run_decompositions()
     assert ropekit_nodes(ep) == []
     return ep
-
-
-def _arg_names(module: nn.Module, n: int) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(module.forward).parameters)[:n]
 
 
 class Rotate(nn.Module):
@@ -113,9 +100,13 @@ def test_functional_api_exports_lowers_and_equals_eager_bit_for_bit(form, qk, dy
         args = (*args, torch.randint(0, 64, (2, SEQ)))
     if not qk and not use_positions:
         args = args[:1]
+    shapes = None
+    if dynamic:  # axis 1 of each tensor argument: q and k (B, S, H, D), positions (B, S)
+        seq = Dim("seq", min=2, max=32)
+        shapes = tuple(None if a is None else {1: seq} for a in args)
     with torch.no_grad():
         want = module(*args)
-        ep = lowered(module, args, dynamic=dynamic)
+        ep = lowered(module, args, shapes)
         _same(ep.module()(*args), want)
         if dynamic:  # another length through the same program
             longer = tuple(
@@ -153,10 +144,7 @@ def test_rotary_embedding_exports_lowers_and_equals_eager_bit_for_bit(call, layo
         if dynamic:
             seq, axis = Dim("seq", min=2, max=32), 1 if layout == "bshd" else 2
             shapes = {"q": {axis: seq}, "k": {axis: seq}, "positions": {1: seq}}
-        ep = export(model, (q, k, positions), dynamic_shapes=shapes)
-        assert ropekit_nodes(ep)
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(model, (q, k, positions), shapes)
         _same(ep.module()(q, k, positions), want)
 
 
@@ -167,10 +155,7 @@ def test_llama_block_lowers_to_core_aten_and_equals_eager_bit_for_bit(dynamic):
     x, positions = block_inputs()
     shapes = {"x": {1: Dim("seq", min=2, max=64)}, "positions": {1: Dim("seq", min=2, max=64)}}
     with torch.no_grad():
-        ep = export(block, (x, positions), dynamic_shapes=shapes if dynamic else None)
-        assert ropekit_nodes(ep)
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(block, (x, positions), shapes if dynamic else None)
         assert torch.equal(ep.module()(x, positions), block(x, positions))
         if dynamic:
             x2, positions2 = block_inputs(20)
@@ -206,10 +191,7 @@ def test_patched_hf_llama_lowers_to_core_aten_and_equals_eager_bit_for_bit():
     wrapper = tiny_hf_llama()
     ids = torch.randint(0, 64, (2, SEQ))
     with torch.no_grad():
-        ep = export(wrapper, (ids,))
-        assert ropekit_nodes(ep)
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(wrapper, (ids,))
         assert torch.equal(ep.module()(ids), wrapper(ids))
 
 
@@ -278,27 +260,17 @@ def test_compiled_graph_keeps_the_kernel_op(grad):
 def test_rotary_embedding_past_its_first_rows_exports_a_dynamic_length():
     """max_position_embeddings past the 2048 rows a module builds first: the exported call computes its own
     rows (table_cache), for any length, and still equals eager bit for bit."""
-    model = nn.Module()
-    model.rope = ropekit.RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=4096)
-    model.forward = lambda q, k, positions: model.rope(q, k, positions=positions)
-    q, k, positions = (
-        torch.randn(1, SEQ, 2, HEAD_DIM),
-        torch.randn(1, SEQ, 2, HEAD_DIM),
-        torch.arange(SEQ)[None],
-    )
+    model = Attention(ropekit.RotaryEmbedding(head_dim=HEAD_DIM, max_position_embeddings=4096)).eval()
+    q, k, positions = torch.randn(1, SEQ, 2, HEAD_DIM), torch.randn(1, SEQ, 2, HEAD_DIM), torch.arange(SEQ)
     seq = Dim("seq", min=2, max=4096)
     with torch.no_grad():
-        ep = export(
-            model, (q, k, positions), dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "positions": {1: seq}}
-        )
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(model, (q, k, positions[None]), ({1: seq}, {1: seq}, {1: seq}))
         q, k, positions = (
             torch.randn(1, 20, 2, HEAD_DIM),
             torch.randn(1, 20, 2, HEAD_DIM),
-            torch.arange(3000, 3020)[None],
+            torch.arange(3000, 3020),
         )
-        _same(ep.module()(q, k, positions), model.rope(q, k, positions=positions))
+        _same(ep.module()(q, k, positions[None]), model(q, k, positions[None]))
 
 
 @needs_cpu_kernel
@@ -308,32 +280,18 @@ def test_an_offset_from_a_dynamic_cache_length_lowers_bit_for_bit():
     q, k = torch.randn(1, 4, 2, HEAD_DIM), torch.randn(1, 4, 2, HEAD_DIM)
     shapes = {"q": None, "k": None, "past": {1: Dim("past", min=1, max=32)}}
     with torch.no_grad():
-        ep = export(model, (q, k, torch.zeros(1, 5)), dynamic_shapes=shapes)
-        assert ropekit_nodes(ep)
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(model, (q, k, torch.zeros(1, 5)), shapes)
         _same(ep.module()(q, k, torch.zeros(1, 9)), model(q, k, torch.zeros(1, 9)))
 
 
 @needs_cpu_kernel
 def test_mrope_positions_lower_bit_for_bit():
     scaling = {"rope_type": "default", "mrope_section": [2, 3, 3]}
-    rope = ropekit.RotaryEmbedding(head_dim=HEAD_DIM, scaling=scaling, max_position_embeddings=64)
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rope = rope
-
-        def forward(self, q, k, positions):
-            return self.rope(q, k, positions=positions)
-
-    model = Model().eval()
+    model = Attention(
+        ropekit.RotaryEmbedding(head_dim=HEAD_DIM, scaling=scaling, max_position_embeddings=64)
+    ).eval()
     q, k = torch.randn(2, SEQ, 4, HEAD_DIM), torch.randn(2, SEQ, 2, HEAD_DIM)
     positions = torch.randint(0, 48, (3, 2, SEQ))
     with torch.no_grad():
-        ep = export(model, (q, k, positions))
-        assert ropekit_nodes(ep)
-        ep = ep.run_decompositions()
-        assert ropekit_nodes(ep) == []
+        ep = lowered(model, (q, k, positions))
         _same(ep.module()(q, k, positions), model(q, k, positions))

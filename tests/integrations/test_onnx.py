@@ -17,7 +17,7 @@ for _name in ("onnx", "onnxscript", "onnxruntime"):
 import onnxruntime as ort  # noqa: E402
 
 import ropekit  # noqa: E402
-from export_models import Decode, LlamaBlock, block_inputs, tiny_hf_llama  # noqa: E402
+from export_models import Attention, Decode, LlamaBlock, block_inputs, tiny_hf_llama  # noqa: E402
 from ropekit.backends import BACKENDS  # noqa: E402
 from ropekit.integrations import onnx as rk_onnx  # noqa: E402
 
@@ -76,6 +76,18 @@ def run(program, inputs: dict[str, torch.Tensor]) -> list[np.ndarray]:
     return session.run(None, {name: t.numpy() for name, t in inputs.items()})
 
 
+def export_and_run(module: nn.Module, inputs: dict, rotations: int = 2) -> tuple[list[np.ndarray], tuple]:
+    """Export module(*inputs.values()) with ropekit's translations, check it holds `rotations`
+    RotaryEmbedding nodes and no ropekit domain, and run it in onnxruntime: (its outputs, eager's)."""
+    args = tuple(inputs.values())
+    with torch.no_grad():
+        want = module(*args)
+        program = rk_onnx.export(module, args)
+    assert op_types(program).count("RotaryEmbedding") == rotations
+    assert not any(node.domain.startswith("ropekit") for node in program.model_proto.graph.node)
+    return run(program, {name: t for name, t in inputs.items() if t is not None}), want
+
+
 def op_types(program) -> list[str]:
     return [node.op_type for node in program.model_proto.graph.node]
 
@@ -119,14 +131,9 @@ def test_functional_rotation_exports_as_rotary_embedding_within_one_ulp(form, dt
     torch.manual_seed(0)
     q, k = torch.randn(2, SEQ, 4, HEAD_DIM).to(dtype), torch.randn(2, SEQ, 2, HEAD_DIM).to(dtype)
     positions = torch.randint(0, 64, (2, SEQ)) if use_positions else None
-    program = rk_onnx.export(module, (q, k, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
-    assert not any(node.domain.startswith("ropekit") for node in program.model_proto.graph.node)
-    inputs = {"q": q, "k": k} | ({} if positions is None else {"positions": positions})
-    with torch.no_grad():
-        want = module(q, k, positions)
+    outs, want = export_and_run(module, {"q": q, "k": k, "positions": positions})
     rows = positions if positions is not None else torch.arange(SEQ).expand(2, SEQ) + flags.get("offsets", 0)
-    for x, got, w in zip((q, k), run(program, inputs), want, strict=True):
+    for x, got, w in zip((q, k), outs, want, strict=True):
         if dtype == torch.float32:  # onnxruntime fuses multiply-adds: term_ulps
             assert term_ulps(got, w, largest_term(x, module.cos, module.sin, rows, interleaved)) <= 1
         else:  # float32 math either way, one rounding to float16
@@ -153,19 +160,6 @@ SCALINGS = {
 }  # fmt: skip
 
 
-class Attention(nn.Module):
-    """q and k through a RotaryEmbedding, at explicit positions or an offset."""
-
-    def __init__(self, rope: ropekit.RotaryEmbedding, offsets: int | None = None) -> None:
-        super().__init__()
-        self.rope, self.offsets = rope, offsets
-
-    def forward(self, q, k, positions):
-        if self.offsets is not None:
-            return self.rope(q, k, offsets=self.offsets)
-        return self.rope(q, k, positions=positions)
-
-
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_every_scaling_type_round_trips_through_rotary_embedding(scaling, interleaved):
@@ -178,12 +172,9 @@ def test_every_scaling_type_round_trips_through_rotary_embedding(scaling, interl
     torch.manual_seed(0)
     q, k = torch.randn(2, SEQ, 4, HEAD_DIM), torch.randn(2, SEQ, 2, HEAD_DIM)
     positions = torch.randint(0, 48, (2, SEQ))
-    with torch.no_grad():
-        want = module(q, k, positions)
-        program = rk_onnx.export(module, (q, k, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
+    outs, want = export_and_run(module, {"q": q, "k": k, "positions": positions})
     rope = module.rope
-    for x, got, w in zip((q, k), run(program, {"q": q, "k": k, "positions": positions}), want, strict=True):
+    for x, got, w in zip((q, k), outs, want, strict=True):
         assert term_ulps(got, w, largest_term(x, rope.cos, rope.sin, positions, interleaved)) <= 1
 
 
@@ -217,12 +208,9 @@ def test_packed_tokens_with_positions_export_as_one_sequence():
     module = Attention(ropekit.RotaryEmbedding(head_dim=HEAD_DIM, layout="thd", max_position_embeddings=64))
     q, k = torch.randn(12, 4, HEAD_DIM), torch.randn(12, 2, HEAD_DIM)
     positions = torch.cat((torch.arange(5), torch.arange(7)))  # two packed sequences
-    with torch.no_grad():
-        want = module.eval()(q, k, positions)
-        program = rk_onnx.export(module, (q, k, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
+    outs, want = export_and_run(module.eval(), {"q": q, "k": k, "positions": positions})
     rope = module.rope
-    for x, got, w in zip((q, k), run(program, {"q": q, "k": k, "positions": positions}), want, strict=True):
+    for x, got, w in zip((q, k), outs, want, strict=True):
         terms = largest_term(x[None], rope.cos, rope.sin, positions[None], False)[0]
         assert term_ulps(got, w, terms) <= 1
 
@@ -257,11 +245,7 @@ def test_llama_block_exports_its_rope_as_rotary_embedding():
     onnxruntime's output is close to eager's (its other kernels round otherwise: matmul, softmax)."""
     block = LlamaBlock().eval()
     x, positions = block_inputs()
-    with torch.no_grad():
-        want = block(x, positions)
-        program = rk_onnx.export(block, (x, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
-    (got,) = run(program, {"x": x, "positions": positions})
+    (got,), want = export_and_run(block, {"x": x, "positions": positions})
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -269,11 +253,7 @@ def test_patched_hf_llama_exports_its_rope_as_rotary_embedding():
     pytest.importorskip("transformers")
     model = tiny_hf_llama()
     ids = torch.randint(0, 64, (2, SEQ))
-    with torch.no_grad():
-        want = model(ids)
-        program = rk_onnx.export(model, (ids,))
-    assert op_types(program).count("RotaryEmbedding") == 4  # q and k, two layers
-    (got,) = run(program, {"ids": ids})
+    (got,), want = export_and_run(model, {"ids": ids}, rotations=4)  # q and k, two layers
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -293,12 +273,9 @@ def test_layouts_and_nope_first_heads_export_as_rotary_embedding(layout, where):
     shape = shapes[layout]
     q, k = torch.randn(shape), torch.randn(shape)
     positions = torch.randint(0, 48, (2, SEQ))
-    with torch.no_grad():
-        want = module(q, k, positions)
-        program = rk_onnx.export(module, (q, k, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
+    outs, want = export_and_run(module, {"q": q, "k": k, "positions": positions})
     rope = module.rope
-    for x, got, w in zip((q, k), run(program, {"q": q, "k": k, "positions": positions}), want, strict=True):
+    for x, got, w in zip((q, k), outs, want, strict=True):
         view = {"bshd": x, "bhsd": x.transpose(1, 2), "sbhd": x.transpose(0, 1)}[layout]  # (B, S, H, D)
         back = {"bshd": w, "bhsd": w.transpose(1, 2), "sbhd": w.transpose(0, 1)}[layout]
         got = torch.from_numpy(got)
@@ -333,12 +310,9 @@ def test_mrope_positions_export_as_rotary_embedding_of_the_calls_own_rows():
     module = Attention(ropekit.RotaryEmbedding(config)).eval()
     q, k = torch.randn(2, SEQ, 4, HEAD_DIM), torch.randn(2, SEQ, 2, HEAD_DIM)
     positions = torch.randint(0, 48, (3, 2, SEQ))
-    with torch.no_grad():
-        want = module(q, k, positions)
-        program = rk_onnx.export(module, (q, k, positions))
-    assert op_types(program).count("RotaryEmbedding") == 2
+    outs, want = export_and_run(module, {"q": q, "k": k, "positions": positions})
     cos, sin = config.cos_sin(positions)  # (B, S, R/2): each token's row
     rows = torch.arange(2 * SEQ).reshape(2, SEQ)
     cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
-    for x, got, w in zip((q, k), run(program, {"q": q, "k": k, "positions": positions}), want, strict=True):
+    for x, got, w in zip((q, k), outs, want, strict=True):
         assert term_ulps(got, w, largest_term(x, cos, sin, rows, False)) <= 1
