@@ -316,3 +316,24 @@ def test_mrope_positions_export_as_rotary_embedding_of_the_calls_own_rows():
     cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     for x, got, w in zip((q, k), outs, want, strict=True):
         assert term_ulps(got, w, largest_term(x, cos, sin, rows, False)) <= 1
+
+
+def test_a_serving_fusion_in_the_graph_is_refused_by_name():
+    """apply_rotary_qk_and_cache writes its cache in place: no ONNX form, a ValueError naming the op (not
+    torch.onnx's KeyError deep in its translation)."""
+    cos, sin = ropekit.RopeConfig(head_dim=HEAD_DIM).cos_sin(64)
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("k_cache", torch.zeros(4, 8, 2, HEAD_DIM))  # (pages, page_size, H, D)
+            self.register_buffer("v_cache", torch.zeros(4, 8, 2, HEAD_DIM))
+
+        def forward(self, q, k, v, slots):
+            return ropekit.apply_rotary_qk_and_cache(
+                q, k, v, cos, sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots
+            )
+
+    q, k, v = torch.randn(SEQ, 4, HEAD_DIM), torch.randn(SEQ, 2, HEAD_DIM), torch.randn(SEQ, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"^model: its exported graph holds ropekit::rotary_qk_and_cache, "):
+        rk_onnx.export(Cached(), (q, k, v, torch.arange(SEQ)))

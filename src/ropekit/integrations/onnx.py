@@ -23,13 +23,15 @@ How each form of the op maps (one ``RotaryEmbedding`` per rotated tensor, q and 
 * float16 / bfloat16 input: cast to float32 around the operator, as ropekit computes (float32 math, one
   rounding to the input dtype at the end), which also keeps the float32 tables exact.
 
-Every ropekit op reaches one of these forms, so nothing falls back silently; the serving fusions
-(``apply_rotary_qk_and_cache``, ...) write caches in place and are not exported (docs/export.md).
+Every form of the rotary ops reaches one of these, so nothing falls back silently; the serving fusions
+(``apply_rotary_qk_and_cache``, ...) write caches in place, have no ONNX form, and :func:`export` refuses
+them by name (docs/export.md).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -119,7 +121,9 @@ def export(
 
     Raises:
         ValueError: for an opset below 23 (export with torch.onnx.export itself then: ropekit's ops lower to
-            plain ONNX ops), or for ``dynamo=False`` (the TorchScript exporter knows no ropekit op).
+            plain ONNX ops), for ``dynamo=False`` (the TorchScript exporter knows no ropekit op), or for a
+            model whose exported graph holds a ropekit op with no ONNX form (the serving fusions, which
+            write a KV cache in place), naming it.
     """
     if type(opset_version) is not int or opset_version < MIN_OPSET:
         raise ValueError(
@@ -130,7 +134,33 @@ def export(
     if export_kwargs.pop("dynamo", True) is not True:
         raise ValueError("dynamo: expected True (ropekit's ops export through torch.export), got False")
     table = {**translation_table(), **(custom_translation_table or {})}
-    return torch.onnx.export(
-        model, args, f, kwargs=kwargs, dynamo=True, opset_version=opset_version,
-        custom_translation_table=table, **export_kwargs,
-    )  # fmt: skip
+    try:
+        return torch.onnx.export(
+            model, args, f, kwargs=kwargs, dynamo=True, opset_version=opset_version,
+            custom_translation_table=table, **export_kwargs,
+        )  # fmt: skip
+    except Exception as error:
+        name = _untranslated_op(error, table)
+        if name is None:
+            raise
+        raise ValueError(
+            f"model: its exported graph holds ropekit::{name}, which has no ONNX form (the serving fusions "
+            f"write a KV cache in place); export the rotation with apply_rotary_qk and write the cache with "
+            f"torch ops (docs/export.md)"
+        ) from error
+
+
+def _untranslated_op(error: BaseException, table: Mapping[Callable, Callable]) -> str | None:
+    """The ropekit op torch.onnx found no translation for, read from its error chain (torch.onnx names the
+    op, as ``op='ropekit.<name>'``, in a KeyError deep in its translation), or None."""
+    translated = {
+        str(op).split(".")[1] for op in table if str(op).startswith("ropekit.")
+    }  # ropekit.<name>.<overload>
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for name in re.findall(r"op='ropekit\.(\w+)'", str(error)):
+            if name not in translated:
+                return name
+        error = error.__cause__ or error.__context__
+    return None
