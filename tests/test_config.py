@@ -180,3 +180,19 @@ def test_seq_len_zero_is_an_empty_sequence_as_in_transformers_and_negative_is_re
         assert config.attention_scaling(0) == config.attention_scaling(1)
         with pytest.raises(ValueError, match=r"^seq_len: expected an integer >= 0 or None, got -1"):
             config.inv_freq(seq_len=-1)
+
+
+def test_cos_sin_of_a_dynamic_length_exports_without_specializing_it():
+    """Under torch.export the rows are one piece, not a loop over a symbolic length (which pinned a dynamic
+    sequence length to the traced one: RotaryEmbedding's rows past its first 2048, docs/export.md)."""
+    config = RopeConfig(16, max_position_embeddings=4096)
+
+    class Rows(torch.nn.Module):
+        def forward(self, positions):
+            return config.cos_sin(positions)
+
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    program = torch.export.export(Rows(), (torch.arange(8)[None],), dynamic_shapes={"positions": {1: seq}})
+    positions = torch.arange(3000, 3020)[None]
+    for got, want in zip(program.module()(positions), config.cos_sin(positions), strict=True):
+        assert torch.equal(got, want)

@@ -310,9 +310,11 @@ class RopeConfig:
         flat_pos, flat_cos, flat_sin = positions.reshape(-1), cos.view(-1, half), sin.view(-1, half)
         # Float64 angles a chunk of rows at a time: a big table never holds a float64 copy of itself, so
         # building it peaks near its own size (a float32 table would otherwise cost 4x its bytes on top).
-        # (Compiled code fuses the whole computation, so it takes the rows in one piece.)
-        rows = flat_pos.shape[0] if is_compiling() else max(1, COS_SIN_CHUNK_ELEMENTS // half)
-        for start in range(0, flat_pos.shape[0], max(rows, 1)):
+        # (Compiled code fuses the whole computation, so it takes the rows in one piece, and never loops over
+        # a symbolic length: that would specialize a dynamic sequence length to the traced one.)
+        compiling = is_compiling()
+        rows = flat_pos.shape[0] if compiling else max(1, COS_SIN_CHUNK_ELEMENTS // half)
+        for start in (0,) if compiling else range(0, flat_pos.shape[0], rows):
             angles = flat_pos[start : start + rows, None] * inv_freq  # (rows, rotary_dim // 2) float64
             chunk_sin, chunk_cos = angles.sin(), angles.cos_()
             if scale != 1.0:

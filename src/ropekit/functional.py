@@ -295,6 +295,10 @@ def apply_resolved(
     rows, offset = pos.tensor, pos.offset
     if type(q) is not torch.Tensor and is_dtensor(q):  # sharded: tables replicated, rows alongside q
         cos, sin, rows, offset = _lift_dtensor(q, k, cos, sin, pos, impl)
+    if inplace and torch.compiler.is_exporting():
+        # An exported graph holds the out-of-place op, whose decomposition run_decompositions() lowers
+        # (ropekit.backends.decompose): rotate out of place and copy back, as below.
+        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse)
     if not torch.is_grad_enabled() or not (
         q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
     ):  # no graph to record: skip autograd's bookkeeping
@@ -321,13 +325,7 @@ def apply_resolved(
         # AOTAutograd cannot replay a Function that dirties a view (a slice of a packed qkv): it returned
         # wrong gradients (issue 17). Rotate out of place and copy back, which it traces like any torch op;
         # the torch backend always does (its slice assignments inside such a Function fail eagerly too).
-        out_q, out_k = apply_resolved(
-            q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend, inverse=inverse
-        )
-        q.copy_(out_q)
-        if k is not None:
-            k.copy_(out_k)
-        return q, k
+        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse)
     if k is None:
         return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace, inverse), None
     if inplace:  # two single-output Functions: PyTorch lets only those write into views (packed qkv)
@@ -336,6 +334,17 @@ def apply_resolved(
             RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True, inverse),
         )
     return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved, inverse)
+
+
+def _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse):
+    """An in-place rotation as an out-of-place one copied back into q and k (traced graphs: see callers)."""
+    out_q, out_k = apply_resolved(
+        q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend, inverse=inverse
+    )
+    q.copy_(out_q)
+    if k is not None:
+        k.copy_(out_k)
+    return q, k
 
 
 def _lift_dtensor(q, k, cos, sin, pos, impl):

@@ -37,6 +37,9 @@ log = logging.getLogger("ropekit.backends")
 
 # Both fast backends are always registered, so naming one that cannot serve the inputs gives its reason.
 BACKENDS: dict[str, Backend] = {"triton": TritonBackend(), "cpu": CpuBackend(), "torch": EagerBackend()}
+# The kernels' out-of-place ops, registered just above, get their ATen decompositions (torch.export).
+from ropekit.backends import decompose  # noqa: E402, F401
+
 # Fastest first; "torch" last because it always works.
 AUTO_ORDER: list[str] = ["triton", "cpu", "torch"]
 # The built-in backends, each with a fused serving kernel (a registered third-party backend may have none).
