@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_
 
 from ropekit import RopeConfig
 from ropekit.compat.hf import ROPE_INIT_FUNCTIONS, apply_rotary_pos_emb, rope_config_validation
+from ropekit.integrations.hf_probe import kernel_function
 
 from .conftest import as_table, force_backend, llama_tables, signature_of, spy_cpu_kernel
 
@@ -140,7 +141,9 @@ def test_errors_name_the_argument_and_the_expected_shape():
 
 
 def test_signature_is_transformers():
-    assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_apply_rotary_pos_emb), ("backend", "auto")]
+    # transformers >= 5.25 (with kernels): HF's name holds a kernels function module around the function
+    hf_function = kernel_function(hf_apply_rotary_pos_emb) or hf_apply_rotary_pos_emb
+    assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_function), ("backend", "auto")]
 
 
 def test_compiles_with_fullgraph():
