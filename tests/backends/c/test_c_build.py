@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import apply_rotary, apply_rotary_qk_fp8, backends, qk_norm_rotary_
+from ropekit import apply_rotary, apply_rotary_qk_fp8, backends, qk_norm_rotary_, shift_cache_
 from ropekit.backends.c import build as c_build
 from ropekit.backends.c import fused as fused_cpu
 from ropekit.backends.c import qk_norm as qk_norm_cpu
@@ -303,6 +303,35 @@ def test_without_a_compiler_each_public_call_names_the_reason_and_auto_uses_torc
         qk_norm_rotary_(qkv.clone(), *weights, cos, sin, **norm),
         qk_norm_rotary_(qkv.clone(), *weights, cos, sin, **norm, backend="torch"),
     )
+
+
+def test_without_a_compiler_one_warning_says_why_whatever_is_called(no_compiler, caplog):
+    """README: without a C compiler "the CPU path says so once". Every op, under auto and naming "cpu", and
+    the registered ops, which reach the fused and QK-norm kernels without the rotary one: one warning line in
+    all, naming the missing compiler (the other kernels' same reason goes to DEBUG)."""
+    cos, sin = _tables(4)
+    x = torch.randn(1, 3, 2, 8)  # (batch, seq, heads, head_dim)
+    cache = torch.randn(4, 2, 8)  # (slots, heads, head_dim): the flat layout
+    qkv = torch.randn(1, 3, 4 * 8)  # (batch, seq, (2 q + 1 k + 1 v heads) * head_dim)
+    # the op's schema: positions, offset, q and kv heads, head_dim, eps, weight offset, and three flags
+    norm = (None, 0, 2, 1, 8, 1e-6, 0.0, False, True, False)
+    with caplog.at_level(logging.DEBUG, logger="ropekit.backends"):
+        for _ in range(2):
+            apply_rotary(x, cos, sin)
+            shift_cache_(cache, cos, sin, 3, cache_layout="flat")
+            for call in (
+                lambda: apply_rotary(x, cos, sin, backend="cpu"),
+                lambda: shift_cache_(cache, cos, sin, 3, cache_layout="flat", backend="cpu"),
+                lambda: torch.ops.ropekit.shift_cache_(cache, cos, sin, 3, "flat", None, False, "cpu"),
+                lambda: torch.ops.ropekit.qk_norm_rotary_(qkv, *torch.ones(2, 8), cos, sin, *norm, "cpu"),
+            ):
+                with pytest.raises(ValueError, match=r"the C kernel could not be built: no C compiler found"):
+                    call()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("ropekit: the CPU fast path is unavailable, using torch: no C compiler")
+    for module in (cpu, fused_cpu, qk_norm_cpu):  # each kernel was asked, and each knows why it is not loaded
+        assert module._LIBRARY.reason is not None
 
 
 @needs_cc
