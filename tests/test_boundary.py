@@ -16,6 +16,7 @@ from boundary_checks import (
     check_inverse_undoes_forward,
     check_rotary_last,
 )
+from c_compiler import CPU
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS
 from triton_interpreter import TIERS, run_interpreter_cases
@@ -23,7 +24,7 @@ from triton_interpreter import TIERS, run_interpreter_cases
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("entry", sorted(CORE_ENTRIES))
 def test_in_place_write_bumps_the_version_counter_on_every_backend(entry, backend):
     assert_autograd_sees_the_write(*CORE_ENTRIES[entry], backend)
@@ -55,14 +56,14 @@ def test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_inverse_undoes_forward_and_is_the_conjugate_rotation(backend, inplace, interleaved):
     check_inverse_undoes_forward(backend, inplace, interleaved)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_rotary_last_rotates_the_end_of_each_head(backend, inplace, interleaved):
     check_rotary_last(backend, inplace, interleaved)
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit.tables import half_width, per_token_table
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 def tables(rows: int, rotary_dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ import itertools
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit.compat.vllm import (
     RotaryEmbedding,
     apply_rope_with_cos_sin_cache,
@@ -309,7 +310,7 @@ def test_rotary_embedding_op_passes_opcheck(
         torch.testing.assert_close(key, want_k, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", CPU])
 @pytest.mark.parametrize("through_op", [False, True])
 def test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite(backend_name, through_op):
     """Issue 17's repro through vLLM's call: x saved for w's gradient, then rotated in place."""
@@ -568,7 +569,7 @@ def test_an_inference_query_outside_inference_mode_after_a_plan_raises_and_write
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_an_error_names_only_the_arguments_a_vllm_caller_passed(backend):
     """Issue 24: an error names the argument as the caller named it, in its body too: a query inside
     cos_sin_cache says query and cos_sin_cache, never the core's q, k, cos or sin."""

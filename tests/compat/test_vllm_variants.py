@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import reference as ref
 from ropekit.compat.vllm import RotaryEmbedding, get_rope
 from ropekit.compat.vllm_variants import (
@@ -44,7 +45,10 @@ def test_fope_parameters_build_fope_not_a_plain_rotation():
     assert tuple(rope.cos_sin_cache.shape) == (32, 2, 32)
 
 
-@pytest.mark.parametrize(("num_inv_freq", "backend"), [(3, "torch"), (None, "torch"), (3, "cpu")])
+@pytest.mark.parametrize(
+    ("num_inv_freq", "backend"),
+    [(3, "torch"), (None, "torch"), pytest.param(3, "cpu", marks=pytest.mark.c_compiler)],
+)
 def test_fope_matches_reference(num_inv_freq, backend):
     head_size, rotary_dim, kv_heads, heads, rows = 16, 12, 2, 4, 64
     rope = FourierRotaryEmbedding(
@@ -117,7 +121,7 @@ def _bailing_axes(section):
         ({"mrope_section": [4, 2, 2], "rope_theta": 1000.0}, "chunked", True),
     ],
 )
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_multiaxis_variants_match_reference(params, axes, neox, backend):
     head_size, rotary_dim = 20, 16
     params = {**params, "partial_rotary_factor": rotary_dim / head_size}

@@ -23,9 +23,10 @@ from fused_cases import (
 )
 
 import ropekit
+from c_compiler import CPU
 from call_count import ropekit_frames
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -242,13 +243,13 @@ def test_a_meta_table_is_a_value_error_naming_it_and_writes_nothing():
     assert not kc.any() and not vc.any()
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_a_written_tensor_sharing_memory_with_a_read_one_is_a_value_error(backend):
     """Issue 24, repro 2 (the cpu backend was off by 3.7): see fused_cases."""
     check_memory_rule(backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_a_slot_given_twice_is_a_value_error_and_padding_may_repeat(backend):
     """Issue 24, defect 3: see fused_cases."""
     check_duplicate_slots_are_refused(backend)

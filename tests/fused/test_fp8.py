@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ropekit
+from c_compiler import CPU
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

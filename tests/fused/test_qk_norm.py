@@ -23,12 +23,13 @@ from qk_norm_cases import (
 )
 
 import ropekit
+from c_compiler import CPU
 from ropekit.backends.c.qk_norm import NormSpec
 from ropekit.backends.eager.qk_norm import rms_norm
 from ropekit.fused.qk_norm import qk_norm_rotary_
 from triton_interpreter import run_interpreter_cases, tiers
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 HERE = Path(__file__).parent
 
 
