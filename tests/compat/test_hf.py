@@ -335,6 +335,7 @@ def test_rope_config_validation_without_original_length_does_what_transformers_f
         copy.deepcopy(config).validate_rope()
 
 
+@pytest.mark.c_compiler
 def test_a_steady_bfloat16_decode_step_is_planned_and_equals_its_checked_first_call():
     """Issue 25: HF's rows come in the model's dtype; bf16 rows (B, 1, D) are converted to float32 by the
     plan's run, as the checked path converts them, so a steady bf16 decode step is a launch plan (8 ropekit

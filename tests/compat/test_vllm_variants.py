@@ -271,6 +271,7 @@ def test_rope_dim_sets_the_rotary_width_as_in_vllm():
     np.testing.assert_allclose(rope.cos_sin_cache[:, :8].double().numpy(), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.c_compiler
 def test_steady_m_rope_dual_chunk_and_fope_steps_are_planned():
     """Issue 25: vLLM's M-RoPE (gathered per-token rows, now laid out by token), dual-chunk and FoPE calls
     (explicit positions) reach the core's gate: each steady step is a launch plan (17, 49 and 16 ropekit
