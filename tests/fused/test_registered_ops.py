@@ -197,6 +197,7 @@ def _in_place_step(q, k, v, k_cache, v_cache, slots, offsets, cos, sin):
     ropekit.shift_cache_(k_cache, cos, sin, -2, backend="cpu")
 
 
+@pytest.mark.c_compiler
 def test_compiled_in_place_step_writes_q_and_the_caches_as_eager_does():
     g = torch.Generator().manual_seed(5)
     cos, sin = tables()

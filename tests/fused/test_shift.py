@@ -24,6 +24,7 @@ def test_shift_in_half_precision(backend, dtype):
     check_shift(backend, "nhd", dtype, 5, interleaved=False, with_slots=True)
 
 
+@pytest.mark.c_compiler
 def test_shift_there_and_back_is_the_identity_to_rounding():
     cos, sin = tables(16)
     cache = torch.randn(3, 4, 2, 16)
@@ -34,6 +35,7 @@ def test_shift_there_and_back_is_the_identity_to_rounding():
     torch.testing.assert_close(cache, before, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.c_compiler
 def test_shift_by_zero_leaves_the_cache_as_it_was():
     cos, sin = tables(8)
     cache = torch.randn(6, 1, 8)
