@@ -41,6 +41,7 @@ def test_boundary_checks_pass_on_triton(tier):
     run_interpreter_cases(HERE / "backends" / "triton_boundary_cases.py", cwd=HERE, timeout=300, tier=tier)
 
 
+@pytest.mark.c_compiler
 def test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op():
     """One call, one bump, as ``x.mul_(1)``: the direct (no-dispatcher) path counts like the op."""
     backend = BACKENDS["cpu"]
@@ -83,6 +84,7 @@ def test_inverse_must_be_a_bool():
         apply_rotary(x, cos, sin, inverse="yes")
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("written", ["query", "key"])
 def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(written):
     """The memory rule on compat.vllm's own launch plan (_plan): a steady in-place step whose query or key
@@ -112,6 +114,7 @@ def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(writ
     assert all(torch.equal(a, b) for a, b in zip((memory, query, key), before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_compat_vllm_planned_step_bumps_the_version_exactly_once():
     """compat.vllm's steady step runs its own launch plan (pointers, one C call): the bump after it is the
     only one, as a PyTorch in-place op makes one; a step without it would let autograd miss the write."""

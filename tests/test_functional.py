@@ -292,6 +292,7 @@ def test_packed_path_reads_no_tensor_value_on_the_host():
     assert out.is_meta and out.shape == x.shape
 
 
+@pytest.mark.c_compiler
 def test_compiled_call_past_the_table_raises_instead_of_returning_garbage():
     """Issue repro: compiled, an offset past the table gave inf (and a segfault further out)."""
     cos, sin = RopeConfig(64).cos_sin(2048)
@@ -302,6 +303,7 @@ def test_compiled_call_past_the_table_raises_instead_of_returning_garbage():
         compiled(q, k, 100000)
 
 
+@pytest.mark.c_compiler
 def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
     """Issue repro: torch.compile(RotaryEmbedding(head_dim=64))(q, k, offsets=100000) returned inf."""
     from ropekit import RotaryEmbedding
@@ -510,6 +512,7 @@ def _positions_step(backend, inplace, seed=6):
     return q, k, cos, sin, positions
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("backend", ["auto", CPU])
 def test_a_repeated_call_with_positions_is_served_by_its_plan_and_equals_the_checked_path(backend, inplace):
@@ -532,6 +535,7 @@ def test_a_repeated_call_with_positions_is_served_by_its_plan_and_equals_the_che
         assert torch.equal(planned[0], checked[0]) and torch.equal(planned[1], checked[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("bad", ["past", "negative"])
 def test_a_planned_positions_call_raises_the_checked_paths_error_and_writes_nothing(bad, inplace):
@@ -551,6 +555,7 @@ def test_a_planned_positions_call_raises_the_checked_paths_error_and_writes_noth
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.c_compiler
 def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_paths_error():
     """The memory rule on the planned path: positions read by the kernel as it writes q in place must not
     share q's bytes. A plan made for disjoint positions of the same layout refuses the call, and the checked
@@ -569,6 +574,7 @@ def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_pat
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["batched", "packed"])
 def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_offset_one(form):
     """Issue 25: a decode step with explicit positions ((B, 1), or a packed batch's (T,) with cu_seqlens)
