@@ -112,6 +112,7 @@ def test_unsqueeze_dim_selects_the_heads_axis_as_in_transformers(backend, table_
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.c_compiler
 def test_full_width_table_is_read_where_it_lies(monkeypatch):
     """The CPU kernel receives the caller's own table memory and q / k where they lie in HF's transposed
     layout: nothing is rebuilt or made contiguous."""

@@ -178,6 +178,7 @@ def test_scaled_caches_follow_ropekit_schedules_and_vllm_lengths(rope_type, extr
     torch.testing.assert_close(rope.cos_sin_cache, torch.cat([cos, sin], -1), atol=1e-7, rtol=0)
 
 
+@pytest.mark.c_compiler
 def test_cache_halves_are_read_where_they_lie(monkeypatch):
     """The CPU kernel reads cos at the cache's start and sin R/2 floats on (no gather, no copy), and rotates a
     strided query where it lies."""
