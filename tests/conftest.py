@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
 def _refuse_an_unmarked_cpu_case(item) -> None:
     """A parametrized "cpu" (a backend, a launcher: anything but a device) names the C loop."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if any(value == "cpu" and name != "device" for name, value in params.items()):
+    if any(isinstance(value, str) and value == "cpu" and name != "device" for name, value in params.items()):
         raise pytest.UsageError(
             f"{item.nodeid}: a 'cpu' case runs the C loop: put c_compiler.CPU in the parametrized list "
             "(or mark the test c_compiler; a parameter that is a device is named 'device')"

@@ -93,6 +93,7 @@ def test_the_markers_are_registered_so_a_typo_is_an_error():
 
 
 C_LOOP = """
+import numpy as np
 import pytest
 import torch
 from c_compiler import CPU
@@ -107,6 +108,10 @@ def test_marked():
 @pytest.mark.parametrize("backend", ["torch", CPU])
 def test_listed(backend):
     pass
+
+@pytest.mark.parametrize("table", [np.zeros(3)])  # an array parameter: compared with "cpu" it is no bool
+def test_array(table):
+    pass
 """
 
 
@@ -116,13 +121,13 @@ def test_where_a_compiler_is_found_the_c_marker_skips_nothing_and_the_c_loop_bui
     C tests run, and the C loop they run builds (a fresh cache), so no C test is skipped that could run."""
     done = _run(tmp_path, C_LOOP, "-rs", bound="0", ROPEKIT_CACHE_DIR=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "3 passed" in done.stdout and "skipped" not in done.stdout, done.stdout
+    assert "4 passed" in done.stdout and "skipped" not in done.stdout, done.stdout
 
 
 def test_without_a_compiler_only_the_c_cases_skip_and_the_run_counts_them(tmp_path):
     done = _run(tmp_path, C_LOOP, "-rs", CC=str(tmp_path / "no-such-compiler"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed, 2 skipped" in done.stdout, done.stdout  # the torch case of the list still runs
+    assert "2 passed, 2 skipped" in done.stdout, done.stdout  # the torch case of the list still runs
     assert "2 tests skipped: no C compiler (set CC)" in done.stdout
     assert done.stdout.count(": no C compiler (set CC)") == 3  # -rs: both skips, then the count
 
