@@ -12,7 +12,7 @@ import ropekit
 from gloo_ranks import run_ranks
 from ropekit import dtensor_inputs
 
-# A DTensor on CPU rotates through the C loop's registered op (the torch backend has none): every rank needs it.
+# A DTensor on CPU rotates through the C loop's registered op (the torch backend has none).
 pytestmark = pytest.mark.c_compiler
 
 WORLD = 2
