@@ -9,6 +9,11 @@ and the subprocesses it waited for): a heavy test in the fast tier cannot slip p
 which stretches the wall clock, does not fail a test that is not heavy. ``make proofs`` runs ``-m proof``
 here and ``-m engine`` (tests/engines/, collected only with ``ROPEKIT_ENGINES=1``) in the engines' own
 environment.
+
+The C loop: a test that needs it carries ``@pytest.mark.c_compiler`` (``tests/c_compiler.py``: in a
+parametrized backend list, ``CPU``); with no C compiler found it is skipped with the reason
+"no C compiler (set CC)", and the run says how many were. ``ROPEKIT_REQUIRE_C_COMPILER=1`` (CI) makes a
+missing compiler an error.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, settings
 
+from c_compiler import NO_C_COMPILER, find_compiler
 from rotary_reference import assert_matches_reference as _assert_matches_reference
 from rotary_reference import reference_rotation, tolerance
 
@@ -52,13 +58,36 @@ collect_ignore = [] if os.environ.get("ROPEKIT_ENGINES") == "1" else ["engines"]
 
 _durations: dict[str, float] = {}
 _tiers: dict[str, bool] = {}
+_no_compiler_skips: set[str] = set()
 
 
 def pytest_collection_modifyitems(config, items):
-    """An engine test outside tests/engines/ would be collected where its engine is missing: refused."""
+    """An engine test outside tests/engines/ would be collected where its engine is missing: refused. A test
+    that needs the C loop is skipped where no C compiler is found (ROPEKIT_REQUIRE_C_COMPILER=1: an error);
+    a parametrized 'cpu' backend case without the mark is refused, since it would fail there instead."""
+    compiler = find_compiler()
     for item in items:
         if item.get_closest_marker("engine") and "engines" not in item.path.parts:
             raise pytest.UsageError(f"{item.nodeid}: engine tests live in tests/engines/")
+        if not item.get_closest_marker("c_compiler"):
+            _refuse_an_unmarked_cpu_case(item)
+        elif compiler is None:
+            if os.environ.get("ROPEKIT_REQUIRE_C_COMPILER") == "1":
+                raise pytest.UsageError(
+                    f"ROPEKIT_REQUIRE_C_COMPILER=1 but no C compiler was found ($CC, else cc): {item.nodeid} "
+                    "and every other test of the C loop would be skipped"
+                )
+            item.add_marker(pytest.mark.skip(reason=NO_C_COMPILER))
+
+
+def _refuse_an_unmarked_cpu_case(item) -> None:
+    """A parametrized "cpu" (a backend, a launcher: anything but a device) names the C loop."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(isinstance(value, str) and value == "cpu" and name != "device" for name, value in params.items()):
+        raise pytest.UsageError(
+            f"{item.nodeid}: a 'cpu' case runs the C loop: put c_compiler.CPU in the parametrized list "
+            "(or mark the test c_compiler; a parameter that is a device is named 'device')"
+        )
 
 
 def _cpu_seconds() -> float:
@@ -84,6 +113,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple) and report.longrepr[2].endswith(NO_C_COMPILER):
+        _no_compiler_skips.add(report.nodeid)
     cpu = dict(report.user_properties).get("cpu_seconds")
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + (report.duration if cpu is None else cpu)
     if report.when == "setup":
@@ -91,6 +122,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _no_compiler_skips:
+        terminalreporter.write_line(f"{len(_no_compiler_skips)} tests skipped: {NO_C_COMPILER}")
     slow = _slow_fast_tier_tests()
     if slow:
         terminalreporter.section("fast tier over its bound")

@@ -27,14 +27,14 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from c_compiler import find_compiler
 from ropekit import apply_rotary_qk_and_cache, apply_rotary_qk_fp8, qk_norm_rotary_, shift_cache_
-from ropekit.backends import BACKENDS
 from ropekit.compat import flash_attn as fa_compat
 from ropekit.compat import flashinfer as fi_compat
 from ropekit.compat import vllm as vllm_compat
 from rotary_reference import reference_rotation, reference_tables, tolerance
 
-CPU_KERNEL = BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is None
+CPU_KERNEL = find_compiler() is not None  # where there is one, a C loop that fails to build fails the fuzz
 _WANTED = os.environ.get("ROPEKIT_FUZZ_BACKENDS", "torch,cpu,auto").split(",")
 FUZZ_BACKENDS = [b for b in _WANTED if b and (b != "cpu" or CPU_KERNEL)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

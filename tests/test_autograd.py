@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 
 
@@ -113,7 +114,7 @@ def _qk_separately(q, k, cos, sin, **kw):
     return apply_rotary(q, cos, sin, **kw), apply_rotary(k, cos, sin, **kw)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("rotate", [apply_rotary_qk, _qk_separately], ids=["apply_rotary_qk", "apply_rotary"])
 def test_in_place_rotation_of_packed_qkv_views_trains_like_out_of_place(rotate, backend):
     dtype = torch.float64 if backend == "torch" else torch.float32
@@ -175,7 +176,7 @@ def test_in_place_on_an_expanded_tensor_is_a_value_error_and_leaves_it_untouched
     torch.testing.assert_close(out[0, 1], apply_rotary(k1, cos, sin, offsets=1)[0, 0])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_in_place_rotation_of_packed_qkv_views_trains_under_torch_compile_fullgraph(backend):
     cos, sin = RopeConfig(16).cos_sin(64)
     qkv = torch.randn(2, 5, 3, 4, 16, requires_grad=True)

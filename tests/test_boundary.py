@@ -16,6 +16,7 @@ from boundary_checks import (
     check_inverse_undoes_forward,
     check_rotary_last,
 )
+from c_compiler import CPU
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS
 from triton_interpreter import TIERS, run_interpreter_cases
@@ -23,7 +24,7 @@ from triton_interpreter import TIERS, run_interpreter_cases
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("entry", sorted(CORE_ENTRIES))
 def test_in_place_write_bumps_the_version_counter_on_every_backend(entry, backend):
     assert_autograd_sees_the_write(*CORE_ENTRIES[entry], backend)
@@ -40,6 +41,7 @@ def test_boundary_checks_pass_on_triton(tier):
     run_interpreter_cases(HERE / "backends" / "triton_boundary_cases.py", cwd=HERE, timeout=300, tier=tier)
 
 
+@pytest.mark.c_compiler
 def test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op():
     """One call, one bump, as ``x.mul_(1)``: the direct (no-dispatcher) path counts like the op."""
     backend = BACKENDS["cpu"]
@@ -55,14 +57,14 @@ def test_kernel_write_bumps_the_version_exactly_once_like_a_torch_op():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_inverse_undoes_forward_and_is_the_conjugate_rotation(backend, inplace, interleaved):
     check_inverse_undoes_forward(backend, inplace, interleaved)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_rotary_last_rotates_the_end_of_each_head(backend, inplace, interleaved):
     check_rotary_last(backend, inplace, interleaved)
 
@@ -82,6 +84,7 @@ def test_inverse_must_be_a_bool():
         apply_rotary(x, cos, sin, inverse="yes")
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("written", ["query", "key"])
 def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(written):
     """The memory rule on compat.vllm's own launch plan (_plan): a steady in-place step whose query or key
@@ -111,6 +114,7 @@ def test_compat_vllm_planned_step_still_refuses_a_cache_inside_query_or_key(writ
     assert all(torch.equal(a, b) for a, b in zip((memory, query, key), before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_compat_vllm_planned_step_bumps_the_version_exactly_once():
     """compat.vllm's steady step runs its own launch plan (pointers, one C call): the bump after it is the
     only one, as a PyTorch in-place op makes one; a step without it would let autograd miss the write."""

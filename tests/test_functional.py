@@ -18,6 +18,7 @@ from boundary_checks import (
     check_table_aliasing_the_input_is_refused,
     check_view_of_a_leaf_is_refused_before_writing,
 )
+from c_compiler import CPU
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit import reference as ref
 from rotary_reference import assert_matches_reference
@@ -291,6 +292,7 @@ def test_packed_path_reads_no_tensor_value_on_the_host():
     assert out.is_meta and out.shape == x.shape
 
 
+@pytest.mark.c_compiler
 def test_compiled_call_past_the_table_raises_instead_of_returning_garbage():
     """Issue repro: compiled, an offset past the table gave inf (and a segfault further out)."""
     cos, sin = RopeConfig(64).cos_sin(2048)
@@ -301,6 +303,7 @@ def test_compiled_call_past_the_table_raises_instead_of_returning_garbage():
         compiled(q, k, 100000)
 
 
+@pytest.mark.c_compiler
 def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
     """Issue repro: torch.compile(RotaryEmbedding(head_dim=64))(q, k, offsets=100000) returned inf."""
     from ropekit import RotaryEmbedding
@@ -318,7 +321,7 @@ def test_compiled_module_past_its_table_raises_instead_of_returning_garbage():
 
 
 @pytest.mark.parametrize("built", ["outside", "inside"])
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 def test_compiled_in_place_on_packed_qkv_views_gives_eager_gradients(backend, built):
     """Issue 17, repro 4: aot_eager of in-place apply_rotary_qk on views of a packed fp16 qkv, then backward:
     with qkv built outside the compiled function a gradient off by 5.7, inside it an internal assert."""
@@ -351,7 +354,7 @@ def test_compiled_in_place_on_packed_qkv_views_gives_eager_gradients(backend, bu
     torch.testing.assert_close(grads[1], w.grad, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_compiled_in_place_with_q_and_k_the_same_tensor_is_a_value_error(backend):
     """Found by the fuzzer: compiled, the torch backend (no op to check as the graph runs) rotated a tensor
     passed as both q and k twice, in place, with no error."""
@@ -390,18 +393,18 @@ def test_a_meta_tensor_beside_a_cpu_x_is_a_value_error_naming_it(meta):
         calls[meta]()
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_in_place_with_a_table_that_aliases_the_input_is_a_value_error(backend):
     """Issue 24, repro 1 (the cpu backend was off by 6.3): see boundary_checks."""
     check_table_aliasing_the_input_is_refused(backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises_before_writing(backend):
     check_view_of_a_leaf_is_refused_before_writing(backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
+@pytest.mark.parametrize("backend", ["torch", CPU, "auto"])
 def test_in_place_on_an_inference_tensor_outside_inference_mode_raises_before_writing(backend):
     check_inference_tensor_is_refused_before_writing(backend)
 
@@ -509,8 +512,9 @@ def _positions_step(backend, inplace, seed=6):
     return q, k, cos, sin, positions
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["auto", "cpu"])
+@pytest.mark.parametrize("backend", ["auto", CPU])
 def test_a_repeated_call_with_positions_is_served_by_its_plan_and_equals_the_checked_path(backend, inplace):
     """Issue 25: explicit positions take the positions gate; the second call of a kind is the plan (no
     resolve, no checks), equal to the first (checked) call bit for bit and to the float64 reference."""
@@ -531,6 +535,7 @@ def test_a_repeated_call_with_positions_is_served_by_its_plan_and_equals_the_che
         assert torch.equal(planned[0], checked[0]) and torch.equal(planned[1], checked[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("bad", ["past", "negative"])
 def test_a_planned_positions_call_raises_the_checked_paths_error_and_writes_nothing(bad, inplace):
@@ -550,6 +555,7 @@ def test_a_planned_positions_call_raises_the_checked_paths_error_and_writes_noth
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.c_compiler
 def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_paths_error():
     """The memory rule on the planned path: positions read by the kernel as it writes q in place must not
     share q's bytes. A plan made for disjoint positions of the same layout refuses the call, and the checked
@@ -568,6 +574,7 @@ def test_an_in_place_q_that_holds_the_positions_falls_through_to_the_checked_pat
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["batched", "packed"])
 def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_offset_one(form):
     """Issue 25: a decode step with explicit positions ((B, 1), or a packed batch's (T,) with cu_seqlens)

@@ -289,6 +289,7 @@ def _decode_step(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 1, 4, 16, generator=g), torch.randn(batch, 1, 2, 16, generator=g)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 def test_per_sequence_offsets_take_the_launch_plan_and_equal_the_functional_call(inplace):
     """Issue 25: a decode step with one offset per sequence (a tensor) was resolved, looked up and checked in
@@ -420,6 +421,7 @@ def _call(rope, q, k, kwargs, offsets, inplace, pair):
     return (out if pair else (out,)), (q, k)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("pair", [True, False], ids=["qk", "q-alone"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
 @pytest.mark.parametrize("form", ["int", "tensor"])
@@ -564,6 +566,7 @@ def test_errors_on_the_planned_path_are_the_checked_paths_and_write_nothing(layo
     assert messages[0] == messages[1]
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["int", "tensor", "positions"])
 def test_a_steady_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plus_two(form):
     counts = {}
@@ -578,6 +581,7 @@ def test_a_steady_step_of_every_layout_takes_no_more_ropekit_calls_than_bshd_plu
     assert counts["bshd"] <= 5, counts
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["offsets", "positions"])
 def test_a_pickled_or_copied_module_rotates_as_the_original_and_is_planned(form):
     """The gates are made per process, outside the module (a function made at run time cannot be pickled):
@@ -630,6 +634,7 @@ def _call_positions(rope, q, k, kwargs, positions, inplace, pair):
     return _call(rope, q, k, {**kwargs, "positions": positions}, 0, inplace, pair)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("pair", [True, False], ids=["qk", "q-alone"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -660,6 +665,7 @@ def test_explicit_positions_are_planned_in_every_layout_and_equal_the_checked_pa
         assert_matches_reference(bshd(out), bshd(src), cos, sin, rows, interleaved=False)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
 @pytest.mark.parametrize("layout", ["bhsd", "sbhd", "thd"])
 def test_explicit_positions_with_slices_of_one_qkv_buffer_are_planned_with_the_checked_paths_strides(
@@ -679,6 +685,7 @@ def test_explicit_positions_with_slices_of_one_qkv_buffer_are_planned_with_the_c
             assert out is x
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("layout", PLAN_LAYOUTS)
 def test_explicit_positions_past_the_table_on_the_planned_path_grow_it_as_the_checked_path(
     assert_matches_reference, layout
@@ -914,6 +921,7 @@ def test_explicit_positions_that_a_plan_must_not_serve_stay_on_the_checked_path(
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.c_compiler
 def test_a_positions_decode_step_takes_at_most_two_ropekit_calls_more_than_an_int_offset_step():
     """Issue: a torchtune-style decode step (positions every step; bshd, B=1, S=1, 32 q / 8 kv heads, head_dim
     128) ran the whole checked path, ~60 ropekit calls; its steady step is now the plan's."""

@@ -50,6 +50,7 @@ def test_an_unknown_name_is_refused():
         main(["--only", "no such mutation"])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.proof  # a copy of the tree, three C builds and a pytest run: seconds of CPU
 def test_the_harness_never_edits_the_working_tree():
     """run_one works on a copy: the working tree's file is byte for byte what it was."""
@@ -63,6 +64,7 @@ def test_the_harness_never_edits_the_working_tree():
     assert verdict == "survives", detail  # the named test does not look at shift_cache_
 
 
+@pytest.mark.c_compiler
 @pytest.mark.proof
 @pytest.mark.parametrize(
     "mutation",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import RopeConfig
 from ropekit import reference as ref
 from ropekit.shared_kv import rotate_shared_kv, unrotate_output
@@ -24,7 +25,7 @@ def _inputs(batch=2, seq=7, heads=3, seed=0):
     return q, kv
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_rotations_equal_transformers_deepseek_v4(backend):
     v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     q, kv = _inputs()

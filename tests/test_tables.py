@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit.tables import half_width, per_token_table
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 def tables(rows: int, rotary_dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +166,7 @@ def _per_token_forms(batch=3, seq=5, rotary_dim=8):
     )
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("width", ["half", "full"])
 @pytest.mark.parametrize("token_shape", ["batch", "shared", "shared_2d", "expanded"])
@@ -243,6 +245,7 @@ def test_plain_tables_takes_only_the_forms_token_tables_certainly_accepts():
         assert plain_tables(*call, None, flag, **args) is None, name
 
 
+@pytest.mark.c_compiler
 def test_a_planned_per_token_kind_keeps_the_checked_paths_errors():
     """After a per-token call of a kind was planned, calls of the same layout that token_tables refuses
     still get its messages (plain_tables leaves them to it)."""

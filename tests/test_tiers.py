@@ -1,5 +1,6 @@
 """The two tiers (tests/conftest.py, CONTRIBUTING.md): a fast-tier test over its time bound fails the run, a
-proof-marked test does not count against it, and engine tests are refused outside tests/engines/."""
+proof-marked test does not count against it, and engine tests are refused outside tests/engines/. The C
+loop's marker: where a compiler is found it skips nothing; where none is, only the C cases skip, counted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 HERE = Path(__file__).parent
 
@@ -32,12 +35,14 @@ def test_slow_proof():
 """
 
 
-def _run(tmp_path: Path, body: str, *args: str, bound: str = "0.3") -> subprocess.CompletedProcess:
-    for name in ("conftest.py", "rotary_reference.py"):
+def _run(
+    tmp_path: Path, body: str, *args: str, bound: str = "0.3", **env: str
+) -> subprocess.CompletedProcess:
+    for name in ("conftest.py", "rotary_reference.py", "c_compiler.py"):
         shutil.copy(HERE / name, tmp_path / name)
     shutil.copy(HERE.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # the registered markers
     (tmp_path / "test_body.py").write_text(body)
-    env = {**os.environ, "ROPEKIT_FAST_TEST_BOUND_S": bound}
+    env = {**os.environ, "ROPEKIT_FAST_TEST_BOUND_S": bound, **env}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
@@ -84,4 +89,58 @@ def test_an_engine_test_outside_tests_engines_is_refused(tmp_path):
 
 def test_the_markers_are_registered_so_a_typo_is_an_error():
     text = (HERE.parent / "pyproject.toml").read_text()
-    assert '"proof:' in text and '"engine:' in text
+    assert '"proof:' in text and '"engine:' in text and '"c_compiler:' in text
+
+
+C_LOOP = """
+import numpy as np
+import pytest
+import torch
+from c_compiler import CPU
+from ropekit import apply_rotary
+from rotary_reference import reference_tables
+
+@pytest.mark.c_compiler
+def test_marked():
+    cos, sin = reference_tables(8, 64)
+    apply_rotary(torch.ones(1, 2, 1, 8), cos, sin, backend="cpu")
+
+@pytest.mark.parametrize("backend", ["torch", CPU])
+def test_listed(backend):
+    pass
+
+@pytest.mark.parametrize("table", [np.zeros(3)])  # an array parameter: compared with "cpu" it is no bool
+def test_array(table):
+    pass
+"""
+
+
+@pytest.mark.c_compiler
+def test_where_a_compiler_is_found_the_c_marker_skips_nothing_and_the_c_loop_builds(tmp_path):
+    """The marker asks what the library asks (backends.c.build.find_compiler): where it finds a compiler the
+    C tests run, and the C loop they run builds (a fresh cache), so no C test is skipped that could run."""
+    done = _run(tmp_path, C_LOOP, "-rs", bound="0", ROPEKIT_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 passed" in done.stdout and "skipped" not in done.stdout, done.stdout
+
+
+def test_without_a_compiler_only_the_c_cases_skip_and_the_run_counts_them(tmp_path):
+    done = _run(tmp_path, C_LOOP, "-rs", CC=str(tmp_path / "no-such-compiler"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed, 2 skipped" in done.stdout, done.stdout  # the torch case of the list still runs
+    assert "2 tests skipped: no C compiler (set CC)" in done.stdout
+    assert done.stdout.count(": no C compiler (set CC)") == 3  # -rs: both skips, then the count
+
+
+def test_ci_can_require_a_compiler_so_the_c_tests_never_skip_there(tmp_path):
+    done = _run(tmp_path, C_LOOP, CC=str(tmp_path / "no-such-compiler"), ROPEKIT_REQUIRE_C_COMPILER="1")
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert "ROPEKIT_REQUIRE_C_COMPILER=1 but no C compiler was found" in done.stdout + done.stderr
+
+
+def test_an_unmarked_cpu_case_in_a_parametrized_list_is_refused(tmp_path):
+    body = 'import pytest\n\n@pytest.mark.parametrize("launcher", ["torch", "cpu"])\n'
+    body += "def test_x(launcher):\n    pass\n"
+    done = _run(tmp_path, body)
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert "test_x[cpu]: a 'cpu' case runs the C loop" in done.stdout + done.stderr

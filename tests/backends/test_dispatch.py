@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ropekit
+from c_compiler import CPU
 from ropekit import apply_rotary
 from ropekit.backends import AUTO_ORDER, BACKENDS, clear_backend_cache, register_backend, select_backend
 from rotary_cases import tables
@@ -49,7 +50,7 @@ def test_auto_logs_why_each_skipped_backend_was_skipped(caplog):
     assert "'cpu' skipped: dtype torch.float64" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["cpu", "triton"])
+@pytest.mark.parametrize("name", [CPU, "triton"])
 def test_naming_a_backend_that_cannot_serve_is_a_value_error_with_the_reason(name):
     cos, sin = tables(4)
     x = torch.zeros(1, 2, 1, 4, dtype=torch.float64)
@@ -106,6 +107,7 @@ def test_a_fused_op_under_auto_runs_on_torch_when_auto_picks_a_backend_without_f
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0, backend="mine")
 
 
+@pytest.mark.c_compiler
 def test_a_kernel_backend_names_why_it_cannot_serve_a_fused_op():
     x, (cos, _) = torch.zeros(1, 1, 1, 2), tables(2)
     with pytest.raises(

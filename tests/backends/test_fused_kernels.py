@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit.backends.c import fused as fused_cpu
 from ropekit.backends.eager import fused as fused_eager
 from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch, check_launch
@@ -22,7 +23,7 @@ def _copy_launch(x: torch.Tensor, dst: torch.Tensor, kind: int, slots=None) -> F
     return FusedLaunch(1, n, table, table, None, 0, slots, False, False, (None, None, channel))
 
 
-@pytest.mark.parametrize("launcher", ["cpu", "torch"])
+@pytest.mark.parametrize("launcher", [CPU, "torch"])
 @pytest.mark.parametrize("fp8_dtype", list(FP8_KINDS))
 def test_fp8_store_equals_torchs_clamped_cast_over_every_magnitude(launcher, fp8_dtype):
     """Subnormals to overflow, both signs, zeros, infinities and NaN: the contract's bytes exactly."""
@@ -36,7 +37,7 @@ def test_fp8_store_equals_torchs_clamped_cast_over_every_magnitude(launcher, fp8
     assert torch.equal(dst, x.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8))
 
 
-@pytest.mark.parametrize("launcher", ["cpu", "torch"])
+@pytest.mark.parametrize("launcher", [CPU, "torch"])
 def test_a_slot_past_the_cache_is_refused_before_any_write(launcher):
     x = torch.arange(4.0).reshape(1, 4, 1, 1)
     dst = torch.zeros(2, 2, 1, 1)  # 4 slots

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ropekit
+from c_compiler import CPU
 from ropekit.compat.vllm import rotary_embedding
 
 HEAD = 64
@@ -54,7 +55,7 @@ def _qk(seed: int):
     return torch.randn(2, 8, 4, HEAD, generator=g), torch.randn(2, 8, 2, HEAD, generator=g)
 
 
-@pytest.mark.parametrize("backend", ["auto", "cpu"])
+@pytest.mark.parametrize("backend", ["auto", CPU])
 @pytest.mark.parametrize("planned", [False, True], ids=["first call", "after a plan"])
 def test_a_traced_rotation_replays_the_rotation(backend, planned):
     cos, sin = _tables()

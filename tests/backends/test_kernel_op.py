@@ -15,11 +15,6 @@ from ropekit import apply_rotary, apply_rotary_qk, backends
 from ropekit.backends.c import rotary as cpu
 from rotary_cases import tables
 
-pytestmark = pytest.mark.skipif(
-    backends.BACKENDS["cpu"].unavailable_reason(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1)) is not None,
-    reason="the CPU kernel cannot be built here (no C compiler)",
-)
-
 COS, SIN = tables(8)  # (64, 4): 64 table rows, rotary_dim 8
 Q, K = torch.randn(2, 3, 4, 12), torch.randn(2, 3, 2, 12)
 POS = torch.tensor([[0, 5, 9], [1, 2, 63]])
@@ -57,6 +52,7 @@ def test_cpu_op_rejects_what_the_kernel_cannot_serve(args, match):
     assert torch.equal(args[0], q_before)
 
 
+@pytest.mark.c_compiler
 def test_cpu_op_accepts_int32_nowhere_but_the_functional_api_converts_it():
     want = op(Q, K, COS, SIN, POS, False, False)
     got = apply_rotary_qk(Q, K, COS, SIN, positions=POS.int(), backend="cpu")
@@ -64,6 +60,7 @@ def test_cpu_op_accepts_int32_nowhere_but_the_functional_api_converts_it():
         assert torch.equal(g, w)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("bad", [64, 1 << 40, -1, -(1 << 62)])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_cpu_op_row_outside_the_table_is_a_value_error_and_nothing_is_written(bad, inplace):
@@ -85,6 +82,7 @@ def test_cpu_op_offset_past_the_table_is_a_value_error(offset, last):
         op(Q, K, COS, SIN, None, False, False, offset)
 
 
+@pytest.mark.c_compiler
 def test_cpu_op_int_offset_equals_explicit_positions():
     rows = torch.arange(7, 10).expand(2, 3).contiguous()
     for interleaved in (False, True):
@@ -132,6 +130,7 @@ def test_cpu_launcher_rejects_tables_on_another_device():
         cpu.launch(Q, None, Q.clone(), None, COS.to("meta"), SIN.to("meta"), None, 0, False, False)
 
 
+@pytest.mark.c_compiler
 def test_compiled_call_past_the_table_is_an_error_not_garbage():
     """Under torch.compile the functional range check cannot read values: the op checks as the graph runs."""
 
@@ -146,6 +145,7 @@ def test_compiled_call_past_the_table_is_an_error_not_garbage():
             compiled(Q, K, offset)
 
 
+@pytest.mark.c_compiler
 def test_compiled_positions_past_the_table_are_an_error_not_garbage():
     def step(x, positions):
         return apply_rotary(x, COS, SIN, positions=positions, backend="cpu")
@@ -171,6 +171,7 @@ def test_compiled_torch_backend_never_indexes_outside_or_wraps(positions):
         compiled(Q, positions)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("strided", ["q", "k"])
 def test_cpu_in_place_keeps_the_tail_of_a_strided_tensor_next_to_a_dense_one(strided):
     """Found by the fuzzer: the tail copy was decided for q alone, so a k computed in a scratch buffer

@@ -13,6 +13,7 @@ from boundary_checks import (
     assert_planned_write_bumps_the_version,
     check_aliasing_storages_are_refused_when_planned,
 )
+from c_compiler import CPU
 from call_count import ropekit_calls
 from ropekit import apply_rotary, apply_rotary_qk
 from ropekit.backends import BACKENDS, clear_backend_cache, plan
@@ -30,7 +31,7 @@ def decode_step(backend: str, inplace: bool):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])
+@pytest.mark.parametrize("backend", ["auto", CPU, "torch"])
 def test_steady_state_decode_step_makes_at_most_12_ropekit_calls(backend, inplace):
     step = decode_step(backend, inplace)
     step()  # the first call is checked in full and plans the next
@@ -49,6 +50,7 @@ def test_module_decode_step_adds_at_most_4_calls_to_apply_rotary_qk():
     assert len(ropekit_calls(step)) <= len(ropekit_calls(core)) + MODULE_EXTRA, ropekit_calls(step)
 
 
+@pytest.mark.c_compiler
 def test_the_first_call_checks_in_full_and_the_second_uses_the_plan():
     clear_backend_cache()
     step = decode_step("cpu", False)
@@ -66,7 +68,7 @@ def _q_k():
     "change",
     ["transposed q", "other dtype", "other shape", "other table", "interleaved", "inverse", "strided table"],
 )
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 def test_a_changed_layout_misses_the_plan_and_gets_its_own_answer(backend, change):
     """A plan made for one layout never serves another: each call equals the torch backend's answer."""
     cos, sin = tables(16)
@@ -97,7 +99,7 @@ def test_a_changed_layout_misses_the_plan_and_gets_its_own_answer(backend, chang
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 def test_a_planned_call_still_refuses_an_offset_past_the_table(backend):
     cos, sin = tables(16)  # 64 rows
     q, k = _q_k()
@@ -158,6 +160,7 @@ def test_apply_rotary_alone_uses_a_plan_too():
     assert "run" in calls and "check_x" not in calls
 
 
+@pytest.mark.c_compiler
 def test_a_planned_offsets_tensor_still_gets_the_checked_paths_errors():
     """Per-sequence offsets are checked by the C loop before it writes; a bad one falls back to the checked
     path, whose messages stay as they were."""
@@ -176,6 +179,7 @@ def test_a_planned_offsets_tensor_still_gets_the_checked_paths_errors():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.c_compiler
 def test_an_output_large_enough_for_huge_pages_is_still_exact():
     """Out of place, outputs of 8 MB or more get huge-page advice (page faults at prefill); the values are
     the same as the torch backend's, bit for bit."""
@@ -187,6 +191,7 @@ def test_an_output_large_enough_for_huge_pages_is_still_exact():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.c_compiler
 def test_a_key_without_a_plan_is_not_planned_again_every_call(monkeypatch):
     """A backend whose plan answers None for a kind (here the C loop's, made to refuse): the first call
     learns that and keeps None for its key; later calls of the same key take the checked path without
@@ -210,13 +215,13 @@ def test_a_key_without_a_plan_is_not_planned_again_every_call(monkeypatch):
     torch.testing.assert_close(planned, first, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 def test_q_and_k_aliasing_through_two_storages_are_refused_by_a_plan_and_after_it(backend):
     """Issue 24, repro 7: see boundary_checks."""
     check_aliasing_storages_are_refused_when_planned(backend)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 @pytest.mark.parametrize("entry", sorted(CORE_ENTRIES))
 def test_a_planned_in_place_write_bumps_the_version_counter(entry, backend):
     """Issue 24: deleting the bump from the C launch plan's run passed every test (each called once, so the
@@ -229,6 +234,7 @@ def test_a_planned_compat_in_place_write_bumps_the_version_counter(entry):
     assert_planned_write_bumps_the_version(*COMPAT_ENTRIES[entry], "auto")
 
 
+@pytest.mark.c_compiler
 def test_the_plan_served_the_planned_version_test():
     """The planned-version tests above reach a plan's run, not the checked path again."""
     cos, sin = tables(16)
@@ -477,6 +483,7 @@ def test_a_positions_plan_refuses_an_in_place_q_or_k_that_meets_the_positions():
         assert run(q, k, cos, sin, inside) is None
 
 
+@pytest.mark.c_compiler
 def test_explicit_positions_take_their_own_gate_keyed_by_their_layout():
     """apply_rotary_qk with positions goes through launch_rotary_positions (one gate(...) use): its key
     holds the positions' layout, so another dtype is another key; with non-zero offsets (refused by the
@@ -495,6 +502,7 @@ def test_explicit_positions_take_their_own_gate_keyed_by_their_layout():
     assert len([key for key in plan._plans if key[0] == "rotary_positions"]) == 2
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["bfloat16", "float64", "strided rows"])
 def test_tables_the_kernel_does_not_read_as_they_are_are_converted_by_the_run_each_call(form):
     """A plan on the C loop takes tables of another dtype or with strided rows (HF's bf16 rows, an

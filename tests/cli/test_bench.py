@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 
+import pytest
+
 from ropekit.cli import main
 from ropekit.tools import bench
 
 
+@pytest.mark.c_compiler
 def test_bench_writes_csv_and_plot(tmp_path, capsys):
     out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
     argv = ["bench", "--shapes", "tiny", "--repeats", "1", "--rows", "ropekit[cpu]", "--no-memory"]

@@ -106,6 +106,7 @@ def test_a_huge_head_dim_is_a_one_line_error_not_a_memory_error():
     ]
 
 
+@pytest.mark.c_compiler
 def test_backend_rows_are_printed_for_the_cpu_fast_path(capsys):
     assert main(["verify", "--head-dim", "16", "--backends", "cpu"]) == 0
     out = capsys.readouterr().out

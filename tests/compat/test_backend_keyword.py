@@ -24,6 +24,7 @@ import ropekit.functional
 import ropekit.fused.cache
 import ropekit.fused.fp8
 import ropekit.fused.qk_norm
+from c_compiler import CPU
 from ropekit.backends import BACKENDS
 from ropekit.compat import (
     flash_attn,
@@ -256,7 +257,7 @@ FUSED = {"flashinfer.rope_quantize_fp8", "flashinfer.mla_rope_quantize_fp8",
          "flashinfer.rope_quantize_fp8_append_paged_kv_cache", "vllm.fused_qk_norm_rope"}  # fmt: skip
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", CPU])
 @pytest.mark.parametrize("entry", list(CALLS))
 def test_named_backend_is_the_one_dispatched(entry, backend_name, requested, launched):
     CALLS[entry](backend_name)

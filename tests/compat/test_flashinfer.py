@@ -76,6 +76,7 @@ def test_mla_keys_are_2d_and_preallocated_outputs_are_filled():
         flashinfer.mla_rope_quantize_fp8(q_rope, k_rope[:, None], q_nope, k_nope, cache, pos)
 
 
+@pytest.mark.c_compiler
 def test_a_steady_mla_step_takes_the_fp8_plan_and_equals_its_first_call():
     """Issue 25: FlashInfer's call reaches apply_rotary_qk_fp8's gate (positions per token, the MLA nope
     parts): a repeated step is the plan's run, byte for byte the checked path's answer."""

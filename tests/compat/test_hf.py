@@ -113,6 +113,7 @@ def test_unsqueeze_dim_selects_the_heads_axis_as_in_transformers(backend, table_
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.c_compiler
 def test_full_width_table_is_read_where_it_lies(monkeypatch):
     """The CPU kernel receives the caller's own table memory and q / k where they lie in HF's transposed
     layout: nothing is rebuilt or made contiguous."""
@@ -338,6 +339,7 @@ def test_rope_config_validation_without_original_length_does_what_transformers_f
         copy.deepcopy(config).validate_rope()
 
 
+@pytest.mark.c_compiler
 def test_a_steady_bfloat16_decode_step_is_planned_and_equals_its_checked_first_call():
     """Issue 25: HF's rows come in the model's dtype; bf16 rows (B, 1, D) are converted to float32 by the
     plan's run, as the checked path converts them, so a steady bf16 decode step is a launch plan (8 ropekit

@@ -272,6 +272,7 @@ def test_agrees_with_real_liger_kernel_under_the_interpreter(tier):
     run_interpreter_cases(here / "liger_peer_cases.py", cwd=here.parent.parent, timeout=600, tier=tier)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("rows", ["batch", "shared"])
 def test_a_steady_decode_step_is_planned_and_equals_its_checked_first_call(rows):
     """Issue 25: Liger's per-token rows (B, 1, D) or (1, 1, D) reach the core's gate as a plain table

@@ -148,6 +148,7 @@ def test_float64_angles_take_cos_and_sin_in_float64_before_the_cast():
     np.testing.assert_allclose(got.transpose(0, 1).numpy(), want, rtol=0, atol=1e-5)  # float32's rounding
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_a_steady_decode_step_is_planned_and_equals_its_checked_first_call(
     interleaved, assert_matches_reference

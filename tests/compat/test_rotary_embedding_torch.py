@@ -184,6 +184,7 @@ def test_signatures_are_the_peers():
     ]
 
 
+@pytest.mark.c_compiler
 def test_a_steady_apply_rotary_emb_is_planned_and_equals_its_checked_first_call():
     """Issue 25: apply_rotary_emb's per-token rows (one batch row of every token) reach the core's gate as a
     plain table (ropekit.tables.plain_tables): its interleaved rows are read as they are, so the steady call

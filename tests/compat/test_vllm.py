@@ -24,6 +24,7 @@ import itertools
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit.compat.vllm import (
     RotaryEmbedding,
     apply_rope_with_cos_sin_cache,
@@ -177,6 +178,7 @@ def test_scaled_caches_follow_ropekit_schedules_and_vllm_lengths(rope_type, extr
     torch.testing.assert_close(rope.cos_sin_cache, torch.cat([cos, sin], -1), atol=1e-7, rtol=0)
 
 
+@pytest.mark.c_compiler
 def test_cache_halves_are_read_where_they_lie(monkeypatch):
     """The CPU kernel reads cos at the cache's start and sin R/2 floats on (no gather, no copy), and rotates a
     strided query where it lies."""
@@ -366,7 +368,7 @@ def test_rotary_embedding_op_passes_opcheck(
         torch.testing.assert_close(key, want_k, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", CPU])
 @pytest.mark.parametrize("through_op", [False, True])
 def test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite(backend_name, through_op):
     """Issue 17's repro through vLLM's call: x saved for w's gradient, then rotated in place."""
@@ -382,6 +384,7 @@ def test_in_place_rotation_bumps_version_so_autograd_catches_the_overwrite(backe
         y.backward()
 
 
+@pytest.mark.c_compiler
 def test_rotary_embedding_adds_few_python_calls_to_the_core_in_place_call():
     """The compat call is the op's checks plus the core's own call: at most 20 Python and C calls more than
     ``apply_rotary_qk(..., inplace=True)`` on the same (1, T, H, D) views (a count, not a time: the
@@ -543,6 +546,7 @@ def test_steady_decode_steps_take_the_launch_plan_and_stay_exact(is_neox):
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
+@pytest.mark.c_compiler
 def test_a_steady_in_place_step_is_its_own_plan_costing_no_more_calls_than_the_core():
     """vLLM's call keys its own plan: no (tokens, heads, head_size) views are built on a steady step; query
     and key as views of one packed qkv buffer still take it; a key sharing query's memory still raises."""
@@ -587,6 +591,7 @@ def _planned_vllm_step(rope, positions):
     )
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("written", ["query", "key"])
 @pytest.mark.parametrize("through", ["forward", "rotary_embedding", "op"])
 def test_query_or_key_inside_the_cos_sin_cache_after_a_plan_raises_and_writes_nothing(through, written):
@@ -613,6 +618,7 @@ def test_query_or_key_inside_the_cos_sin_cache_after_a_plan_raises_and_writes_no
     assert all(torch.equal(a, b) for a, b in zip((storage, query, key), before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_an_inference_query_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
     rope = get_rope(64, 64, True, {"rope_theta": 10000.0})
     positions = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(6))
@@ -625,7 +631,7 @@ def test_an_inference_query_outside_inference_mode_after_a_plan_raises_and_write
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_an_error_names_only_the_arguments_a_vllm_caller_passed(backend):
     """Issue 24: an error names the argument as the caller named it, in its body too: a query inside
     cos_sin_cache says query and cos_sin_cache, never the core's q, k, cos or sin."""
@@ -703,6 +709,7 @@ def test_a_backend_with_a_per_sequence_plan_serves_the_steady_in_place_step_thro
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("entry", ["forward_native", "apply_rope_with_cos_sin_cache"])
 def test_a_steady_out_of_place_step_takes_the_positions_plan_and_keeps_the_checked_errors(entry):
     """Issue 25: vLLM's out-of-place calls reach the core's positions gate on their (1, T, H, D) views: a

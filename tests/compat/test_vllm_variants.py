@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from c_compiler import CPU
 from ropekit import reference as ref
 from ropekit.compat.vllm import RotaryEmbedding, get_rope
 from ropekit.compat.vllm_variants import (
@@ -44,7 +45,10 @@ def test_fope_parameters_build_fope_not_a_plain_rotation():
     assert tuple(rope.cos_sin_cache.shape) == (32, 2, 32)
 
 
-@pytest.mark.parametrize(("num_inv_freq", "backend"), [(3, "torch"), (None, "torch"), (3, "cpu")])
+@pytest.mark.parametrize(
+    ("num_inv_freq", "backend"),
+    [(3, "torch"), (None, "torch"), pytest.param(3, "cpu", marks=pytest.mark.c_compiler)],
+)
 def test_fope_matches_reference(num_inv_freq, backend):
     head_size, rotary_dim, kv_heads, heads, rows = 16, 12, 2, 4, 64
     rope = FourierRotaryEmbedding(
@@ -135,7 +139,7 @@ def _bailing_axes(section):
         ({"mrope_section": [4, 2, 2], "rope_theta": 1000.0}, "chunked", True),
     ],
 )
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_multiaxis_variants_match_reference(params, axes, neox, backend):
     head_size, rotary_dim = 20, 16
     params = {**params, "partial_rotary_factor": rotary_dim / head_size}
@@ -293,6 +297,7 @@ def test_rope_dim_sets_the_rotary_width_as_in_vllm():
     np.testing.assert_allclose(rope.cos_sin_cache[:, :8].double().numpy(), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.c_compiler
 def test_steady_m_rope_dual_chunk_and_fope_steps_are_planned():
     """Issue 25: vLLM's M-RoPE (gathered per-token rows, now laid out by token), dual-chunk and FoPE calls
     (explicit positions) reach the core's gate: each steady step is a launch plan (17, 49 and 16 ropekit

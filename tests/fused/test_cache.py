@@ -23,9 +23,10 @@ from fused_cases import (
 )
 
 import ropekit
+from c_compiler import CPU
 from call_count import ropekit_frames
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -60,6 +61,7 @@ def test_bad_input_is_one_value_error_and_writes_nothing(backend):
     check_errors_write_nothing(backend)
 
 
+@pytest.mark.c_compiler
 def test_cpu_and_torch_write_identical_bytes():
     """The C loop rounds as the torch reference does: the same caches bit for bit (bf16, both pairings)."""
     cos, sin = tables(16)
@@ -120,6 +122,7 @@ def test_inplace_q_that_shares_memory_with_k_is_refused_before_writing():
     assert torch.equal(qk, before) and not cache.any()
 
 
+@pytest.mark.c_compiler
 def test_the_c_loop_with_two_threads_writes_the_bytes_of_the_torch_reference():
     """Big enough for OpenMP (one parallel region, channels without a barrier between them), FP8 caches."""
     threads = torch.get_num_threads()
@@ -146,6 +149,7 @@ def test_the_c_loop_with_two_threads_writes_the_bytes_of_the_torch_reference():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -180,6 +184,7 @@ def _aligned(shape: tuple[int, ...], dtype: torch.dtype, aligned: bool) -> torch
     return flat[start : start + size].view(shape)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [128, 64])
 @pytest.mark.parametrize(("tokens", "aligned"), [(6, True), (6, False), (2100, True)])
@@ -242,23 +247,25 @@ def test_a_meta_table_is_a_value_error_naming_it_and_writes_nothing():
     assert not kc.any() and not vc.any()
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_a_written_tensor_sharing_memory_with_a_read_one_is_a_value_error(backend):
     """Issue 24, repro 2 (the cpu backend was off by 3.7): see fused_cases."""
     check_memory_rule(backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_a_slot_given_twice_is_a_value_error_and_padding_may_repeat(backend):
     """Issue 24, defect 3: see fused_cases."""
     check_duplicate_slots_are_refused(backend)
 
 
+@pytest.mark.c_compiler
 def test_a_head_past_the_kernel_bound_is_refused_by_cpu_and_served_by_auto():
     """Issue 24, defect 8 (20,000 passed silently): see fused_cases."""
     check_wide_heads("cpu")
 
 
+@pytest.mark.c_compiler
 def test_a_very_wide_head_does_not_crash_the_process():
     """Issue 24, defect 8: a v head of 4,000,000 floats killed the process (SIGSEGV) with backend "cpu" or
     "auto". Run in a child so a crash fails this test instead of ending pytest."""
@@ -283,6 +290,7 @@ print("auto exact:", torch.equal(vc[:2], v))
     assert "auto exact: True" in result.stdout
 
 
+@pytest.mark.c_compiler
 def test_the_c_loop_checks_its_own_width_bound_before_writing(monkeypatch):
     """Defence in depth for defect 8: even if the Python bound were skipped, the C loop refuses a head wider
     than its fixed scratch row (it returns before writing; the launcher raises)."""
@@ -321,6 +329,7 @@ def _planned_decode(seed: int = 0):
     return q, caches, step
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing():
     """Issue 24, defect 3, on the launch plan (ropekit.fused.planned): a slot twice sends the call to the
     checked path, which names it; "last token wins" was the C loop's answer without the check."""
@@ -335,6 +344,7 @@ def test_a_planned_step_still_refuses_a_slot_given_twice_and_writes_nothing():
     )
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("tokens", [64, 65, 300])
 def test_a_planned_step_of_many_tokens_refuses_a_slot_given_twice_wherever_it_lies(tokens):
     """The plan's C loop checks distinct slots itself: every pair up to 64 tokens, a hash set above. A
@@ -369,6 +379,7 @@ def test_a_planned_step_of_many_tokens_refuses_a_slot_given_twice_wherever_it_li
         )
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode():
     """Issue 24: PyTorch refuses an in-place write of an inference tensor outside inference mode; a planned
     step (which writes through pointers) sends it to the checked path, which raises it before writing."""
@@ -381,6 +392,7 @@ def test_a_planned_step_still_refuses_an_inference_q_outside_inference_mode():
     assert torch.equal(frozen, q) and all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_still_refuses_caches_that_share_memory():
     """The memory rule on the launch plan: k_cache and v_cache over one memory (the same strides as the
     planned key) send the call to the checked path, which names them; nothing is written."""
@@ -422,6 +434,7 @@ def _follow(q: torch.Tensor, fn) -> list[tuple[str, str, bool]]:
     return ropekit_frames(fn, record)
 
 
+@pytest.mark.c_compiler
 def test_q_enters_each_check_once_down_to_its_kernel_and_a_planned_step_enters_only_the_value_checks():
     """Issue 25: following q from apply_rotary_qk_and_cache down to the C loop, every check runs once on the
     first call of a kind (each cache is checked once, q once, the kernel wall is trusted, not re-run), and a

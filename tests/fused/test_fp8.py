@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ropekit
+from c_compiler import CPU
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -65,6 +66,7 @@ def test_fp8_is_inference_only():
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, q_scale=1.0, k_scale=1.0)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_specialised_c_shapes_follow_the_contract_deepseek_mla_widths(interleaved):
     """MLA's widths (rope 64, nope 512) and head_dim 128 run compile-time specialisations of the C loop."""
@@ -129,6 +131,7 @@ def test_a_meta_table_is_a_value_error_naming_it():
 WIDE_ELEMENTS = 1 << 22
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("copies", [1, 11], ids=["narrow", "wide"])
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_the_c_conversion_equals_torchs_cast_at_every_exponent_and_rounding_boundary(fp8_dtype, copies):
@@ -159,6 +162,7 @@ def test_the_c_conversion_equals_torchs_cast_at_every_exponent_and_rounding_boun
         assert torch.equal(got.view(torch.uint8)[nan] & 0x7F, torch.full_like(want[nan], 0x7F))
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_a_prefill_sized_call_runs_the_wide_loop_to_the_same_bytes(fp8_dtype, interleaved):
@@ -203,6 +207,7 @@ BITS = st.lists(st.integers(0, (1 << 32) - 1), min_size=64, max_size=64)
 SCALES = st.floats(min_value=2.0**-149, max_value=2.0**127, width=32, allow_subnormal=True)
 
 
+@pytest.mark.c_compiler
 @settings(max_examples=20, deadline=None)
 @given(bits=BITS, scale=SCALES, fp8_dtype=st.sampled_from(FP8), wide=st.booleans())
 def test_the_c_quotient_and_rounding_follow_the_contract_at_any_scale(bits, scale, fp8_dtype, wide):

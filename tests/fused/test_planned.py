@@ -38,6 +38,7 @@ def call(q, k, v, cos, sin, caches, slots, offsets, layout, inplace, backend="cp
     )  # fmt: skip
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("layout", ["flat", "nhd", "hnd"])
@@ -72,6 +73,7 @@ def planned_step(per_sequence=False, inplace=True, layout="nhd"):
     return q, k, v, cos, sin, caches, slots, offsets
 
 
+@pytest.mark.c_compiler
 def test_an_int_offset_past_the_table_raises_the_checked_error_and_writes_nothing():
     q, k, v, cos, sin, caches, slots, _ = planned_step()
     before = [c.clone() for c in caches]
@@ -80,6 +82,7 @@ def test_an_int_offset_past_the_table_raises_the_checked_error_and_writes_nothin
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_per_sequence_offsets_past_the_table_or_negative_raise_the_checked_error():
     q, k, v, cos, sin, caches, slots, _ = planned_step(per_sequence=True)
     before = [c.clone() for c in caches]
@@ -90,6 +93,7 @@ def test_per_sequence_offsets_past_the_table_or_negative_raise_the_checked_error
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("bad", [64, -2])
 def test_a_slot_outside_the_cache_raises_the_checked_error_and_writes_nothing(bad):
     q, k, v, cos, sin, caches, _, offsets = planned_step()
@@ -99,6 +103,7 @@ def test_a_slot_outside_the_cache_raises_the_checked_error_and_writes_nothing(ba
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True)) and torch.equal(q, q_before)
 
 
+@pytest.mark.c_compiler
 def test_shared_memory_still_raises_after_a_plan():
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     with pytest.raises(ValueError, match="v_cache: the call writes k_cache and v_cache, which share memory"):
@@ -110,6 +115,7 @@ def test_shared_memory_still_raises_after_a_plan():
         call(q_view, k_view, v, cos, sin, caches, slots, offsets, "nhd", True)
 
 
+@pytest.mark.c_compiler
 def test_views_of_one_packed_qkv_buffer_use_the_plan():
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     qkv = torch.cat([q, k, v], dim=2)  # (B, 1, 48, 128): vLLM's packed projection
@@ -128,6 +134,7 @@ def test_views_of_one_packed_qkv_buffer_use_the_plan():
     torch.testing.assert_close(caches[0], want[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.c_compiler
 def test_the_plan_tells_autograd_what_it_wrote():
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     versions = [t._version for t in (q, *caches)]
@@ -135,6 +142,7 @@ def test_the_plan_tells_autograd_what_it_wrote():
     assert [t._version for t in (q, *caches)] == [n + 1 for n in versions]
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize(
     "change", ["transposed cache", "other dtype", "requires grad", "positions", "scale", "float64 table"]
 )
@@ -201,6 +209,7 @@ def qk_norm_call(qkv, weights, cos, sin, kw, backend="cpu"):
                                    eps=1e-6, backend=backend, **kw)  # fmt: skip
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
 def test_steady_qk_norm_step_makes_at_most_8_ropekit_calls_and_matches_the_torch_path(form):
     qkv, weights, cos, sin, kw = qk_norm_inputs(form)
@@ -215,6 +224,7 @@ def test_steady_qk_norm_step_makes_at_most_8_ropekit_calls_and_matches_the_torch
     assert got._version == versions + 1
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", ["offset", "offsets_per_seq", "positions"])
 def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
     qkv, weights, cos, sin, kw = qk_norm_inputs(form)
@@ -228,6 +238,7 @@ def test_qk_norm_rows_past_the_table_raise_the_checked_error_after_a_plan(form):
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("offset", [1 << 64, -(1 << 64)])
 def test_an_int_offset_past_int64_after_a_plan_raises_the_checked_error_not_a_packing_error(offset):
     """The plans check an int offset against the table before packing it for the C loop: one past int64
@@ -244,6 +255,7 @@ def test_an_int_offset_past_int64_after_a_plan_raises_the_checked_error_not_a_pa
         fp8_call(q, k, cos, sin, offset, SCALES["0-d tensors"])
 
 
+@pytest.mark.c_compiler
 def test_a_strided_slot_mapping_is_read_as_the_checked_path_reads_it():
     q, k, v, cos, sin, caches, slots, offsets = decode_inputs(4, "nhd", True)
     strided = torch.stack([slots, torch.zeros_like(slots)], dim=-1)[..., 0]  # (4, 1), not contiguous
@@ -260,6 +272,7 @@ def unchanged(tensors, before) -> bool:
     return all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 
+@pytest.mark.c_compiler
 def test_duplicate_slots_after_a_plan_raise_the_checked_error_and_write_nothing():
     q, k, v, cos, sin, caches, _, offsets = planned_step()
     before = [t.clone() for t in (q, *caches)]
@@ -270,6 +283,7 @@ def test_duplicate_slots_after_a_plan_raise_the_checked_error_and_write_nothing(
     assert unchanged(caches, before[1:])
 
 
+@pytest.mark.c_compiler
 def test_a_k_cache_inside_the_cos_table_after_a_plan_raises_and_writes_nothing():
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     storage = torch.zeros(cos.numel() + caches[0].numel())
@@ -282,6 +296,7 @@ def test_a_k_cache_inside_the_cos_table_after_a_plan_raises_and_writes_nothing()
     assert unchanged((q, storage, caches[1]), before)
 
 
+@pytest.mark.c_compiler
 def test_per_sequence_offsets_inside_a_cache_after_a_plan_raise_and_write_nothing():
     q, k, v, cos, sin, caches, slots, _ = planned_step(per_sequence=True)
     # int64 offsets (2,) laid in v_cache's bytes, holding valid rows: only the memory rule refuses them.
@@ -293,6 +308,7 @@ def test_per_sequence_offsets_inside_a_cache_after_a_plan_raise_and_write_nothin
     assert unchanged((q, *caches), before)
 
 
+@pytest.mark.c_compiler
 def test_an_inference_q_written_in_place_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
     q, k, v, cos, sin, caches, slots, offsets = planned_step()
     with torch.inference_mode():
@@ -306,6 +322,7 @@ def test_an_inference_q_written_in_place_outside_inference_mode_after_a_plan_rai
     assert unchanged((q_inference, *caches), before)
 
 
+@pytest.mark.c_compiler
 def test_qk_norm_weight_inside_qkv_after_a_plan_raises_and_writes_nothing():
     qkv, weights, cos, sin, kw = qk_norm_inputs("offset")
     qk_norm_call(qkv.clone(), weights, cos, sin, kw)
@@ -319,6 +336,7 @@ def test_qk_norm_weight_inside_qkv_after_a_plan_raises_and_writes_nothing():
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.c_compiler
 def test_qk_norm_of_an_inference_qkv_outside_inference_mode_after_a_plan_raises_and_writes_nothing():
     qkv, weights, cos, sin, kw = qk_norm_inputs("offset")
     qk_norm_call(qkv.clone(), weights, cos, sin, kw)
@@ -363,6 +381,7 @@ def same_bytes(got, want) -> bool:
     )
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("scales", list(SCALES))
@@ -383,6 +402,7 @@ def test_steady_fp8_decode_step_makes_at_most_8_ropekit_calls_and_equals_the_che
     assert all(t.is_contiguous() for t in got[0])
 
 
+@pytest.mark.c_compiler
 def test_a_planned_mla_step_equals_the_checked_path():
     plan.clear_plans()
     q, k, cos, sin, offsets, nope = fp8_inputs(2, False, mla=True)
@@ -404,6 +424,7 @@ def planned_fp8_step(scales="0-d tensors", per_sequence=False):
     return q, k, cos, sin, offsets
 
 
+@pytest.mark.c_compiler
 def test_a_planned_fp8_step_past_the_table_raises_the_checked_error_and_leaves_its_inputs():
     q, k, cos, sin, _ = planned_fp8_step()
     before = q.clone(), k.clone()
@@ -419,6 +440,7 @@ def test_a_planned_fp8_step_past_the_table_raises_the_checked_error_and_leaves_i
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs are never written
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("scales", ["0-d tensors", "per head"])
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 @pytest.mark.parametrize("name", ["q_scale", "k_scale"])
@@ -437,6 +459,7 @@ def test_a_planned_fp8_step_with_an_invalid_scale_tensor_raises_the_checked_erro
     assert str(e.value) == str(checked.value)
 
 
+@pytest.mark.c_compiler
 def test_anything_the_fp8_checks_relied_on_misses_its_plan():
     q, k, cos, sin, offsets = planned_fp8_step()
     scales = SCALES["0-d tensors"]
@@ -464,6 +487,7 @@ def test_anything_the_fp8_checks_relied_on_misses_its_plan():
     assert "check_scale" in ropekit_calls(lambda: fp8_call(q, k, cos, sin, offsets, float64_scale))  # no plan
 
 
+@pytest.mark.c_compiler
 def test_a_planned_fp8_number_scale_is_in_its_key():
     q, k, cos, sin, offsets = planned_fp8_step("numbers")
     other = dict(q_scale=0.25, k_scale=3.0)  # another value: another key, the checked path, then its plan
@@ -496,6 +520,7 @@ def packed_fp8_step(nope_width: int = 0):
     return q, k, cos, sin, positions, nope
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("nope_width", [0, 32])
 def test_a_planned_step_with_positions_per_token_equals_the_checked_path(nope_width):
     q, k, cos, sin, positions, nope = packed_fp8_step(nope_width)
@@ -511,6 +536,7 @@ def test_a_planned_step_with_positions_per_token_equals_the_checked_path(nope_wi
     )
 
 
+@pytest.mark.c_compiler
 def test_planned_positions_past_the_table_negative_or_with_an_offset_raise_the_checked_error():
     q, k, cos, sin, positions, nope = packed_fp8_step()
     scales = SCALES["numbers"]
@@ -568,6 +594,7 @@ def planned_shift(layout="nhd", with_slots=True, delta=7, dtype=torch.float32):
     return cache, cos, sin, slots
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [-13, 0, 300])
 @pytest.mark.parametrize("with_slots", [False, True])
@@ -592,6 +619,7 @@ def test_a_steady_shift_makes_at_most_4_ropekit_calls_and_equals_the_checked_pat
     assert torch.equal(rows[others], before[others])
 
 
+@pytest.mark.c_compiler
 def test_a_planned_interleaved_shift_equals_the_checked_path():
     plan.clear_plans()
     cache, cos, sin, slots = shift_inputs("nhd", True)
@@ -623,6 +651,7 @@ def raises_as_checked(step, *written):
     return str(planned.value)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("delta", [2048, -2048, 5000])
 def test_a_planned_shift_past_the_table_raises_the_checked_error_and_writes_nothing(delta):
     cache, cos, sin, slots = planned_shift()
@@ -630,6 +659,7 @@ def test_a_planned_shift_past_the_table_raises_the_checked_error_and_writes_noth
     assert message.startswith(f"delta: |delta| = {abs(delta)} is past the cos/sin table")
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("bad", [[3, 64, -1, 40, 63], [3, 17, -2, 40, 63], [3, 17, -1, 17, 63]])
 def test_a_planned_shift_with_a_slot_outside_the_cache_or_given_twice_raises_the_checked_error(bad):
     cache, cos, sin, _ = planned_shift()
@@ -638,6 +668,7 @@ def test_a_planned_shift_with_a_slot_outside_the_cache_or_given_twice_raises_the
     shift(cache, cos, sin, 7, torch.tensor([-1, -1, -1, 5, 6]))  # -1 may repeat: the plan serves it
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("read", ["cos", "sin", "slots"])
 def test_a_planned_shift_whose_cache_holds_a_table_or_its_slots_raises_the_checked_error(read):
     """The memory rule from this call's addresses: the tables and slots keep the planned layouts, and lie
@@ -658,6 +689,7 @@ def test_a_planned_shift_whose_cache_holds_a_table_or_its_slots_raises_the_check
     assert message.startswith(f"k_cache: it is written and shares memory with {read}")
 
 
+@pytest.mark.c_compiler
 def test_a_planned_shift_bumps_the_version_once_and_refuses_an_inference_cache_outside_inference_mode():
     cache, cos, sin, slots = planned_shift()
     version = cache._version
@@ -673,6 +705,7 @@ def test_a_planned_shift_bumps_the_version_once_and_refuses_an_inference_cache_o
     assert torch.equal(frozen, checked_shift(cache, cos, sin, 7, slots))
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("change", ["layout", "dtype", "strided slots", "float64 table", "torch backend"])
 def test_anything_the_shift_checks_relied_on_misses_its_plan(change):
     cache, cos, sin, slots = planned_shift()
@@ -758,6 +791,7 @@ class Serving:
         return self
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("cache", list(CACHE_KINDS))
 @pytest.mark.parametrize("form", SERVING_FORMS)
@@ -794,6 +828,7 @@ def test_a_steady_step_with_positions_cu_seqlens_or_fp8_scales_takes_its_plan_an
                      [c.flatten(0, 1)[untouched] for c in step.caches])  # fmt: skip
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_tells_autograd_what_it_wrote_with_positions_and_an_fp8_cache():
     step = Serving("positions (T,)", "e4m3, 0-d tensors").planned()
     q, caches = step.q.clone(), [c.clone() for c in step.caches]
@@ -847,6 +882,7 @@ BAD_SERVING = [
 ]  # fmt: skip
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize(("form", "cache", "change", "message"), BAD_SERVING)
 def test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_and_writes_nothing(
     form, cache, change, message
@@ -857,6 +893,7 @@ def test_a_value_check_that_fails_on_the_planned_path_raises_the_checked_error_a
     assert got.startswith(message), got
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("form", SERVING_FORMS)
 def test_caches_that_share_memory_or_an_inference_cache_after_a_plan_raise_the_checked_error(form):
     step = Serving(form, "e4m3, 0-d tensors").planned()
@@ -874,6 +911,7 @@ def test_caches_that_share_memory_or_an_inference_cache_after_a_plan_raise_the_c
     assert same_bits(frozen, step()[1])
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize(
     ("form", "read"),
     [
@@ -898,6 +936,7 @@ def test_a_tensor_the_planned_step_reads_inside_a_cache_raises_the_checked_error
     assert message.startswith(f"v_cache: it is written and shares memory with {read}"), message
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_with_positions_and_cu_seqlens_still_checks_cu_seqlens():
     """positions are the rows; cu_seqlens given beside them is checked all the same (the checked path's
     resolve does), so a malformed one raises on the planned path too."""
@@ -926,6 +965,7 @@ def packed_fp8_cu_step(per_sequence: bool, nope_width: int = 0):
     return q, k, cos, sin, offsets, dict(cu_seqlens=cu, **nope), rows
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("nope_width", [0, 32])
 @pytest.mark.parametrize("scales", list(SCALES)[:2])
 @pytest.mark.parametrize("per_sequence", [False, True])
@@ -960,6 +1000,7 @@ BAD_FP8_PACKED = [
 ]  # fmt: skip
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_FP8_PACKED)
 def test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_error(
     per_sequence, change, message
@@ -980,6 +1021,7 @@ def test_a_value_check_failing_on_a_planned_packed_fp8_step_raises_the_checked_e
 # ---- qk_norm_rotary_ with cu_seqlens, and per-sequence offsets over several tokens ------------------------
 
 
+@pytest.mark.c_compiler
 def test_a_steady_qk_norm_step_with_per_sequence_offsets_over_several_tokens_takes_its_plan():
     """Its rows (offsets[b] + t) are made per call; the plan read them after they were freed (the C loop then
     saw other values, found a row outside the table and sent every call to the checked path)."""
@@ -1009,6 +1051,7 @@ def packed_qk_norm_step(per_sequence: bool):
     return qkv, weights, cos, sin, kw
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_a_steady_packed_qk_norm_step_with_cu_seqlens_takes_its_plan_and_equals_the_checked_path(
     per_sequence,
@@ -1036,6 +1079,7 @@ BAD_PACKED_QK_NORM = [
 ]  # fmt: skip
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize(("per_sequence", "change", "message"), BAD_PACKED_QK_NORM)
 def test_a_value_check_failing_on_a_planned_packed_qk_norm_step_raises_the_checked_error(
     per_sequence, change, message
@@ -1046,6 +1090,7 @@ def test_a_value_check_failing_on_a_planned_packed_qk_norm_step_raises_the_check
     assert got.startswith(message), got
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("read", ["cu_seqlens", "offsets"])
 def test_a_planned_packed_qk_norm_step_whose_qkv_holds_cu_seqlens_or_offsets_raises_the_checked_error(read):
     qkv, weights, cos, sin, kw = packed_qk_norm_step(per_sequence=True)

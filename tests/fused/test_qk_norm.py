@@ -23,12 +23,13 @@ from qk_norm_cases import (
 )
 
 import ropekit
+from c_compiler import CPU
 from ropekit.backends.c.qk_norm import NormSpec
 from ropekit.backends.eager.qk_norm import rms_norm
 from ropekit.fused.qk_norm import qk_norm_rotary_
 from triton_interpreter import run_interpreter_cases, tiers
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", CPU]
 HERE = Path(__file__).parent
 
 
@@ -49,6 +50,7 @@ def test_every_position_form_pair_layout_and_partial_rotary(backend, layout, int
     )
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 20])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -95,6 +97,7 @@ def test_gradients_equal_the_unfused_compositions(backend, dtype, form):
     check_gradients_match_unfused(backend, dtype, form)
 
 
+@pytest.mark.c_compiler
 @pytest.mark.parametrize("layout", ["positions", "cu_seqlens"])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_gradients_of_packed_token_rows_through_the_c_loop(layout, form):
@@ -123,6 +126,7 @@ def test_a_second_derivative_is_refused_rather_than_wrong():
         grad.sum().backward()
 
 
+@pytest.mark.c_compiler
 def test_weights_get_gradients_when_qkv_does_not_require_grad():
     qkv, q_weight, k_weight, cos, sin, kw, _ = make_case(torch.float32, "qwen3", "offset")
     q_weight.requires_grad_(True)
@@ -366,6 +370,7 @@ def test_triton_kernel_cases_pass_under_the_interpreter(tier):
     run_interpreter_cases(HERE / "qk_norm_triton_cases.py", cwd=HERE.parent.parent, timeout=900, tier=tier)
 
 
+@pytest.mark.c_compiler
 def test_heads_wider_than_the_c_loop_serves_take_the_torch_path_under_auto():
     from ropekit.backends.c.qk_norm import MAX_HEAD_DIM
 
@@ -424,6 +429,7 @@ def test_a_view_of_a_leaf_or_an_inference_qkv_is_refused_before_writing(backend)
     assert torch.equal(frozen, qkv)
 
 
+@pytest.mark.c_compiler
 def test_a_planned_step_still_refuses_a_weight_inside_qkv_and_an_inference_qkv():
     """The launch plan of qk_norm_rotary_ (ropekit.fused.planned) writes through pointers: a q_weight inside
     qkv (the same layout as the planned key's) and an inference qkv outside inference mode still reach the

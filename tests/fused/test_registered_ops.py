@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import ropekit
+from c_compiler import CPU
 
-OPCHECK_BACKENDS = ["torch", "cpu"]
+OPCHECK_BACKENDS = ["torch", CPU]
 PAGES, PAGE_SIZE = 4, 4
 
 
@@ -150,7 +151,7 @@ def _decode_step(q, k, v, qkv, k_cache, v_cache, slots, offsets, cos, sin, q_wei
     return q_rot, q8.float(), k8.float()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", [CPU, "torch"])
 def test_compiled_decode_step_has_no_graph_break_and_matches_eager(backend):
     g = torch.Generator().manual_seed(3)
     cos, sin = tables()
@@ -196,6 +197,7 @@ def _in_place_step(q, k, v, k_cache, v_cache, slots, offsets, cos, sin):
     ropekit.shift_cache_(k_cache, cos, sin, -2, backend="cpu")
 
 
+@pytest.mark.c_compiler
 def test_compiled_in_place_step_writes_q_and_the_caches_as_eager_does():
     g = torch.Generator().manual_seed(5)
     cos, sin = tables()

@@ -7,9 +7,10 @@ import torch
 from fused_cases import LAYOUTS, check_shift, tables
 
 import ropekit
+from c_compiler import CPU
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("delta", [7, -13])
 @pytest.mark.parametrize("with_slots", [False, True])
@@ -17,12 +18,13 @@ def test_shift_by_delta_equals_writing_at_p_plus_delta(backend, layout, delta, w
     check_shift(backend, layout, torch.float32, delta, interleaved=delta < 0, with_slots=with_slots)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_shift_in_half_precision(backend, dtype):
     check_shift(backend, "nhd", dtype, 5, interleaved=False, with_slots=True)
 
 
+@pytest.mark.c_compiler
 def test_shift_there_and_back_is_the_identity_to_rounding():
     cos, sin = tables(16)
     cache = torch.randn(3, 4, 2, 16)
@@ -33,6 +35,7 @@ def test_shift_there_and_back_is_the_identity_to_rounding():
     torch.testing.assert_close(cache, before, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.c_compiler
 def test_shift_by_zero_leaves_the_cache_as_it_was():
     cos, sin = tables(8)
     cache = torch.randn(6, 1, 8)
@@ -59,7 +62,7 @@ def test_a_meta_cache_is_a_value_error_naming_it():
         ropekit.shift_cache_(torch.empty(10, 1, 16, device="meta"), cos, sin, 3, cache_layout="flat")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("bad", [10, -2])
 def test_a_slot_outside_the_cache_names_slots_the_argument_of_this_call(backend, bad):
     """Issue 24: the error named slot_mapping, an argument shift_cache_ does not have."""
@@ -73,7 +76,7 @@ def test_a_slot_outside_the_cache_names_slots_the_argument_of_this_call(backend,
     assert torch.equal(cache, before)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_a_slot_given_twice_is_refused_before_anything_rotates(backend):
     """Issue 24, defect 3: slots [3, 3] rotated slot 3 twice on the cpu backend and once on torch."""
     cos, sin = ropekit.RopeConfig(16).cos_sin(64)
@@ -86,7 +89,7 @@ def test_a_slot_given_twice_is_refused_before_anything_rotates(backend):
     assert torch.equal(cache, before)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_shift_bumps_the_version_counter_and_refuses_an_inference_cache_outside_inference_mode(backend):
     cos, sin = ropekit.RopeConfig(16).cos_sin(64)
     cache = torch.randn(5, 1, 16)
@@ -104,7 +107,7 @@ def test_shift_bumps_the_version_counter_and_refuses_an_inference_cache_outside_
     assert not torch.equal(frozen, before)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 @pytest.mark.parametrize("read", ["cos", "slots"])
 def test_a_table_or_slots_inside_the_cache_is_a_value_error_and_nothing_rotates(backend, read):
     """Issue 24, the memory rule: the cache is rotated in place of itself; a table or the slots read from its

@@ -24,6 +24,7 @@ def tiny_records():
     return records, notes
 
 
+@pytest.mark.c_compiler
 def test_quick_run_gives_every_column_and_positive_ratios(tiny_records):
     records, _ = tiny_records
     assert {r["row"] for r in records} >= {"copy_", "clone", "ropekit[torch]", "ropekit[cpu]", "Meta complex"}
@@ -61,6 +62,7 @@ def test_decode_1_is_one_llama_3_8b_token_at_an_int_offset():
     assert isinstance(offset, int) and case.positions.tolist() == [[offset]]
 
 
+@pytest.mark.c_compiler
 def test_ropekit_rows_are_the_dispatchs_choice_and_the_torch_baseline(monkeypatch):
     """bench asks ropekit.backends.select_backend; it keeps no copy of the skip rules."""
     case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
@@ -113,6 +115,7 @@ def test_plot_legend_lies_outside_the_axes(tiny_records):
     plt.close(fig)
 
 
+@pytest.mark.c_compiler
 def test_ropekit_training_step_saves_only_tables_and_positions():
     case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
     row = bench._ropekit_row("cpu", inplace=False)
@@ -124,6 +127,7 @@ def test_ropekit_training_step_saves_only_tables_and_positions():
     assert peak_mb * 2**20 <= 2 * case.nbytes + tables + case.positions.nbytes
 
 
+@pytest.mark.c_compiler
 def test_ropekit_peak_memory_is_below_hf_eager():
     pytest.importorskip("transformers")
     case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))

@@ -86,6 +86,7 @@ def test_check_reports_pass_against_its_tolerance():
     assert Check("a", 0.5, 1.0).as_dict() == {"name": "a", "max_error": 0.5, "tolerance": 1.0, "passed": True}
 
 
+@pytest.mark.c_compiler
 def test_production_backends_are_checked_in_float32_and_bfloat16_as_named_rows():
     checks = {c.name: c for c in run_checks(RopeConfig(16, rotary_dim=12), backends=["cpu", "torch"])}
     for backend in ("cpu", "torch"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from ropekit.backends.eager import fused as fused_eager
@@ -19,6 +20,7 @@ def _rows(backends, interleaved=False):
     )
 
 
+@pytest.mark.c_compiler
 def test_every_fused_row_passes_on_torch_and_cpu():
     rows = _rows(["torch", "cpu", "not-a-fused-backend"], interleaved=True)
     assert len(rows) == 2 * 5  # cache nhd / hnd, fp8 e4m3fn / e5m2, shift; a backend without kernels skipped

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ropekit.config import RopeConfig
 from ropekit.tools.verify import run_checks
 
 
+@pytest.mark.c_compiler
 def test_rows_pass_in_every_form_and_a_norm_dropping_gemmas_offset_fails_only_its_rows(monkeypatch):
     import ropekit.backends.eager.qk_norm as qk_norm
 

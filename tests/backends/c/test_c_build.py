@@ -18,14 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import apply_rotary, apply_rotary_qk_fp8, backends, qk_norm_rotary_
+from ropekit import apply_rotary, apply_rotary_qk_fp8, backends, qk_norm_rotary_, shift_cache_
 from ropekit.backends.c import build as c_build
 from ropekit.backends.c import fused as fused_cpu
 from ropekit.backends.c import qk_norm as qk_norm_cpu
 from ropekit.backends.c import rotary as cpu
-
-HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None
-needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler here")
 
 # A source that compiles in a fraction of the rotary loop's time, with one entry point to call.
 TINY = "#include <stdint.h>\nint64_t ropekit_probe(int64_t x) { return 2 * x + 1; }\n"
@@ -44,20 +41,26 @@ def _fake_compiler(tmp_path: Path, name: str, version: str, build: str = 'exec c
     return _script(tmp_path / name, banner + build.replace("cc ", f"{real} ") + "\n")
 
 
+def _refused_before_building(tmp_path: Path) -> str:
+    """A compiler that fails every build: a cache refused before the build never runs it (so no C compiler
+    is needed to test the refusal)."""
+    return _fake_compiler(tmp_path, "failcc", "failcc 1.0", build="echo failcc ran >&2; exit 1")
+
+
 def test_a_hung_compiler_times_out_with_a_runtime_error(tmp_path):
     slow = _fake_compiler(tmp_path, "slowcc", "slowcc 1.0", build="exec sleep 30")
     with pytest.raises(RuntimeError, match=r"timed out after 0.5 s"):
         c_build.build_library(TINY, "tiny", compiler=slow, cache_dir=tmp_path / "cache", timeout=0.5)
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_a_built_library_is_loaded_and_its_code_runs(tmp_path):
     lib = c_build.build_library(TINY, "tiny", cache_dir=tmp_path / "cache")
     lib.ropekit_probe.argtypes, lib.ropekit_probe.restype = [ctypes.c_int64], ctypes.c_int64
     assert lib.ropekit_probe(20) == 41
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_the_cache_directory_is_created_with_mode_0700(tmp_path):
     directory = tmp_path / "fresh" / "ropekit"
     c_build.build_library(TINY, "tiny", cache_dir=directory)
@@ -72,7 +75,7 @@ def test_a_cache_directory_writable_by_group_or_others_is_refused(tmp_path, mode
     directory.mkdir()
     directory.chmod(mode)
     with pytest.raises(RuntimeError, match=rf"refusing the kernel cache .*mode {mode:o}"):
-        c_build.build_library(TINY, "tiny", cache_dir=directory)
+        c_build.build_library(TINY, "tiny", compiler=_refused_before_building(tmp_path), cache_dir=directory)
     assert not list(directory.glob("*.so"))  # nothing built, nothing loaded
 
 
@@ -82,11 +85,11 @@ def test_a_cache_directory_owned_by_another_user_is_refused(tmp_path, monkeypatc
     real_uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
     with pytest.raises(RuntimeError, match=rf"owned by uid {real_uid}, not by this user"):
-        c_build.build_library(TINY, "tiny", cache_dir=directory)
+        c_build.build_library(TINY, "tiny", compiler=_refused_before_building(tmp_path), cache_dir=directory)
     assert not list(directory.glob("*.so"))
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_a_planted_library_writable_by_others_is_not_loaded(tmp_path):
     directory = tmp_path / "cache"
     c_build.build_library(TINY, "tiny", cache_dir=directory)
@@ -114,7 +117,7 @@ def test_the_cache_key_changes_with_the_source_and_the_flags(tmp_path):
     assert c_build.cache_key(compiler, TINY, flags=c_build.FLAGS) == key
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_another_source_is_another_cached_library(tmp_path):
     directory = tmp_path / "cache"
     c_build.build_library(TINY, "tiny", cache_dir=directory)
@@ -122,7 +125,7 @@ def test_another_source_is_another_cached_library(tmp_path):
     assert len(list(directory.glob("tiny_*.so"))) == 2
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_concurrent_builders_build_once_under_the_lock(tmp_path):
     """Four threads build the same library at once: flock locks open files, not processes, so the threads
     contend exactly as processes would. Each real build appends a line and takes a second, so two builders
@@ -156,7 +159,7 @@ def test_concurrent_builders_build_once_under_the_lock(tmp_path):
     assert len(list(directory.glob("tiny_*.so"))) == 1
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_a_file_system_without_locks_still_builds(tmp_path, monkeypatch):
     import fcntl
 
@@ -179,7 +182,7 @@ def _tiny_library() -> c_build.CLibrary:
     )
 
 
-@needs_cc
+@pytest.mark.c_compiler
 def test_a_library_is_loaded_at_first_use_and_once(tmp_path, monkeypatch):
     monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(tmp_path / "cache"))
     library = _tiny_library()
@@ -223,6 +226,7 @@ def test_an_unsafe_cache_is_the_reason_the_library_is_not_loaded(tmp_path, monke
         directory.chmod(mode)
         expected = rf"mode {mode:o} lets group or others write to it"
     monkeypatch.setenv("ROPEKIT_CACHE_DIR", str(directory))
+    monkeypatch.setenv("CC", _refused_before_building(tmp_path))
     library = _tiny_library()
     reason = library.load()
     assert reason.startswith(f"the C kernel could not be built: refusing the kernel cache {str(directory)!r}")
@@ -305,7 +309,36 @@ def test_without_a_compiler_each_public_call_names_the_reason_and_auto_uses_torc
     )
 
 
-@needs_cc
+def test_without_a_compiler_one_warning_says_why_whatever_is_called(no_compiler, caplog):
+    """README: without a C compiler "the CPU path says so once". Every op, under auto and naming "cpu", and
+    the registered ops, which reach the fused and QK-norm kernels without the rotary one: one warning line in
+    all, naming the missing compiler (the other kernels' same reason goes to DEBUG)."""
+    cos, sin = _tables(4)
+    x = torch.randn(1, 3, 2, 8)  # (batch, seq, heads, head_dim)
+    cache = torch.randn(4, 2, 8)  # (slots, heads, head_dim): the flat layout
+    qkv = torch.randn(1, 3, 4 * 8)  # (batch, seq, (2 q + 1 k + 1 v heads) * head_dim)
+    # the op's schema: positions, offset, q and kv heads, head_dim, eps, weight offset, and three flags
+    norm = (None, 0, 2, 1, 8, 1e-6, 0.0, False, True, False)
+    with caplog.at_level(logging.DEBUG, logger="ropekit.backends"):
+        for _ in range(2):
+            apply_rotary(x, cos, sin)
+            shift_cache_(cache, cos, sin, 3, cache_layout="flat")
+            for call in (
+                lambda: apply_rotary(x, cos, sin, backend="cpu"),
+                lambda: shift_cache_(cache, cos, sin, 3, cache_layout="flat", backend="cpu"),
+                lambda: torch.ops.ropekit.shift_cache_(cache, cos, sin, 3, "flat", None, False, "cpu"),
+                lambda: torch.ops.ropekit.qk_norm_rotary_(qkv, *torch.ones(2, 8), cos, sin, *norm, "cpu"),
+            ):
+                with pytest.raises(ValueError, match=r"the C kernel could not be built: no C compiler found"):
+                    call()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("ropekit: the CPU fast path is unavailable, using torch: no C compiler")
+    for module in (cpu, fused_cpu, qk_norm_cpu):  # each kernel was asked, and each knows why it is not loaded
+        assert module._LIBRARY.reason is not None
+
+
+@pytest.mark.c_compiler
 def test_a_fused_loop_that_cannot_be_built_is_named_once_in_the_error(tmp_path, monkeypatch):
     """The rotary loop loads, the fused one does not: the fused op's error says so once (it used to repeat
     "backend: 'cpu' cannot serve the fused op: " when its reason already held it)."""

@@ -37,6 +37,7 @@ __all__ = [
     "build_library",
     "cache_key",
     "default_cache_dir",
+    "find_compiler",
 ]
 
 log = logging.getLogger("ropekit.backends")
@@ -102,6 +103,17 @@ def default_cache_dir() -> Path:
     ``~/.cache/ropekit`` (read at each build, so a test or a process can point it elsewhere)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ropekit"
     return Path(os.environ.get("ROPEKIT_CACHE_DIR", default))
+
+
+def find_compiler(compiler: str | None = None) -> str | None:
+    """The C compiler's path: ``compiler``, else ``$CC``, else ``cc``, looked up on ``PATH``; None if none is
+    found (the C kernels then stay unloaded and ``backend="auto"`` uses torch). The test suite's
+    ``c_compiler`` marker asks the same question."""
+    return shutil.which(_compiler_name(compiler))
+
+
+def _compiler_name(compiler: str | None) -> str:
+    return compiler or os.environ.get("CC") or "cc"
 
 
 def check_private(path: Path) -> None:
@@ -209,8 +221,8 @@ def build_library(
         RuntimeError: if no compiler is found, the build fails or times out, or the cache directory or a
             cached library is not private to this user; the message says which and why.
     """
-    compiler = compiler or os.environ.get("CC") or "cc"
-    path = shutil.which(compiler)
+    compiler = _compiler_name(compiler)
+    path = find_compiler(compiler)
     if path is None:
         raise RuntimeError(f"no C compiler found (looked for {compiler!r}; install gcc or set CC)")
     directory = private_dir(Path(cache_dir) if cache_dir is not None else default_cache_dir())
@@ -237,6 +249,10 @@ def _compile(path: str, target: Path, timeout: float, source: str, flags: tuple[
             raise RuntimeError(f"building the CPU kernel with {path} failed: {err}")
         os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: a reader never sees half a file
+
+
+# Why a C kernel could not be built, each reason as warned: a second kernel failing alike is logged at DEBUG.
+_REASONS_LOGGED: set[str] = set()
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,7 +290,10 @@ class CLibrary:
                 lib = build_library(self.source, self.stem)
             except (RuntimeError, OSError) as err:
                 self.reason = f"the C kernel could not be built: {err}"
-                log.warning("ropekit: %s is unavailable, using torch: %s", self.description, err)
+                # Said once a process: with no compiler every C kernel fails alike, and one line says why.
+                level = logging.DEBUG if self.reason in _REASONS_LOGGED else logging.WARNING
+                _REASONS_LOGGED.add(self.reason)
+                log.log(level, "ropekit: %s is unavailable, using torch: %s", self.description, err)
                 return self.reason
             for key, name in self.entries.items():
                 function = getattr(lib, name)
