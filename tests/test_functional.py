@@ -601,7 +601,7 @@ def test_a_steady_positions_decode_step_makes_as_many_ropekit_calls_as_an_int_of
 
 
 @pytest.mark.parametrize("index", ["cu_seqlens", "offsets"])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", CPU])
 def test_in_place_with_cu_seqlens_or_offsets_inside_the_input_is_refused_as_plans_decline_it(backend, index):
     """Issue 39: cu_seqlens (or per-sequence offsets) lying in q's memory, rotated in place, was accepted on
     the checked path while the launch plan declines it (a kernel reading them as it writes q): the memory
