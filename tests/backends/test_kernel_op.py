@@ -333,6 +333,7 @@ def test_a_registered_in_place_op_refuses_what_pytorch_refuses_before_writing(op
     assert torch.equal(written.detach(), values)
 
 
+@pytest.mark.c_compiler  # the ops are called with backend 'cpu'
 @pytest.mark.parametrize("op_name", IN_PLACE_OPS)
 def test_a_registered_in_place_op_writes_a_leaf_under_no_grad_as_pytorch_does(op_name):
     """The refusal follows the caller's grad mode, as PyTorch's: under no_grad a leaf may be written."""

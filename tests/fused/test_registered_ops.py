@@ -404,6 +404,7 @@ def test_the_registered_cache_op_refuses_a_scale_for_a_cache_that_is_not_fp8_and
         _fp8_cache_call(scales["k_scale"], scales["v_scale"])
 
 
+@pytest.mark.c_compiler  # the ops are called with backend 'cpu'
 @pytest.mark.parametrize("op", ["rotary_qk_and_cache", "rotary_qk_and_cache_", "rotary_qk_fp8"])
 def test_the_registered_serving_ops_are_inference_only_as_their_functions(op):
     """A source that requires grad (grad mode on) is refused before anything is written, as the function
