@@ -24,6 +24,7 @@ __all__ = [
     "pair_ulps",
     "reference_rows",
     "run_framework_checks",
+    "tables_row",
     "torch_path",
 ]
 
@@ -60,6 +61,23 @@ def run_framework_checks(
             f"missing): pip install 'ropekit[{framework}]'"
         )
     return run_checks(config, seed=seed, backends=[]) + rows(config, np.random.default_rng(seed))
+
+
+def tables_row(
+    framework: str,
+    cos_sin: Callable[[RopeConfig, int], tuple[object, object]],
+    config: RopeConfig,
+    rng: np.random.Generator,
+    n_positions: int,
+    max_position: int,
+) -> tuple[np.ndarray, tuple[object, object], tuple[torch.Tensor, torch.Tensor], Check]:
+    """The positions the rows rotate at (n_positions drawn from [0, max_position)), the framework's tables
+    ``cos_sin(config, length)`` and torch's for them, and the row saying the two are equal bit for bit."""
+    positions = rng.integers(0, max_position, size=n_positions)
+    length = int(positions.max()) + 1
+    tables, torch_tables = cos_sin(config, length), config.cos_sin(length)
+    row = bit_row(f"{framework}: cos_sin = RopeConfig.cos_sin (torch), bit for bit", tables, torch_tables)
+    return positions, tables, torch_tables, row
 
 
 def reference_rows(

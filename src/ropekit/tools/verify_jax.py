@@ -16,6 +16,7 @@ from ropekit.tools.verify_framework import (
     pair_ulps,
     reference_rows,
     run_framework_checks,
+    tables_row,
     torch_path,
 )
 
@@ -50,13 +51,10 @@ def jax_checks(
 
     rows = []
     theta = ref.inv_freq(config.rotary_dim, config.base)
-    positions = rng.integers(0, max_position, size=n_positions)
-    length = int(positions.max()) + 1
-    cos, sin = rj.cos_sin(config, length)
-    torch_cos, torch_sin = config.cos_sin(length)
-    rows.append(
-        bit_row("jax: cos_sin = RopeConfig.cos_sin (torch), bit for bit", (cos, sin), (torch_cos, torch_sin))
+    positions, (cos, sin), (torch_cos, torch_sin), row = tables_row(
+        "jax", rj.cos_sin, config, rng, n_positions, max_position
     )
+    rows.append(row)
 
     x = rng.standard_normal((1, n_positions, 3, config.head_dim))  # (batch, seq, heads, head_dim)
     pos = jnp.asarray(positions.reshape(1, n_positions))  # (batch, seq)

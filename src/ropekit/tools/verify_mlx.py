@@ -15,6 +15,7 @@ from ropekit.tools.verify_framework import (
     far_position_row,
     reference_rows,
     run_framework_checks,
+    tables_row,
     torch_path,
 )
 from ropekit.validation import check_int
@@ -69,13 +70,11 @@ def mlx_checks(
         return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
     rows = []
-    positions = rng.integers(0, max_position, size=n_positions)
-    length = int(positions.max()) + 1
-    cos, sin = rm.cos_sin(config, length)
-    torch_cos, torch_sin = config.cos_sin(length)
-    rows.append(
-        bit_row("mlx: cos_sin = RopeConfig.cos_sin (torch), bit for bit", (cos, sin), (torch_cos, torch_sin))
+    positions, (cos, sin), (torch_cos, torch_sin), row = tables_row(
+        "mlx", rm.cos_sin, config, rng, n_positions, max_position
     )
+    rows.append(row)
+    length = int(positions.max()) + 1
 
     x = rng.standard_normal((1, n_positions, HEADS, config.head_dim))  # (B, T, H, D)
     pos = positions.reshape(1, n_positions)  # (B, T)
