@@ -160,3 +160,37 @@ def test_framework_jax_runs_the_theorem_checks_and_the_jax_rows(capsys):
     assert "backend torch" not in out and out.rstrip().endswith("passed, 0 failed")
     assert main(["verify", "--framework", "jax", "--backends", "torch"]) == 2
     assert "framework: --backends and --compile-only pick torch backends" in capsys.readouterr().err
+
+
+def test_framework_mlx_runs_the_theorem_checks_and_the_mlx_rows(capsys):
+    pytest.importorskip("mlx.core", reason="ropekit.mlx needs the mlx extra: pip install 'ropekit[mlx]'")
+    assert main(["verify", "--framework", "mlx", "--head-dim", "32", "--rotary-dim", "24", "--json"]) == 0
+    names = [c["name"] for c in json.loads(capsys.readouterr().out)["checks"]]
+    assert "R_m^T R_n = R_(n-m)" in names
+    assert "mlx: layouts bthd and bhtd (T=8, H=3) = torch backend, bit for bit" in names
+    assert "mlx: partial rotary (last 24 of 32) = torch backend, bit for bit" in names
+    assert not any(n.startswith(("backend ", "jax: ")) for n in names)
+    assert main(["verify", "--framework", "mlx", "--interleaved"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "pairing=interleaved" in out
+        and "mlx: position 2^24" in out
+        and out.rstrip().endswith("passed, 0 failed")
+    )
+    assert main(["verify", "--framework", "mlx", "--compile-only"]) == 2
+    err = capsys.readouterr().err
+    assert "framework: --backends and --compile-only pick torch backends; drop them for 'mlx'" in err
+
+
+def test_framework_mlx_without_mlx_names_the_extra(capsys, monkeypatch):
+    from ropekit.tools import verify_framework
+
+    real = verify_framework.importlib.util.find_spec
+    monkeypatch.setattr(
+        verify_framework.importlib.util, "find_spec", lambda n: None if n == "mlx" else real(n)
+    )
+    assert main(["verify", "--framework", "mlx"]) == 2
+    assert (
+        "framework: 'mlx' needs mlx installed (mlx missing): pip install 'ropekit[mlx]'"
+        in capsys.readouterr().err
+    )

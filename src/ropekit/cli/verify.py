@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from ropekit.tools.verify import Check
 
 
+# --framework NAME: the module and function that give its rows (the theorem checks, then the framework's)
+FRAMEWORKS = {
+    "jax": ("ropekit.tools.verify_jax", "run_jax_checks"),
+    "mlx": ("ropekit.tools.verify_mlx", "run_mlx_checks"),
+}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="numerically verify RoPE's properties and the textbook examples")
     p.add_argument("--head-dim", type=int, default=128, help="head width (default 128)")
@@ -32,9 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "instead of running them (no GPU needed)",
     )  # fmt: skip
     p.add_argument(
-        "--framework", choices=("torch", "jax"), default="torch",
-        help="where the backend rows run: torch (the backends above, default) or jax (ropekit.jax, needs the "
-        "[jax] extra: its rows replace the torch backends)",
+        "--framework", choices=("torch", *FRAMEWORKS), default="torch",
+        help="where the backend rows run: torch (the backends above, default), jax (ropekit.jax, needs the "
+        "[jax] extra) or mlx (ropekit.mlx, needs the [mlx] extra); jax's or mlx's rows replace the torch "
+        "backends",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
@@ -76,14 +84,16 @@ def run(args: argparse.Namespace) -> int:
     from ropekit.tools.verify import run_checks, triton_compile_checks, triton_mode
 
     config = RopeConfig(args.head_dim, args.base, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
-    if args.framework == "jax":
+    if args.framework in FRAMEWORKS:
         if args.backends or args.compile_only:
             raise ValueError(
-                "framework: --backends and --compile-only pick torch backends; drop them for 'jax'"
+                "framework: --backends and --compile-only pick torch backends; drop them for "
+                f"{args.framework!r}"
             )
-        from ropekit.tools.verify_jax import run_jax_checks
+        import importlib
 
-        return _print(run_jax_checks(config), args.json, config, None)
+        module, function = FRAMEWORKS[args.framework]
+        return _print(getattr(importlib.import_module(module), function)(config), args.json, config, None)
     triton = bool(args.backends) and "triton" in args.backends
     if args.compile_only and not triton:
         raise ValueError("compile_only: expected --backends to include 'triton', the kernel it compiles")

@@ -8,13 +8,20 @@ import torch
 
 from ropekit import reference as ref
 from ropekit.config import RopeConfig
-from ropekit.functional import apply_rotary as torch_apply_rotary
-from ropekit.tools.verify import Check, backend_error_bound, run_checks
+from ropekit.tools.verify import Check, backend_error_bound
+from ropekit.tools.verify_framework import (
+    FAR_POSITION,
+    bit_row,
+    far_position_row,
+    pair_ulps,
+    reference_rows,
+    run_framework_checks,
+    tables_row,
+    torch_path,
+)
 
 __all__ = ["FAR_POSITION", "jax_checks", "run_jax_checks"]
 
-# The far position the precision row rotates at (docs/jax.md's table): float32 angles are O(1) off there.
-FAR_POSITION = 1 << 24
 # Steps of a jitted decode loop whose offsets change each step: it must trace once.
 STEPS = 4
 DTYPES = ("float32", "bfloat16")
@@ -25,13 +32,10 @@ def run_jax_checks(config: RopeConfig, *, seed: int = 0) -> list[Check]:
     (float64, no torch backend rows), then :func:`jax_checks`.
 
     Raises:
-        ValueError: naming the framework, where jax or flax is not installed.
+        ValueError: naming the framework, where jax or flax is not installed (or the config, where it is not
+            a RopeConfig).
     """
-    import importlib.util
-
-    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None:
-        raise ValueError("framework: 'jax' needs jax and flax installed: pip install 'ropekit[jax]'")
-    return run_checks(config, seed=seed, backends=[]) + jax_checks(config, np.random.default_rng(seed))
+    return run_framework_checks(config, "jax", ("jax", "flax"), jax_checks, seed=seed)
 
 
 def jax_checks(
@@ -47,52 +51,34 @@ def jax_checks(
 
     rows = []
     theta = ref.inv_freq(config.rotary_dim, config.base)
-    positions = rng.integers(0, max_position, size=n_positions)
-    length = int(positions.max()) + 1
-    cos, sin = rj.cos_sin(config, length)
-    torch_cos, torch_sin = config.cos_sin(length)
-    table_error = max(
-        float(np.abs(np.asarray(cos) - torch_cos.numpy()).max()),
-        float(np.abs(np.asarray(sin) - torch_sin.numpy()).max()),
+    positions, (cos, sin), (torch_cos, torch_sin), row = tables_row(
+        "jax", rj.cos_sin, config, rng, n_positions, max_position
     )
-    rows.append(check("jax: cos_sin = RopeConfig.cos_sin (torch), bit for bit", table_error, 0.0))
+    rows.append(row)
 
     x = rng.standard_normal((1, n_positions, 3, config.head_dim))  # (batch, seq, heads, head_dim)
     pos = jnp.asarray(positions.reshape(1, n_positions))  # (batch, seq)
     # a function of its own each run: jit's cache never serves a trace of another run's ropekit.jax
     rotate_jit = jax.jit(lambda *a, **kw: rj.apply_rotary(*a, **kw), static_argnames=("interleaved",))
-    for dtype_name in DTYPES:
-        stored = jnp.asarray(x, jnp.float32).astype(dtype_name)
-        exact_in = np.asarray(stored.astype(jnp.float32), np.float64)
-        scale = float(np.abs(exact_in).max())
-        torch_dtype = getattr(torch, dtype_name)
-        for interleaved, layout in ((False, "half"), (True, "interleaved")):
-            rotate = ref.rotate_interleaved if interleaved else ref.rotate_half
-            want = rotate(exact_in, positions[None, :, None], theta)
-            got = rotate_jit(stored, cos, sin, positions=pos, interleaved=interleaved)
-            got = np.asarray(got.astype(jnp.float32), np.float64)
-            error = np.abs(got - want) / bound(want, torch_dtype, scale)
-            rows.append(
-                check(f"jax: apply_rotary jit {dtype_name} ({layout}) = float64 reference (error / bound)",
-                      float(error.max()), 1.0)
-            )  # fmt: skip
+
+    def rotate(x64, dtype_name, interleaved):
+        stored = jnp.asarray(x64, jnp.float32).astype(dtype_name)
+        got = rotate_jit(stored, cos, sin, positions=pos, interleaved=interleaved)
+        stored, got = stored.astype(jnp.float32), got.astype(jnp.float32)
+        return np.asarray(stored, np.float64), np.asarray(got, np.float64)
+
+    rows += reference_rows(
+        "jax: apply_rotary jit {dtype} ({pairing}) = float64 reference (error / bound)",
+        x, positions, config, DTYPES, rotate,
+    )  # fmt: skip
     x32 = np.asarray(x, np.float32)
     eager = np.asarray(rj.apply_rotary(jnp.asarray(x32), cos, sin, positions=pos))
-    torch_out = torch_apply_rotary(
-        torch.from_numpy(x32), torch_cos, torch_sin, positions=torch.from_numpy(positions.reshape(1, -1)),
-        backend="torch",
-    ).numpy()  # fmt: skip
-    rows.append(
-        check(
-            "jax: apply_rotary eager float32 = torch backend, bit for bit",
-            float(np.abs(eager - torch_out).max()),
-            0.0,
-        )
-    )
+    torch_out = torch_path(x32, torch_cos, torch_sin, positions.reshape(1, -1))
+    rows.append(bit_row("jax: apply_rotary eager float32 = torch backend, bit for bit", [eager], [torch_out]))
     compiled = np.asarray(rotate_jit(jnp.asarray(x32), cos, sin, positions=pos))
     rows.append(
         check("jax: apply_rotary jit float32 vs torch backend (ulps of the pair's magnitude)",
-              _pair_ulps(compiled, torch_out, x32, config), 1.0)
+              pair_ulps(compiled, torch_out, x32, config), 1.0)
     )  # fmt: skip
 
     # Backward is the inverse rotation.
@@ -119,23 +105,10 @@ def jax_checks(
 
     # Far out: the module's composed rows at 2^24, unit vectors, vs the float64 reference.
     rope = rj.RotaryEmbedding(config, max_len=16)
-    unit = x32[:, :, :1] / np.linalg.norm(x32[:, :, :1], axis=-1, keepdims=True)
-    far = FAR_POSITION + np.arange(n_positions)
-    rotate = ref.rotate_interleaved if config.interleaved else ref.rotate_half
-    exact = rotate(unit.astype(np.float64), far[None, :, None], theta)
-    got = np.asarray(rope(jnp.asarray(unit), positions=jnp.asarray(far[None, :], jnp.int32)))
     rows.append(
-        check("jax: position 2^24, float32 = float64 reference (norm of the error, unit vectors)",
-              float(np.linalg.norm(got - exact, axis=-1).max()), 1e-6)
+        far_position_row(
+            "jax: position 2^24, float32 = float64 reference (norm of the error, unit vectors)", x, config,
+            lambda unit, far: rope(jnp.asarray(unit), positions=jnp.asarray(far, jnp.int32)),
+        )
     )  # fmt: skip
     return rows
-
-
-def _pair_ulps(got: np.ndarray, want: np.ndarray, x: np.ndarray, config: RopeConfig) -> float:
-    """The largest |got - want| in float32 ulps of each pair's magnitude sqrt(a^2 + b^2) (half pairing)."""
-    half = config.rotary_dim // 2
-    a, b = x[..., :half].astype(np.float64), x[..., half : 2 * half].astype(np.float64)
-    norm = np.sqrt(a * a + b * b).astype(np.float32)
-    ulp = np.spacing(np.concatenate([norm, norm], -1))
-    rot = slice(0, 2 * half)
-    return float((np.abs(got[..., rot] - want[..., rot]) / ulp).max())
