@@ -55,6 +55,7 @@ REFUSED = frozenset(
     {
         "hrm_text", "nanochat",
         "zamba", "blt", "clvp",
+        "ergo", "hy_v4", "pi05",  # transformers 5.25: refused (hf_config.UNDESCRIBED_MODEL_TYPES)
     }
 )  # fmt: skip
 # Model types whose layers differ from model_rope in a way it does not describe.
