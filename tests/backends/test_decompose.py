@@ -295,3 +295,13 @@ def test_mrope_positions_lower_bit_for_bit():
     with torch.no_grad():
         ep = lowered(model, (q, k, positions))
         _same(ep.module()(q, k, positions), model(q, k, positions))
+
+
+@pytest.mark.c_compiler
+def test_inductor_compiles_the_c_op_that_has_an_export_decomposition():
+    """Inductor collects composite kernels as decompositions and refused its fallback to the op ("both a
+    fallback and a decomp for same op"): torch.compile's default backend keeps the C kernel, as eager."""
+    cos, sin = ropekit.RopeConfig(16).cos_sin(32)
+    q = torch.randn(2, 8, 3, 16)
+    compiled = torch.compile(lambda x: ropekit.apply_rotary(x, cos, sin, backend="cpu"), fullgraph=True)
+    assert torch.equal(compiled(q), ropekit.apply_rotary(q, cos, sin, backend="cpu"))

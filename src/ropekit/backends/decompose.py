@@ -23,6 +23,8 @@ device-side assert on CUDA); the exported program trusts its positions as the mo
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ropekit.backends.eager.rotary import rotate
@@ -52,8 +54,22 @@ def _export_only(*args, **kwargs):
     (keep the op) otherwise, so that torch.compile, which decomposes every op with a composite kernel and
     no backend kernel of its own, keeps the kernel op."""
     if not torch.compiler.is_exporting():
+        _keep_in_inductor()
         return NotImplemented
     return rotary_decomposition(*args, **kwargs)
+
+
+def _keep_in_inductor() -> None:
+    """Inductor collects every composite kernel into its decomposition table, then refuses to fall back to
+    an op it holds a decomposition for ("both a fallback and a decomp"). When this kernel declines under
+    torch.compile, inductor is already imported: give each op its fallback lowering (the kernel itself)."""
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if lowering is None:
+        return
+    for name in DECOMPOSED_OPS:
+        op = getattr(torch.ops.ropekit, name).default
+        if op not in lowering.lowerings:
+            lowering.make_fallback(op, override_decomp=True)
 
 
 for _name in DECOMPOSED_OPS:
