@@ -331,7 +331,9 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
     calls: dict = {}
     with _recording_attention(model, observed), torch.no_grad():
         for _, layer, functions in candidates:
-            recorders = {n: hf._recorder(calls, (id(layer), n), hf._plain(f)) for n, f in functions.items()}
+            recorders = {
+                n: hf._recorder(calls, (id(layer), n), hf.model_function(f)) for n, f in functions.items()
+            }
             hf._replace_functions(layer, functions, recorders)
         try:
             model(**model.__dict__[INPUTS_ATTR])
@@ -345,7 +347,7 @@ def observe(model: torch.nn.Module) -> dict[int, Observed]:
         for fn_name, fn in functions.items():
             call = calls.get((id(layer), fn_name))
             if call is not None:
-                observed.setdefault(index, Observed()).rotations.append((name, hf._plain(fn), call))
+                observed.setdefault(index, Observed()).rotations.append((name, hf.model_function(fn), call))
     return observed
 
 

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_
 
 from ropekit import RopeConfig
 from ropekit.compat.hf import ROPE_INIT_FUNCTIONS, apply_rotary_pos_emb, rope_config_validation
-from ropekit.integrations.hf_probe import kernel_function
+from ropekit.integrations.hf_probe import model_function
 
 from .conftest import as_table, force_backend, llama_tables, signature_of, spy_cpu_kernel
 
@@ -143,7 +143,7 @@ def test_errors_name_the_argument_and_the_expected_shape():
 
 def test_signature_is_transformers():
     # transformers >= 5.25 (with kernels): HF's name holds a kernels function module around the function
-    hf_function = kernel_function(hf_apply_rotary_pos_emb) or hf_apply_rotary_pos_emb
+    hf_function = model_function(hf_apply_rotary_pos_emb)
     assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_function), ("backend", "auto")]
 
 

@@ -103,7 +103,7 @@ def forbid_hf_rotary(monkeypatch, model):
 
     module = sys.modules[type(model).__module__]
     held = module.apply_rotary_pos_emb  # transformers >= 5.25: a kernels function module around it
-    monkeypatch.setattr(hf_probe.kernel_function(held) or held, "__code__", fail.__code__)
+    monkeypatch.setattr(hf_probe.model_function(held), "__code__", fail.__code__)
 
 
 def inputs():
@@ -254,9 +254,7 @@ def test_patched_layer_reads_the_models_table_in_place(monkeypatch):
     assert seen and seen[0].untyped_storage().data_ptr() == cos.untyped_storage().data_ptr()
     mod = sys.modules[type(model).__module__]
     torch.testing.assert_close(got_q, mod.apply_rotary_pos_emb(q, k, cos, sin)[0], atol=1e-6, rtol=0)
-    assert rotate.__wrapped_model_function__ is (
-        hf_probe.kernel_function(mod.apply_rotary_pos_emb) or mod.apply_rotary_pos_emb
-    )
+    assert rotate.__wrapped_model_function__ is (hf_probe.model_function(mod.apply_rotary_pos_emb))
 
 
 EXTENSIONS = [

@@ -51,6 +51,7 @@ from ropekit.integrations.hf_probe import (
     Signature,
     find_convention,
     kernel_function,
+    model_function,
     rotation_function,
     stand_in,
 )
@@ -120,18 +121,14 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 def _rotation_globals(layer: nn.Module) -> dict[str, Any]:
     """The RoPE functions (by global name) that the layer's forward calls, as the module globals hold them:
-    plain functions, or ``kernels`` function modules (transformers >= 5.25; read with :func:`_plain`)."""
+    plain functions, or ``kernels`` function modules (transformers >= 5.25; read with
+    :func:`hf_probe.model_function`)."""
     forward = _unwrap(type(layer).forward)
     code = getattr(forward, "__code__", None)
     if code is None:
         return {}
     scope = forward.__globals__
     return {n: scope[n] for n in sorted(_code_names(code)) if rotation_function(n, scope.get(n))}
-
-
-def _plain(fn: Any) -> Any:
-    """The model's own rotation function behind a global: itself, or the one a kernels module wraps."""
-    return kernel_function(fn) or fn
 
 
 def _kernel_door(layer: nn.Module, fn: Any) -> nn.Module | None:
@@ -302,7 +299,7 @@ def _record_calls(
     rotary_calls: dict[int, list[hf_tables.RotaryCall]] = {}
     try:
         for _, layer, functions in candidates:
-            recorders = {n: _recorder(calls, (id(layer), n), _plain(f)) for n, f in functions.items()}
+            recorders = {n: _recorder(calls, (id(layer), n), model_function(f)) for n, f in functions.items()}
             _replace_functions(layer, functions, recorders)
         hf_tables.record_rotary(rotaries, rotary_calls)
         _probe_forward(model)
@@ -449,7 +446,7 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
     for layer_name, layer, functions in candidates:
         conventions, stand_ins, reasons, tables = {}, {}, [], []
         for name, held in functions.items():
-            fn = _plain(held)
+            fn = model_function(held)
             call = calls.get((id(layer), name))
             if call is None:
                 continue  # not called: a NoPE layer or a branch the text forward does not take

@@ -38,6 +38,7 @@ __all__ = [
     "Signature",
     "find_convention",
     "kernel_function",
+    "model_function",
     "rotation_function",
     "stand_in",
 ]
@@ -179,13 +180,18 @@ def kernel_function(obj: Any) -> Callable | None:
     return functions[0] if len(functions) == 1 else None
 
 
+def model_function(obj: Any) -> Any:
+    """The model's own function behind a global: the one a kernels module wraps, else the global itself."""
+    return kernel_function(obj) or obj
+
+
 def rotation_function(name: str, fn: Any) -> bool:
     """Whether a global that an attention forward calls looks like a RoPE rotation (checked by probing).
 
     The global's name or the function's own name must read apply_*rotary* / apply_*rope*. A ``kernels``
     function module (:func:`kernel_function`) is read through the function it wraps.
     """
-    fn = kernel_function(fn) or fn
+    fn = model_function(fn)
     if not inspect.isfunction(fn):
         return False
     return any(
