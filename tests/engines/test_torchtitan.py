@@ -25,7 +25,13 @@ from torchtitan.models.llama3 import model_registry as llama3_registry
 from torchtitan.models.qwen3 import model_registry as qwen3_registry
 
 from gloo_ranks import run_ranks
-from ropekit.integrations.torchtitan import RopekitComplexRoPE, RopekitCosSinRoPE, rope
+from ropekit.integrations.torchtitan import (
+    RopekitComplexRoPE,
+    RopekitCosSinRoPE,
+    TorchtitanRopeError,
+    context_length,
+    rope,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -110,6 +116,61 @@ def test_outputs_and_gradients_equal_the_stock_module(kind, scaling, form):
     for name, w, g in zip(("q_out", "k_out", "q.grad", "k.grad"), want, got, strict=True):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=name)
     assert not torch.equal(got[0], q)  # it rotated
+
+
+@pytest.mark.parametrize("kind", list(STOCK))
+@pytest.mark.parametrize("form", ["(B, S, H, D)", "(T, H, D)"])
+def test_positions_past_the_cache_raise_what_torchtitan_raises_and_what_ropekit_raises(kind, form):
+    """torchtitan's contract (its own RoPE tests: ``assertRaises(RuntimeError)`` for positions past the
+    cache) holds inside torchtitan, and ropekit's (a ValueError naming positions) for ropekit's callers."""
+    stock, ours = pair(kind, "none")
+    shape = (1, 4, HEADS, DIM) if form == "(B, S, H, D)" else (4, HEADS, DIM)
+    q = k = torch.randn(shape)
+    positions = torch.tensor([0, 1, MAX_SEQ, MAX_SEQ + 1])
+    positions = positions[None] if form == "(B, S, H, D)" else positions
+    if form == "(B, S, H, D)":
+        with pytest.raises(RuntimeError):  # the stock module, as torchtitan's own test asks
+            stock(q, k, positions)
+    with pytest.raises(RuntimeError) as raised:
+        ours(q, k, positions)
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, TorchtitanRopeError)
+    assert "positions" in str(raised.value) and str(MAX_SEQ) in str(raised.value)
+    with pytest.raises(ValueError, match="positions: expected"):  # (tokens,) only, for a packed query
+        ours(torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), torch.arange(4)[None].expand(2, 4))
+
+
+@pytest.mark.parametrize("kind", list(STOCK))
+@pytest.mark.parametrize("form", ["None", "(T,)"])
+def test_packed_tokens_heads_dim_form_is_the_batch_of_one(kind, form):
+    """torchtitan's main branch after 0.3 passes q and k packed, (tokens, heads, dim), with positions
+    (tokens,): the rotation of the batch of one that 0.3's stock module computes, gradients included."""
+    torch.manual_seed(1)
+    stock, ours = pair(kind, "yarn truncate")
+    q, k = torch.randn(SEQ, HEADS, DIM), torch.randn(SEQ, KV_HEADS, DIM)
+    grads = (torch.randn_like(q), torch.randn_like(k))
+    positions = None if form == "None" else torch.randint(0, MAX_SEQ, (SEQ,))
+    q_in, k_in = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got = ours(q_in, k_in, positions)
+    torch.autograd.backward(got, grads)
+    q4, k4 = q[None].clone().requires_grad_(), k[None].clone().requires_grad_()
+    want = stock(q4, k4, None if positions is None else positions[None])
+    torch.autograd.backward(want, tuple(g[None] for g in grads))
+    assert got[0].shape == q.shape and got[1].shape == k.shape
+    pairs = zip((*got, q_in.grad, k_in.grad), (want[0][0], want[1][0], q4.grad[0], k4.grad[0]), strict=True)
+    for g, w in pairs:
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+
+
+def test_the_cache_length_is_read_from_either_field_name():
+    """0.3's ``max_seq_len`` and its main branch's ``max_context_length``."""
+    assert context_length(config_of("ComplexRoPE", "none")) == MAX_SEQ
+
+    class Renamed:
+        max_context_length = 48
+
+    assert context_length(Renamed()) == 48
+    with pytest.raises(ValueError, match="max_context_length"):
+        context_length(object())
 
 
 def test_cos_sin_rope_with_llama_scaling_is_the_complex_ropes_rotation_in_halves():

@@ -16,9 +16,15 @@ What changes, and what does not:
   softmax scale), with float64 angles, and stores them in the stock cache format, so ``module.cache``,
   its sharding declaration and its re-initialisation (``init_states``) are untouched. ``CosSinRoPE`` with
   ``"llama"`` scaling, which torchtitan refuses, is served.
-* ``forward(query, key, positions)`` rotates through :func:`ropekit.apply_rotary_qk`: positions None
-  (rows 0 .. seq-1), ``(1, seq)`` (shared by the batch) or ``(batch, seq)``; out of place, in float32,
-  returning q's and k's dtypes; gradients by the conjugate rotation.
+* ``forward(query, key, positions)`` rotates through :func:`ropekit.apply_rotary_qk`: q and k
+  ``(batch, seq, heads, dim)`` with positions None (rows 0 .. seq-1), ``(1, seq)`` (shared by the batch) or
+  ``(batch, seq)``; or, as torchtitan's main branch after 0.3 passes them, packed ``(tokens, heads, dim)``
+  with positions None or ``(tokens,)``. Out of place, in float32, returning q's and k's dtypes; gradients by
+  the conjugate rotation.
+* Errors keep torchtitan's contract inside torchtitan: what ropekit refuses (a position past the cache, a
+  shape) is a :class:`TorchtitanRopeError`, both the ``RuntimeError`` torchtitan's modules raise and the
+  ``ValueError`` ropekit's own callers catch.
+* The config's length is ``max_seq_len`` (0.3) or ``max_context_length`` (its main branch after 0.3).
 * DTensors as in the stock modules: plain positions with a DTensor query are this rank's rows
   (torchtitan's convention: ``DTensor.from_local`` on q's mesh, sharded alongside q), DTensor positions are
   used as they are, and the tables are replicated, never sharded (:mod:`ropekit.integrations.dtensor`).
@@ -46,9 +52,25 @@ from ropekit.functional import apply_rotary_qk
 __all__ = [
     "RopekitComplexRoPE",
     "RopekitCosSinRoPE",
+    "TorchtitanRopeError",
     "rope",
     "rope_config",
 ]
+
+
+class TorchtitanRopeError(ValueError, RuntimeError):
+    """What the override refuses, raised as torchtitan's modules raise (``RuntimeError``: their bounds
+    check is ``torch._assert_async``) and as ropekit raises (``ValueError``, naming the argument)."""
+
+
+def context_length(cfg: RoPE.Config) -> int:
+    """The config's cache length: ``max_seq_len`` in torchtitan 0.3, ``max_context_length`` after it."""
+    for name in ("max_seq_len", "max_context_length"):
+        if hasattr(cfg, name):
+            return getattr(cfg, name)
+    raise ValueError(
+        f"cfg: expected a torchtitan RoPE config with max_seq_len or max_context_length, got {cfg!r}"
+    )
 
 
 def rope_config(cfg: ComplexRoPE.Config | CosSinRoPE.Config, *, interleaved: bool) -> RopeConfig:
@@ -85,7 +107,7 @@ def rope_config(cfg: ComplexRoPE.Config | CosSinRoPE.Config, *, interleaved: boo
 
 def _tables(module) -> tuple[torch.Tensor, torch.Tensor]:
     """ropekit's float32 cos and sin, (max_seq_len, dim / 2), on the current default device."""
-    return rope_config(module.config, interleaved=module.interleaved).cos_sin(module.config.max_seq_len)
+    return rope_config(module.config, interleaved=module.interleaved).cos_sin(context_length(module.config))
 
 
 def _local_cache(cache: torch.Tensor) -> torch.Tensor:
@@ -93,7 +115,7 @@ def _local_cache(cache: torch.Tensor) -> torch.Tensor:
     if not isinstance(cache, DTensor):
         return cache
     if any(type(p) is not Replicate for p in cache.placements):
-        raise ValueError(
+        raise TorchtitanRopeError(
             f"cache: expected a replicated RoPE cache (every rank may read any row), got placements "
             f"{tuple(cache.placements)}"
         )
@@ -101,6 +123,35 @@ def _local_cache(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(module, query, key, cos, sin, positions):
+    """The module's rotation with torchtitan's error contract (:class:`TorchtitanRopeError`)."""
+    try:
+        if query.dim() == 3:
+            return _rotate_packed(module, query, key, cos, sin, positions)
+        return _rotate_batched(module, query, key, cos, sin, positions)
+    except TorchtitanRopeError:
+        raise
+    except ValueError as error:
+        raise TorchtitanRopeError(str(error)) from error
+
+
+def _rotate_packed(module, query, key, cos, sin, positions):
+    """Packed (tokens, heads, dim) q and k, positions None or (tokens,): one sequence of a batch of one."""
+    if key.dim() != 3:
+        raise ValueError(
+            f"key: expected (tokens, heads, dim) like query {tuple(query.shape)}, got {tuple(key.shape)}"
+        )
+    if positions is not None:
+        if positions.dim() != 1 or positions.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"positions: expected ({query.shape[0]},) (one per token of the packed query "
+                f"{tuple(query.shape)}), got {tuple(positions.shape)}"
+            )
+        positions = positions.unsqueeze(0)
+    q, k = _rotate_batched(module, query.unsqueeze(0), key.unsqueeze(0), cos, sin, positions)
+    return q.squeeze(0), k.squeeze(0)
+
+
+def _rotate_batched(module, query, key, cos, sin, positions):
     """apply_rotary_qk with torchtitan's positions: None, (1, seq) or (batch, seq), this rank's rows when
     plain and query is a DTensor."""
     if positions is not None and is_dtensor(query) and not is_dtensor(positions):
