@@ -666,6 +666,15 @@ MUTATIONS += [
             "tests/compat/test_vllm.py::test_a_cache_whose_dtype_changes_in_place_is_read_in_its_new_dtype",
         ),
     ),
+    Mutation(
+        "vLLM plugin: the cache cast to the query's dtype",
+        "ropekit/integrations/vllm.py",
+        "    return cache if cache.device == query.device else cache.to(query.device)\n",
+        "    return cache.to(query.device, query.dtype)\n",
+        (
+            "tests/integrations/test_vllm.py::test_every_cache_and_query_dtype_pair_is_the_exact_rotation_rounded_once",
+        ),
+    ),
 ]
 
 

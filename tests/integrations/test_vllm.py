@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,52 @@ def test_llama4_vision_forwards_equal_the_compat_class():
     want = rope(q, k)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **tolerance(torch.float32, 4.0))
+
+
+def _half_ulp_bound(exact: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Per element: half a unit in the last place of ``dtype`` at the exact value (the rounding of the output)
+    plus float32's error in computing two products and their sum from inputs of magnitude ``scale``."""
+    _, exponent = torch.frexp(exact.abs().clamp_min(torch.finfo(dtype).tiny))
+    ulp = torch.finfo(dtype).eps * torch.pow(2.0, (exponent - 1).double())
+    return 0.5 * ulp + 4 * torch.finfo(torch.float32).eps * scale
+
+
+DTYPE_PAIRS = [
+    (c, q) for c in (torch.float32, torch.bfloat16, torch.float16) for q in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["cache", "mrope"])
+@pytest.mark.parametrize(("cache_dtype", "query_dtype"), DTYPE_PAIRS, ids=str)
+def test_every_cache_and_query_dtype_pair_is_the_exact_rotation_rounded_once(cache_dtype, query_dtype, mrope):
+    """The dtype rule (issue 39): the rotation uses the module's cache rows as they are stored (a float32
+    cache with a bfloat16 query keeps its float32 rows, never cast to the query's dtype) and rounds once to
+    the query's dtype: each output within half an ulp of the exact float64 rotation by those rows."""
+    extra = {"mrope_section": [4, 6, 6], "mrope_interleaved": False} if mrope else {}
+    module = _module(32, 64, **extra)
+    module.cos_sin_cache = module.cos_sin_cache.to(cache_dtype)
+    g = torch.Generator().manual_seed(3)
+    tokens = 33
+    positions = torch.randint(0, 64, (3, tokens) if mrope else (tokens,), generator=g)
+    query = (4 * torch.randn(tokens, 2 * 32, generator=g)).to(query_dtype)
+    key = (4 * torch.randn(tokens, 32, generator=g)).to(query_dtype)
+    cache = module.cos_sin_cache.double()
+    if mrope:  # each pair's row from its own axis: ropekit's M-RoPE layout, read from the cache
+        from ropekit.schedules.mrope import mrope_axis_of_pair
+
+        axis = mrope_axis_of_pair([4, 6, 6], False)
+        rows = cache[positions].gather(0, torch.cat([axis, axis]).expand(1, tokens, 32))[0]  # (T, 32)
+        cos, sin, rows_of = rows[:, :16], rows[:, 16:], np.arange(tokens)
+    else:
+        cos, sin, rows_of = cache[:, :16], cache[:, 16:], positions.numpy()
+    forwards = plugin.MRopeForwards if mrope else plugin.CacheForwards
+    native = forwards.forward_native(module, positions, query, key)
+    in_place = forwards.forward_cpu(module, positions, query.clone(), key.clone())
+    scale = float(query.abs().max())
+    for got_native, got_in_place, x in zip(native, in_place, (query, key), strict=True):
+        exact = reference_rotation(x.double().view(tokens, -1, 32), cos, sin, rows_of, interleaved=False)
+        exact = exact.reshape(x.shape)
+        assert got_native.dtype == query_dtype and torch.equal(got_native, got_in_place)
+        error = (got_native.double() - exact).abs()
+        bound = _half_ulp_bound(exact, query_dtype, scale)
+        assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
