@@ -236,6 +236,31 @@ def _backend(draw, dtype: torch.dtype) -> str:
     return draw(st.sampled_from(backends or ["torch"]))
 
 
+def _op_backend(draw, dtype: torch.dtype) -> str:
+    """A registered op's backend: a concrete one (the functions resolve "auto" before they reach the op)."""
+    backends = [b for b in FUZZ_BACKENDS if b != "auto" and (dtype != torch.float64 or b == "torch")]
+    return draw(st.sampled_from(backends or ["torch"]))
+
+
+def _leaf_requiring_grad(draw, op: bool, buffer: torch.Tensor, why: list) -> tuple[Callable, bool]:
+    """How a registered op is called: sometimes (op=True) with its in-place target a view of a leaf that
+    requires grad, which PyTorch's in-place ops refuse (``x.mul_(2)`` raises) and so must the op, before it
+    writes. Returns a wrapper that runs the call that way (the buffer's flag restored after), and whether
+    the call is to be refused."""
+    if not (op and draw(st.integers(0, 7)) == 0):
+        return (lambda call: call()), False
+    why.append("in place on a view of a leaf that requires grad")
+
+    def run(call):
+        buffer.requires_grad_(True)
+        try:
+            return call()
+        finally:
+            buffer.requires_grad_(False)
+
+    return run, True
+
+
 def _seed(draw) -> torch.Generator:
     return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
 
@@ -395,12 +420,15 @@ def _stored(value: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch
 
 
 @st.composite
-def fp8_calls(draw):
+def fp8_calls(draw, op: bool = False):
     """RoPE + FP8: packed or 4-D, positions or an offset, per-tensor or per-head scales (numbers or tensors),
-    both FP8 formats, sometimes the MLA nope parts; sometimes a scale that is not finite and > 0."""
+    both FP8 formats, sometimes the MLA nope parts; sometimes a scale that is not finite and > 0.
+
+    op=True: the registered op ``torch.ops.ropekit.rotary_qk_fp8`` called directly (a public door: it checks
+    what the function checks), scales as the tensors its schema takes."""
     memory = Memory(_seed(draw))
     dtype = draw(st.sampled_from(DTYPES))
-    backend = _backend(draw, dtype)
+    backend = _op_backend(draw, dtype) if op else _backend(draw, dtype)
     fp8 = draw(st.sampled_from(FP8))
     half = draw(st.integers(1, 4))
     head_dim = 2 * half + draw(st.integers(0, 2))
@@ -425,13 +453,18 @@ def fp8_calls(draw):
     invalid = []
     scales, models = [], []  # as passed; as the model reads them ((1,) or (heads,), dividing)
     for name, heads in (("q_scale", q_heads), ("k_scale", k_heads)):
-        kind = draw(st.sampled_from(["float", "0-d", "per-head"]))
+        kind = draw(st.sampled_from(["(1,)", "0-d", "per-head"] if op else ["float", "0-d", "per-head"]))
+        if op and kind == "0-d":  # the function's form, not the op's: refused by name
+            invalid.append(f"{name} 0-d")
         values = torch.tensor([draw(st.sampled_from([0.01, 0.25, 1.0, 7.0])) for _ in range(heads)])
         if draw(st.integers(0, 11)) == 0:
             values[0] = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf")]))
             invalid.append(f"{name} {values[0].item()}")
         if kind == "float":
             scales.append(float(values[0]))
+            values = values[:1]
+        elif kind == "(1,)":
+            scales.append(memory.adopt(values[:1].clone()))
             values = values[:1]
         elif kind == "0-d":
             scales.append(memory.adopt(values[:1].reshape(()).clone()))
@@ -441,6 +474,11 @@ def fp8_calls(draw):
         models.append(values)
 
     def call():
+        if op:
+            positions = kwargs["positions"]
+            return torch.ops.ropekit.rotary_qk_fp8(
+                q, k, cos, sin, positions, 0, *scales, fp8, q_nope, k_nope, interleaved, backend
+            )
         return apply_rotary_qk_fp8(
             q, k, cos, sin, q_scale=scales[0], k_scale=scales[1], fp8_dtype=fp8, q_nope=q_nope, k_nope=k_nope,
             interleaved=interleaved, backend=backend, **kwargs,
@@ -459,7 +497,7 @@ def fp8_calls(draw):
             bound = _fp8_bound(want, fp8, err / s.double().min())
             assert ((out.double() - want).abs() <= bound).all(), f"FP8 output off the contract ({fp8})"
 
-    why = f"{backend} {dtype} {fp8} lead {lead} mla {mla} {invalid}"
+    why = f"{'op ' if op else ''}{backend} {dtype} {fp8} lead {lead} mla {mla} {invalid}"
     return Call(memory, call, "error" if invalid else "ok", check_result, why)
 
 
@@ -467,15 +505,18 @@ def fp8_calls(draw):
 
 
 @st.composite
-def shift_calls(draw, duplicates: bool = False):
+def shift_calls(draw, duplicates: bool = False, op: bool = False):
     """Cache shift: every layout inside a larger buffer, any delta (negative: the conjugate rotation), every
     slot or a subset with -1 padding; sometimes |delta| past the table or a slot outside the cache.
 
     duplicates=True: slots name one slot twice; the call refuses it with nothing written, or rotates that
-    slot once (slots are a set: the docs say distinct)."""
+    slot once (slots are a set: the docs say distinct).
+
+    op=True: the registered op ``torch.ops.ropekit.shift_cache_`` called directly, sometimes on a view of a
+    leaf that requires grad (refused, as PyTorch's in-place ops refuse it)."""
     memory = Memory(_seed(draw))
     dtype = draw(st.sampled_from(DTYPES if duplicates else [*DTYPES, torch.float64]))
-    backend = _backend(draw, dtype)
+    backend = _op_backend(draw, dtype) if op else _backend(draw, dtype)
     layout = draw(st.sampled_from(LAYOUTS))
     page_size = 1 if layout == "flat" else draw(st.integers(1, 4))
     pages = draw(st.integers(1, 6 if layout == "flat" else 3))
@@ -490,7 +531,8 @@ def shift_calls(draw, duplicates: bool = False):
     if bad_delta:
         delta = draw(st.sampled_from([TABLE_LEN, -TABLE_LEN, TABLE_LEN + 5]))
     interleaved = draw(st.booleans())
-    why = [f"{backend} {dtype} {layout} delta {delta}"]
+    why = [f"{'op ' if op else ''}{backend} {dtype} {layout} delta {delta}"]
+    run, leaf = _leaf_requiring_grad(draw, op, memory.buffers[0], why)  # the cache's buffer
     if duplicates or draw(st.booleans()):
         n = draw(st.integers(1 if duplicates else 0, num_slots))
         chosen = torch.randperm(num_slots, generator=memory.g)[:n]
@@ -508,7 +550,7 @@ def shift_calls(draw, duplicates: bool = False):
         targets = sorted({s for s in ids if s >= 0})
     else:
         slots, bad_slot, targets = None, False, list(range(num_slots))
-    invalid = bad_delta or bad_slot
+    invalid = bad_delta or bad_slot or leaf
     if not invalid:
         c4 = _as_pages(cache, layout)
         for s in targets:
@@ -519,11 +561,14 @@ def shift_calls(draw, duplicates: bool = False):
             memory.write(row, want[0, 0], bound=float(bound.max()))
 
     def call():
+        if op:
+            shift = torch.ops.ropekit.shift_cache_
+            return run(lambda: shift(cache, cos, sin, delta, layout, slots, interleaved, backend))
         return shift_cache_(cache, cos, sin, delta, cache_layout=layout, slots=slots, interleaved=interleaved,
                             backend=backend)  # fmt: skip
 
     def check_result(result):
-        assert result is cache
+        assert result is (None if op else cache)
 
     outcome = "error" if invalid else "either" if duplicates else "ok"
     return Call(memory, call, outcome, check_result, ", ".join(why), [cache] if targets else [])
@@ -545,12 +590,16 @@ def _rms_model(
 
 
 @st.composite
-def qk_norm_calls(draw):
+def qk_norm_calls(draw, op: bool = False):
     """QK-RMSNorm + RoPE in place on a packed qkv that is a slice of a wider buffer: both norm forms, weight
-    offsets, partial rotary, positions or an offset; sometimes a position past the table."""
+    offsets, partial rotary, positions or an offset; sometimes a position past the table, an eps that is not
+    finite and > 0 or a weight offset that is not finite.
+
+    op=True: the registered op ``torch.ops.ropekit.qk_norm_rotary_`` called directly, sometimes on a view of a
+    leaf that requires grad (refused, as PyTorch's in-place ops refuse it)."""
     memory = Memory(_seed(draw))
     dtype = draw(st.sampled_from([*DTYPES, torch.float64]))
-    backend = _backend(draw, dtype)
+    backend = _op_backend(draw, dtype) if op else _backend(draw, dtype)
     q_heads, k_heads = draw(st.integers(1, 3)), draw(st.integers(1, 2))
     half = draw(st.integers(1, 3))
     head_dim = 2 * half + draw(st.integers(0, 2))
@@ -563,11 +612,20 @@ def qk_norm_calls(draw):
     all_heads = draw(st.booleans())
     offset = float(draw(st.sampled_from([0.0, 1.0])))
     eps = float(draw(st.sampled_from([1e-6, 1e-5, 0.1])))
+    why = []
+    if draw(st.integers(0, 11)) == 0:  # what would make every normalised value NaN
+        eps = draw(st.sampled_from([-1.0, 0.0, float("nan"), float("inf")]))
+        why.append(f"eps {eps}")
+    elif draw(st.integers(0, 11)) == 0:
+        offset = draw(st.sampled_from([float("nan"), float("inf")]))
+        why.append(f"weight_offset {offset}")
+    run, _ = _leaf_requiring_grad(draw, op, buf, why)  # a refusal: in why
     q_w = memory.buffer((q_heads * head_dim if all_heads else head_dim,), torch.float32)
     k_w = memory.buffer((k_heads * head_dim if all_heads else head_dim,), torch.float32)
     cos, sin = _tables(memory, draw, half)
     interleaved = draw(st.booleans())
     bad = tokens > 0 and draw(st.integers(0, 11)) == 0
+    invalid = bad or bool(why)
     if draw(st.booleans()):
         rows = torch.randint(0, TABLE_LEN, (tokens,), generator=memory.g)
         if bad:
@@ -578,8 +636,8 @@ def qk_norm_calls(draw):
         off = draw(st.integers(0, TABLE_LEN - tokens)) + (TABLE_LEN if bad else 0)
         kwargs = {"offsets": off}
         rows = np.broadcast_to(np.arange(tokens) + off, lead)
-    if not bad:
-        cast_first = not all_heads and offset == 0
+    cast_first = not all_heads and offset == 0
+    if not invalid:
         q_width, k_width = q_heads * head_dim, k_heads * head_dim
         for part, heads, w in (
             (qkv[..., :q_width], q_heads, q_w),
@@ -593,6 +651,12 @@ def qk_norm_calls(draw):
             memory.write(x, want, bound=bound)
 
     def call():
+        if op:
+            positions, off = kwargs.get("positions"), kwargs.get("offsets", 0)
+            return run(lambda: torch.ops.ropekit.qk_norm_rotary_(
+                qkv, q_w, k_w, cos, sin, positions, off, q_heads, k_heads, head_dim, eps, offset, all_heads,
+                cast_first, interleaved, backend,
+            ))  # fmt: skip
         return qk_norm_rotary_(
             qkv, q_w, k_w, cos, sin, num_q_heads=q_heads, num_kv_heads=k_heads, head_dim=head_dim, eps=eps,
             interleaved=interleaved, weight_offset=offset, norm="all_heads" if all_heads else "head",
@@ -600,10 +664,11 @@ def qk_norm_calls(draw):
         )  # fmt: skip
 
     def check_result(result):
-        assert result is qkv
+        assert result is (None if op else qkv)
 
-    why = f"{backend} {dtype} lead {lead} heads {q_heads}/{k_heads} all_heads {all_heads} bad {bad}"
-    return Call(memory, call, "error" if bad else "ok", check_result, why, [qkv])
+    why = [f"{'op ' if op else ''}{backend} {dtype} lead {lead} heads {q_heads}/{k_heads}",
+           f"all_heads {all_heads} bad {bad}", *why]  # fmt: skip
+    return Call(memory, call, "error" if invalid else "ok", check_result, ", ".join(why), [qkv])
 
 
 # ---- compat.flashinfer: the paged append -------------------------------------------------------------------
@@ -848,4 +913,8 @@ FAMILIES = {
     "qk_norm": qk_norm_calls(),
     "paged": paged_calls(),
     "compat": compat_calls(),
+    # The registered ops called directly (issue 39: a registered op is a public door).
+    "fp8_op": fp8_calls(op=True),
+    "shift_op": shift_calls(op=True),
+    "qk_norm_op": qk_norm_calls(op=True),
 }

@@ -322,6 +322,37 @@ def test_the_registered_fp8_op_refuses_a_scale_the_function_refuses(backend, whi
         ropekit.apply_rotary_qk_fp8(q, k, cos, sin, **public, backend=backend)  # the function's own words
 
 
+# Scales a registered op does not take (the function turns numbers and 0-d tensors into (1,) float32).
+MISSHAPEN_SCALES = {
+    "0-d": torch.tensor(0.5),
+    "float64": torch.tensor([0.5], dtype=torch.float64),
+    "3 values for 2 heads": torch.full((3,), 0.5),
+    "strided": torch.full((4,), 0.5)[::2],
+    "2-D": torch.full((1, 1), 0.5),
+}
+
+
+@pytest.mark.parametrize("form", list(MISSHAPEN_SCALES))
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_the_registered_fp8_and_cache_ops_refuse_a_scale_not_in_the_ops_form_on_every_backend(backend, form):
+    """Found by the fuzzer's op families (issue 39): a 0-d scale given to the op on the torch backend was an
+    IndexError from inside the eager kernel; each backend now names the scale and its expected form."""
+    bad = MISSHAPEN_SCALES[form]
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16)
+    cos, sin = tables()
+    expected = r"^k_scale: expected a contiguous float32 tensor of 1 or 2 values on cpu"
+    with pytest.raises(ValueError, match=expected):
+        torch.ops.ropekit.rotary_qk_fp8(q, k, cos, sin, None, 0, torch.ones(1), bad, torch.float8_e4m3fn,
+                                        None, None, False, backend)  # fmt: skip
+    args = list(cache_args(backend, fp8=True))
+    args[11] = bad
+    k_cache = args[7]
+    before = k_cache.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=expected):
+        torch.ops.ropekit.rotary_qk_and_cache(q, torch.empty_like(q), *args)
+    assert torch.equal(k_cache.view(torch.uint8), before)
+
+
 @pytest.mark.parametrize("given", ["q_nope", "k_nope"])
 def test_the_registered_fp8_op_refuses_one_nope_part_without_the_other(given):
     """Issue 39 (an unclear error): q_nope without k_nope was an AttributeError."""

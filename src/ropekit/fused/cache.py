@@ -20,8 +20,8 @@ from ropekit.fused.checks import (
     cache_view,
     check_distinct_slots,
     check_inference,
+    check_kernel_scale,
     check_scale,
-    check_scale_values,
     check_slots,
     paged_view,
     pages,
@@ -244,8 +244,8 @@ def _launch(q, q_out, k, v, cos, sin, positions, offset, slots, k_cache, v_cache
     else:
         views = [paged_view("k_cache", k_cache, cache_layout), paged_view("v_cache", v_cache, cache_layout)]
         for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
-            if cache_takes_scale(name, cache, scale):  # the public call's scale rule and values
-                check_scale_values(name, scale)
+            if cache_takes_scale(name, cache, scale):  # the public call's scale rule, form and values
+                check_kernel_scale(name, scale, k.shape[-2] if k.dim() > 1 else 1, k.device)
     kinds = [fp8_kind(c.dtype) for c in (k_cache, v_cache)]
     kc, vc = (view.view(torch.uint8) if kind else view for view, kind in zip(views, kinds, strict=True))
     batch, seq = k4.shape[:2]

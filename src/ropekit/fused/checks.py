@@ -28,6 +28,7 @@ __all__ = [
     "cache_view",
     "check_distinct_slots",
     "check_inference",
+    "check_kernel_scale",
     "check_scale",
     "check_scale_values",
     "check_slots",
@@ -141,6 +142,26 @@ def check_scale(name: str, scale: object, heads: int, device: torch.device) -> t
     out = scale.detach().reshape(-1).to(device=device, dtype=torch.float32).contiguous()
     check_scale_values(name, out, scale)
     return out
+
+
+def check_kernel_scale(name: str, scale: object, heads: int, device: torch.device) -> None:
+    """A scale as a registered op takes it (what :func:`check_scale` makes of the function's argument): a
+    contiguous float32 tensor of 1 or ``heads`` values on ``device``, each finite and > 0. The registered ops'
+    own callers reach every backend through this, the torch backend included, which has no kernel wall."""
+    if (
+        not isinstance(scale, torch.Tensor)
+        or scale.dtype != torch.float32
+        or scale.dim() != 1
+        or scale.shape[0] not in (1, heads)
+        or not scale.is_contiguous()
+        or scale.device != device
+    ):
+        raise ValueError(
+            f"{name}: expected a contiguous float32 tensor of 1 or {heads} values on {device} (the "
+            f"registered op's form of a scale; the function also takes a number or a 0-d tensor), got "
+            f"{describe(scale)}"
+        )
+    check_scale_values(name, scale)
 
 
 def check_scale_values(name: str, scale: torch.Tensor, given: torch.Tensor | None = None) -> None:

@@ -20,7 +20,7 @@ from ropekit.backends.fused_launch import FP8_KINDS, Channel, FusedLaunch
 from ropekit.backends.kernel_op import plain_eager, register_op
 from ropekit.backends.plan import gate, keep
 from ropekit.dtensor_inputs import check_no_dtensor
-from ropekit.fused.checks import check_inference, check_scale, check_scale_values
+from ropekit.fused.checks import check_inference, check_kernel_scale, check_scale
 from ropekit.fused.planned import fp8_plan
 from ropekit.positions import check_offsets_beside_positions, resolve
 from ropekit.validation import check_bool, check_movable, check_tables, describe
@@ -168,8 +168,8 @@ def _launch(q, k, cos, sin, positions, offset, q_scale, k_scale, fp8_dtype, q_no
         _check_nope_pair(q_nope, k_nope)
         if positions is not None:
             check_offsets_beside_positions(offset)
-        check_scale_values("q_scale", q_scale)
-        check_scale_values("k_scale", k_scale)
+        for name, scale, t in (("q_scale", q_scale, q), ("k_scale", k_scale, k)):
+            check_kernel_scale(name, scale, t.shape[-2] if t.dim() > 1 else 1, q.device)
     q4 = _as_4d([q])[0]
     outs = []
 
