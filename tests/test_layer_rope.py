@@ -7,6 +7,7 @@ feature once; the sweep over every RoPE model type is in the proof tier.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -451,9 +452,18 @@ def test_jamba_attention_period_and_offset_are_checked(period, offset, match):
 BROKEN = (0, -3, 2.5, "7", True, float("nan"))
 
 
+def _never_valid(bad) -> bool:
+    """A value no numeric field model_rope reads may hold (a string, a bool, NaN, a negative number): taken,
+    it can only leave the plan as it was (the field is not read)."""
+    return isinstance(bad, (str, bool)) or math.isnan(bad) or bad < 0
+
+
 def _break_each_numeric_field(d):
     """model_rope of d with each numeric field broken in turn (in the language model's config where it is
-    nested): a plan, or a ValueError that names the field."""
+    nested): a ValueError that names the field, or a plan; for a value no read field may hold (a string, a
+    bool, NaN, a negative number), the plan of the unbroken config (the field is not read): never a plan
+    that silently took it."""
+    plan = model_rope(d)
     nested = [(k,) for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
     for path in [(), *nested]:
         fields = d if not path else d[path[0]]
@@ -463,9 +473,12 @@ def _break_each_numeric_field(d):
             for bad in BROKEN:
                 broken = {**d, **({path[0]: {**fields, key: bad}} if path else {key: bad})}
                 try:
-                    model_rope(broken)
+                    got = model_rope(broken)
                 except ValueError as err:  # Moonshine's decoder_* keys are read without their prefix
                     assert key.removeprefix("decoder_") in str(err), (key, bad, str(err))
+                    continue
+                if _never_valid(bad):
+                    assert got == plan, f"{(*path, key)} = {bad!r} was taken: the plan changed"
 
 
 # Qwen3-Omni's default thinker config has no readable head width (2048 over 28 heads): left out.
