@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -897,6 +898,78 @@ def compat_calls(draw, compiled: bool = False):
     return Call(memory, call, outcome, check_result, why, in_place)
 
 
+# ---- the vLLM plugin's classes: ropekit.integrations.vllm's forwards on a module shaped like vLLM's ------
+
+
+@st.composite
+def plugin_calls(draw):
+    """The vLLM plugin's forwards (``CacheForwards``: every vLLM class whose forward is a cache-row lookup;
+    ``MRopeForwards``: M-RoPE with (3, T) positions), out of place (``forward_native``) or in place
+    (``forward_cpu``), on query and key that are column slices of one qkv buffer, as vLLM passes them; the
+    module's [cos | sin] cache in float32 or the query's dtype, partial rotary, both pair orders; sometimes a
+    position outside the cache (past it, or negative) or a positions tensor of another length."""
+    from ropekit.integrations import vllm as plugin
+    from ropekit.schedules.mrope import mrope_axis_of_pair
+
+    memory = Memory(_seed(draw))
+    mrope = draw(st.booleans())
+    dtype = draw(st.sampled_from(DTYPES))
+    half = 3 if mrope else draw(st.integers(1, 4))  # M-RoPE: sections [1, 1, 1] of 3 pairs
+    head_size = 2 * half + draw(st.integers(0, 2))
+    q_heads, k_heads = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    tokens = draw(st.integers(1, 5))
+    neox = draw(st.booleans())
+    scale = float(draw(st.sampled_from([0.5, 3.0, 50.0])))
+    extra = draw(st.integers(0, 2)) * head_size  # v's columns, or nothing
+    qkv = memory.buffer((tokens, (q_heads + k_heads) * head_size + extra), dtype, scale)
+    query, key = qkv[:, : q_heads * head_size], qkv[:, q_heads * head_size : (q_heads + k_heads) * head_size]
+    cos, sin = reference_tables(2 * half, TABLE_LEN)
+    cache = memory.adopt(torch.cat([cos, sin], -1).to(draw(st.sampled_from([torch.float32, dtype]))))
+    module = SimpleNamespace(cos_sin_cache=cache, head_size=head_size, is_neox_style=neox)
+    if mrope:
+        module.mrope_section, module.mrope_interleaved = [1, 1, 1], draw(st.booleans())
+    rows = torch.randint(0, TABLE_LEN, (3, tokens) if mrope else (tokens,), generator=memory.g)
+    bad = draw(st.sampled_from([None] * 10 + ["past the cache", "negative", "length"]))
+    if bad == "past the cache":
+        rows[..., -1] = TABLE_LEN + draw(st.integers(0, 3))
+    elif bad == "negative":
+        rows[..., 0] = -1
+    positions = memory.adopt(rows[..., : tokens - 1].contiguous() if bad == "length" else rows.clone())
+    in_place = draw(st.booleans())
+    forwards = plugin.MRopeForwards if mrope else plugin.CacheForwards
+    stored = cache.double()
+    if mrope:  # each pair's row from its own axis, then one row per token
+        axis = mrope_axis_of_pair([1, 1, 1], bool(module.mrope_interleaved))
+        picked = stored[rows.clamp(0, TABLE_LEN - 1)].gather(
+            0, torch.cat([axis, axis]).expand(1, tokens, -1)
+        )[0]
+        tables, at = (picked[:, :half], picked[:, half:]), np.arange(tokens)
+    else:
+        tables, at = (stored[:, :half], stored[:, half:]), rows.clamp(0, TABLE_LEN - 1).numpy()
+    wants = []
+    for x, heads in ((query, q_heads), (key, k_heads)):
+        want, bound = _rotated(x.view(tokens, heads, head_size), *tables, at, not neox)
+        wants.append((want.reshape(x.shape), bound.reshape(x.shape)))
+        if in_place and bad is None:
+            memory.write(x, wants[-1][0], bound=wants[-1][1])
+
+    def call():
+        forward = forwards.forward_cpu if in_place else forwards.forward_native
+        return forward(module, positions, query, key)
+
+    def check_result(result):
+        assert len(result) == 2
+        for got, x, (want, bound) in zip(result, (query, key), wants, strict=True):
+            assert got.shape == x.shape and got.dtype == x.dtype
+            assert (got is x) == in_place, "forward_cpu returns its inputs, forward_native new tensors"
+            assert ((got.double() - want).abs() <= bound).all(), "off the float64 rotation by the cache rows"
+
+    why = f"{forwards.__name__} {'in place' if in_place else 'native'} {dtype} cache {cache.dtype} bad {bad}"
+    return Call(
+        memory, call, "ok" if bad is None else "error", check_result, why, [query, key] if in_place else []
+    )
+
+
 # The families a compiled call draws from (the compat family without the call that fails in dynamo).
 COMPILED_FAMILIES = {
     "fused": fused_calls(),
@@ -917,4 +990,5 @@ FAMILIES = {
     "fp8_op": fp8_calls(op=True),
     "shift_op": shift_calls(op=True),
     "qk_norm_op": qk_norm_calls(op=True),
+    "plugin": plugin_calls(),  # the vLLM plugin's classes (issue 39)
 }
