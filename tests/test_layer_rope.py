@@ -8,14 +8,20 @@ feature once; the sweep over every RoPE model type is in the proof tier.
 
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig
 
 import model_rope_proof as proof
 import ropekit
+import ropekit.hf_config
 from ropekit import LayerRope, RopeConfig, model_rope
+
+HERE = Path(__file__).parent
 
 # One model type per per-layer feature model_rope reads.
 FAST = (
@@ -490,6 +496,66 @@ def test_a_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error_na
     d = AutoConfig.for_model(model_type).to_dict()
     model_rope(d)
     _break_each_numeric_field(d)
+
+
+def _without_layer_types_equals_what_transformers_builds(model_type):
+    """An older release's config.json omits layer_types, which the config class derives from other keys
+    (Qwen2's use_sliding_window / max_window_layers, Gemma 2's alternation): model_rope of that dict is the
+    plan of the config transformers builds from it (it was every layer alike: a silent wrong window or
+    RoPE)."""
+    d = AutoConfig.for_model(model_type).to_dict()
+    if d.get("layer_types") is None:
+        pytest.skip("this config keeps its layer types elsewhere")
+    released = {k: v for k, v in d.items() if k != "layer_types"}
+    built = AutoConfig.for_model(model_type, **{k: v for k, v in released.items() if k != "model_type"})
+    assert model_rope(released) == model_rope(built)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["qwen2", "gemma2", "smollm3", "llama4_text", "gpt_oss", "gemma3_text"]
+)
+def test_a_config_json_without_layer_types_is_planned_as_transformers_builds_it(model_type):
+    _without_layer_types_equals_what_transformers_builds(model_type)
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize(
+    "model_type", sorted(set(proof.hf_coverage.rope_model_types()) & ropekit.hf_config.DERIVES_LAYER_TYPES)
+)
+def test_every_config_json_without_layer_types_is_planned_as_transformers_builds_it(model_type):
+    try:
+        model_rope(AutoConfig.for_model(model_type))
+    except ValueError:
+        pytest.skip("model_rope refuses the default config itself")
+    _without_layer_types_equals_what_transformers_builds(model_type)
+
+
+def test_without_transformers_a_config_json_that_would_derive_layer_types_is_refused(monkeypatch):
+    released = {k: v for k, v in hf_dict("qwen2").items() if k != "layer_types"}
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(
+        ValueError, match=r"config\['layer_types'\]: not given, and a 'qwen2' config derives it"
+    ):
+        model_rope(released)
+    plain = {k: v for k, v in hf_dict("llama").items() if k != "layer_types"}
+    assert len(model_rope(plain)) == plain["num_hidden_layers"]  # Llama derives none: read as it is
+
+
+def test_the_list_of_model_types_that_derive_layer_types_is_transformers_own():
+    """hf_config.DERIVES_LAYER_TYPES (used where transformers is not installed) holds every model type whose
+    default config has layer_types, in the pinned transformers."""
+    pinned = (HERE.parent / "requirements" / "constraints.txt").read_text()
+    if f"transformers=={transformers.__version__}" not in pinned:
+        pytest.skip(f"the list is of the pinned transformers, not {transformers.__version__}")
+    derived = set()
+    for model_type in proof.hf_coverage.rope_model_types():
+        try:
+            if AutoConfig.for_model(model_type).to_dict().get("layer_types") is not None:
+                derived.add(model_type)
+        except Exception:  # a config transformers cannot build by default derives nothing here
+            continue
+    missing = derived - ropekit.hf_config.DERIVES_LAYER_TYPES
+    assert not missing, sorted(missing)
 
 
 # GPT-J / CodeGen read n_positions as max_position_embeddings, ESM rope_theta as base: named by those.

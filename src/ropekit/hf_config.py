@@ -44,6 +44,7 @@ __all__ = [
     "load_hf_config",
     "rope_kwargs",
     "rope_layer_types",
+    "with_derived_layer_types",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,164 @@ UNDESCRIBED_MODEL_TYPES = {
     "hy_v4": "its indexed-attention layers' interleaved rotation differs from the plan read from its config "
     "(by 1.51)",
 }
+# model_type values whose transformers config class derives ``layer_types`` when a config.json omits it
+# (from sliding_window_pattern, use_sliding_window / max_window_layers, no_rope_layer_interval, ...): the
+# default config of each has layer_types (transformers 5.25.0, the pinned version; tests/test_hf_config.py
+# regenerates it). Read without transformers, such a config.json is refused rather than planned as if every
+# layer were alike.
+DERIVES_LAYER_TYPES = frozenset(
+    {
+        "afmoe",
+        "audioflamingo3",
+        "axk2",
+        "aya_vision",
+        "bailing_hybrid",
+        "beam",
+        "cohere2",
+        "cohere2_moe",
+        "cohere2_vision",
+        "cohere_compass",
+        "cohere_compass_text",
+        "cwm",
+        "deepseek_ocr2_encoder",
+        "deepseek_v32",
+        "deepseek_v4",
+        "diffusion_gemma",
+        "diffusion_gemma_text",
+        "dory",
+        "dots1",
+        "dots3_note",
+        "dots3_note_text",
+        "embedding_gemma2",
+        "embedding_gemma2_text",
+        "ergo",
+        "exaone4",
+        "exaone4_5",
+        "exaone_moe",
+        "fast_vlm",
+        "flint",
+        "fun_asr_nano",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "gemma3n",
+        "gemma3n_text",
+        "gemma4",
+        "gemma4_text",
+        "gemma4_unified",
+        "gemma4_unified_assistant",
+        "gemma4_unified_text",
+        "glm5_next",
+        "glm5_next_text",
+        "glm_moe_dsa",
+        "got_ocr2",
+        "gpt_oss",
+        "granite_swa",
+        "granitemoe_swa",
+        "granitemoehybrid",
+        "hy_v4",
+        "hy_v4_vl",
+        "hy_v4_vl_text",
+        "inkling2",
+        "inkling2_loop",
+        "inkling2_loop_text",
+        "inkling2_text",
+        "inkling_mm_model",
+        "inkling_text",
+        "internvl",
+        "jev",
+        "kimi_linear",
+        "kolibri1",
+        "kolibri1_1",
+        "laguna",
+        "lara_mini",
+        "lfm2",
+        "lfm2_vl",
+        "lfm3",
+        "lfm3_vl",
+        "lfm3_vl_vision",
+        "lighton_ocr",
+        "llama4",
+        "llama4_text",
+        "llava_onevision",
+        "llava_onevision1_5",
+        "mellum",
+        "mimo_v2_flash",
+        "minicpm_ocr",
+        "minicpmv4_6",
+        "minicpmv4_7",
+        "minimax",
+        "minimax_m3_vl",
+        "minimax_m3_vl_text",
+        "ministral",
+        "mistral_large4",
+        "mistral_large4_text",
+        "modernbert",
+        "modernbert-decoder",
+        "modernvbert",
+        "moss_transcribe_diarize",
+        "muse_glimmer",
+        "muse_glimmer_assistant",
+        "muse_glimmer_text",
+        "muse_glimmer_vision",
+        "muse_spark",
+        "muse_spark_text",
+        "muse_spark_vision",
+        "musicflamingo",
+        "neomme",
+        "olmo3",
+        "olmo_hybrid",
+        "ovis2",
+        "ovis2_5",
+        "ovis2_5_vision",
+        "pe_audio",
+        "pe_audio_video",
+        "pe_video",
+        "pp_chart2table",
+        "pp_doclayout_v2",
+        "pp_doclayout_v3",
+        "qianfan_ocr",
+        "qwen2",
+        "qwen2_5_omni_talker",
+        "qwen2_5_omni_text",
+        "qwen2_5_omni_thinker",
+        "qwen2_5_vl",
+        "qwen2_5_vl_text",
+        "qwen2_audio",
+        "qwen2_moe",
+        "qwen2_vl",
+        "qwen2_vl_text",
+        "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+        "qwen3_asr",
+        "qwen3_next",
+        "qwen3_omni_moe_talker_code_predictor",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "shieldgemma2",
+        "smollm3",
+        "step3p5",
+        "step3p7",
+        "t5_gemma_module",
+        "t5gemma",
+        "t5gemma2",
+        "t5gemma2_decoder",
+        "t5gemma2_encoder",
+        "t5gemma2_text",
+        "ultrabert",
+        "ultravbert",
+        "unlimited_ocr",
+        "unlimited_ocr_text",
+        "vaultgemma",
+        "vibevoice",
+        "vibevoice_asr",
+        "video_llama_3",
+        "zaya",
+    }
+)
 # model_type values that read the rotary width from rope_parameters only, though their config has rotary_dim.
 IGNORE_ROTARY_DIM = frozenset({"minimax_m2", "minimax_m3_vl", "neomme", "qwen4_exp"})
 # M-RoPE sections HF's multimodal modules fall back to when a config omits them, and the layout the model type
@@ -335,6 +494,53 @@ def _rope_parameters(d: Mapping[str, Any], layer_type: str | None) -> dict[str, 
 def _model_type(d: Mapping[str, Any]) -> str:
     """The config's model_type without the ``_text`` suffix of a multimodal model's language config."""
     return str(d.get("model_type") or "").removesuffix("_text")
+
+
+def with_derived_layer_types(d: dict[str, Any]) -> dict[str, Any]:
+    """d with the ``layer_types`` its transformers config class derives when a config.json omits it (an
+    older release's config.json; Qwen2's use_sliding_window / max_window_layers, Gemma 2's alternation, ...),
+    as ``from_pretrained`` would build it; d itself when it has them or its model type derives none.
+
+    A config transformers itself refuses to build is returned as it is (ropekit's own checks then name the
+    key; a warning says layer_types could not be derived).
+
+    Raises:
+        ValueError: layer_types omitted for a model type that derives them, and transformers is not
+            installed to derive them.
+    """
+    model_type = d.get("model_type")
+    if d.get("layer_types") is not None or not isinstance(model_type, str):
+        return d
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        if model_type in DERIVES_LAYER_TYPES:
+            raise ValueError(
+                f"config['layer_types']: not given, and a {model_type!r} config derives it from its other "
+                "keys when transformers builds it; install transformers or pass the PretrainedConfig "
+                "(or a config with layer_types)"
+            ) from None
+        return d
+    if model_type not in CONFIG_MAPPING:
+        return d
+    try:
+        built = CONFIG_MAPPING[model_type].from_dict(dict(d))
+    except Exception as err:  # a config transformers refuses: ropekit's own checks name the bad key
+        if model_type in DERIVES_LAYER_TYPES:
+            log.warning(
+                "config['layer_types'] not given and transformers could not build the %r config to derive it "
+                "(%s); reading the config as it is",
+                model_type,
+                err,
+            )
+        return d
+    built_dict = built.to_dict()
+    derived = built_dict.get("layer_types")  # a config key as config.json holds it, not a property
+    if derived is None:
+        return d
+    # The count the types were derived for (Dory's class counts its blocks, not config.json's entries).
+    count = {k: built_dict[k] for k in ("num_hidden_layers",) if k in built_dict}
+    return {**d, **count, "layer_types": list(derived)}
 
 
 def layer_types(config: Any) -> list[str] | None:

@@ -45,6 +45,7 @@ from ropekit.hf_config import (
     layer_overrides,
     layer_rope_kwargs,
     load_hf_config,
+    with_derived_layer_types,
 )
 from ropekit.schedules.softmax import attention_temperature, check_temperature
 from ropekit.validation import check_int, describe
@@ -176,7 +177,7 @@ def model_rope(config: Any) -> list[LayerRope]:
         >>> for layer in ropekit.model_rope("google/gemma-4/config.json"):  # doctest: +SKIP
         ...     print(layer.index, layer.layer_type, layer.rope and layer.rope.head_dim)
     """
-    d = _dory_layers(_decoder(load_hf_config(config)))
+    d = _dory_layers(with_derived_layer_types(_decoder(load_hf_config(config))))
     if d.get("model_type") in NOT_TOKEN_STACKS:
         raise ValueError(
             f"config['model_type']: {d['model_type']!r} is a vision or audio tower (its RoPE rotates "
