@@ -603,8 +603,8 @@ MUTATIONS += [
     Mutation(
         "fp8 op: no check of the scales' values",
         "ropekit/fused/fp8.py",
-        '        check_scale_values("q_scale", q_scale)\n        check_scale_values("k_scale", k_scale)\n',
-        "",
+        "            check_kernel_scale(name, scale, t.shape[-2] if t.dim() > 1 else 1, q.device)\n",
+        "            pass\n",
         (
             "tests/fused/test_registered_ops.py::test_the_registered_fp8_op_refuses_a_scale_the_function_refuses",
         ),
@@ -612,8 +612,9 @@ MUTATIONS += [
     Mutation(
         "cache op: no scale rule nor values",
         "ropekit/fused/cache.py",
-        "            if cache_takes_scale(name, cache, scale):  # the public call's scale rule and values\n"
-        "                check_scale_values(name, scale)\n",
+        "            if cache_takes_scale(name, cache, scale):"
+        "  # the public call's scale rule, form and values\n"
+        "                check_kernel_scale(name, scale, k.shape[-2] if k.dim() > 1 else 1, k.device)\n",
         "            pass\n",
         (
             "tests/fused/test_registered_ops.py::"

@@ -95,6 +95,21 @@ def test_mrope_positions_past_the_cache_are_a_value_error_in_every_forward():
         plugin.MRopeForwards.forward_cpu(module, positions, query, None, offsets=torch.tensor([[0, -20]] * 3))
 
 
+@pytest.mark.parametrize("shape", [(3, 1), (3, 3), (2, 2), (4, 2)])
+def test_mrope_positions_of_another_token_count_or_axes_are_a_value_error(shape):
+    """Found by the fuzzer's plugin family (issue 39): (3, T - 1) positions for T tokens were a RuntimeError
+    from a view, or silently rotated when the view happened to fit."""
+    module = _module(32, 16, mrope_section=[4, 6, 6], mrope_interleaved=False)
+    query, key = torch.randn(2, 64), torch.randn(2, 32)
+    before = query.clone()
+    for forward in (plugin.MRopeForwards.forward_cpu, plugin.MRopeForwards.forward_native):
+        with pytest.raises(ValueError, match=r"^positions: expected \(3, 2\) M-RoPE positions"):
+            forward(module, torch.zeros(shape, dtype=torch.int64), query, key)
+        assert torch.equal(query, before)
+    with pytest.raises(ValueError, match=r"^key: expected query's 2 tokens"):
+        plugin.mrope_rotate(module, torch.zeros(3, 2, dtype=torch.int64), query, key[:1], inplace=False)
+
+
 def _llama4_vision_module(side=4, head=16):
     """vLLM's Llama4VisionRotaryEmbedding as the plugin reads it: a complex (side^2 + 1, 1, head/2) cache."""
     from ropekit.compat.vllm import get_rope

@@ -92,6 +92,16 @@ def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
     """
     positions = _with_offsets(positions, offsets)
     cache = _cache(module, query)
+    tokens = query.shape[0] if query.dim() > 0 else -1
+    if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != tokens:
+        raise ValueError(
+            f"positions: expected (3, {tokens}) M-RoPE positions (temporal, height, width of each of query's "
+            f"{tokens} tokens), got shape {tuple(positions.shape)}"
+        )
+    if key is not None and (key.dim() == 0 or key.shape[0] != tokens):
+        raise ValueError(
+            f"key: expected query's {tokens} tokens on its first axis, got shape {tuple(key.shape)}"
+        )
     if positions.device.type == "cpu" and not torch.compiler.is_compiling():
         _check_rows("positions", positions, cache.shape[0])  # a ValueError, not the gather's IndexError
     half = cache.shape[1] // 2
@@ -99,7 +109,6 @@ def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
     rows = cache[positions]  # (axes, T, R)
     index = axis.expand(1, rows.shape[1], half)  # (1, T, R/2)
     cos, sin = rows[..., :half].gather(0, index)[0], rows[..., half:].gather(0, index)[0]  # (T, R/2) each
-    tokens = positions.shape[-1]
     q = query.view(1, tokens, -1, module.head_size)  # (1, T, Hq, D)
     flags = dict(interleaved=not module.is_neox_style, inplace=inplace, per_token=True)
     if key is None:
