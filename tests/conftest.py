@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from c_compiler import NO_C_COMPILER, find_compiler
+from cover import per_axis_cover
 from rotary_reference import assert_matches_reference as _assert_matches_reference
 from rotary_reference import reference_rotation, tolerance
 
@@ -61,10 +62,14 @@ _tiers: dict[str, bool] = {}
 _no_compiler_skips: set[str] = set()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the cases it marks proof leave the fast tier
 def pytest_collection_modifyitems(config, items):
     """An engine test outside tests/engines/ would be collected where its engine is missing: refused. A test
     that needs the C loop is skipped where no C compiler is found (ROPEKIT_REQUIRE_C_COMPILER=1: an error);
-    a parametrized 'cpu' backend case without the mark is refused, since it would fail there instead."""
+    a parametrized 'cpu' backend case without the mark is refused, since it would fail there instead.
+    Of a test marked ``cover``, the fast tier runs a per-axis cover of its parametrization (every value of
+    every parameter at least once); its other cases are marked ``proof``, so ``make proofs`` runs them."""
+    _cover(items)
     compiler = find_compiler()
     for item in items:
         if item.get_closest_marker("engine") and "engines" not in item.path.parts:
@@ -78,6 +83,21 @@ def pytest_collection_modifyitems(config, items):
                     "and every other test of the C loop would be skipped"
                 )
             item.add_marker(pytest.mark.skip(reason=NO_C_COMPILER))
+
+
+def _cover(items) -> None:
+    """Mark proof the cases of each ``cover`` test that its per-axis cover leaves out."""
+    groups: dict[tuple, list] = {}
+    for item in items:
+        if item.get_closest_marker("cover") and hasattr(item, "callspec"):
+            groups.setdefault((str(item.path), item.originalname), []).append(item)
+    for group in groups.values():
+        every = group[0].get_closest_marker("cover").kwargs.get("every")
+        # One axis: its per-axis cover is every case; cover(every=n) keeps each n-th, in collection order.
+        kept = set(group[::every] if every else per_axis_cover(group))
+        for item in group:
+            if item not in kept:
+                item.add_marker(pytest.mark.proof)
 
 
 def _refuse_an_unmarked_cpu_case(item) -> None:

@@ -78,6 +78,7 @@ def test_tables_are_bit_identical_to_the_torch_path_for_every_preset_and_scaling
     np.testing.assert_array_equal(np.asarray(sin), torch_sin.numpy())
 
 
+@pytest.mark.cover(every=4)  # fast tier: every 4th config; the others: make proofs
 @pytest.mark.parametrize("config", CONFIGS)
 def test_module_rows_past_the_direct_table_are_within_a_few_ulp_of_float64(config):
     rope = rj.RotaryEmbedding(config, max_len=8)
@@ -91,6 +92,7 @@ def test_module_rows_past_the_direct_table_are_within_a_few_ulp_of_float64(confi
 
 
 # -- the rotation against the torch path -----------------------------------------------------------------
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary", [(64, "first"), (48, "first"), (32, "last")])
@@ -132,6 +134,7 @@ def _pair_ulps(x: np.ndarray, config: RopeConfig) -> np.ndarray:
     return np.spacing(magnitude.astype(np.float32))
 
 
+@pytest.mark.cover(every=4)  # fast tier: every 4th config; the others: make proofs
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_preset_and_scaling_type_rotates_like_the_torch_path(config):
     """Eager: bit for bit. The nnx module under nnx.jit: within one ulp of each pair's magnitude."""
@@ -328,6 +331,7 @@ def test_module_equals_the_torch_module_and_keeps_its_tables_out_of_params():
 MROPE_PRESETS = [name for name in sorted(PRESETS) if RopeConfig.preset(name).mrope_section is not None]
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @pytest.mark.parametrize("name", MROPE_PRESETS)
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_mrope_positions_rotate_like_the_torch_module(name, layout):

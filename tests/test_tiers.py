@@ -38,7 +38,7 @@ def test_slow_proof():
 def _run(
     tmp_path: Path, body: str, *args: str, bound: str = "0.3", **env: str
 ) -> subprocess.CompletedProcess:
-    for name in ("conftest.py", "rotary_reference.py", "c_compiler.py"):
+    for name in ("conftest.py", "rotary_reference.py", "c_compiler.py", "cover.py"):
         shutil.copy(HERE / name, tmp_path / name)
     shutil.copy(HERE.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # the registered markers
     (tmp_path / "test_body.py").write_text(body)
@@ -146,3 +146,37 @@ def test_an_unmarked_cpu_case_in_a_parametrized_list_is_refused(tmp_path):
     done = _run(tmp_path, body)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
     assert "test_x[cpu]: a 'cpu' case runs the C loop" in done.stdout + done.stderr
+
+
+COVER = """
+import pytest
+
+@pytest.mark.cover
+@pytest.mark.parametrize("a", [1, 2, 3])
+@pytest.mark.parametrize("b", ["x", "y"])
+def test_grid(a, b):
+    pass
+
+@pytest.mark.cover(every=2)
+@pytest.mark.parametrize("c", [1, 2, 3, 4, 5])
+def test_axis(c):
+    pass
+"""
+
+
+def test_a_cover_test_runs_a_per_axis_cover_in_the_fast_tier_and_the_rest_as_proofs(tmp_path):
+    """cover: of a 3 x 2 grid, 3 cases hold every value of both axes (fast), the other 3 are proofs; of a
+    5-case axis with every=2, cases 1, 3 and 5 are fast and 2 and 4 proofs. Nothing runs in neither tier."""
+    fast = _run(tmp_path, COVER, "-m", "not proof and not engine", "-vv", bound="0")
+    proof = _run(tmp_path, COVER, "-m", "proof", "-vv", bound="0")
+    assert fast.returncode == 0 and proof.returncode == 0, fast.stdout + proof.stdout
+    ran = {tier: {line.split(" ")[0].split("::")[1] for line in out.stdout.splitlines() if " PASSED" in line}
+           for tier, out in (("fast", fast), ("proof", proof))}  # fmt: skip
+    assert len(ran["fast"]) == 6 and len(ran["proof"]) == 5 and not ran["fast"] & ran["proof"]
+    assert {"test_axis[1]", "test_axis[3]", "test_axis[5]"} <= ran["fast"]
+    grid = {f"test_grid[{b}-{a}]" for a in (1, 2, 3) for b in "xy"}
+    assert grid <= ran["fast"] | ran["proof"]
+    fast_grid = [
+        name.split("[")[1].rstrip("]").split("-") for name in ran["fast"] if name.startswith("test_grid")
+    ]
+    assert {b for b, _ in fast_grid} == {"x", "y"} and {a for _, a in fast_grid} == {"1", "2", "3"}

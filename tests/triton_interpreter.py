@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cover import per_axis_cover
+
 TIER_ENV = "ROPEKIT_INTERPRETER_TIER"
 SHARD_ENV = "ROPEKIT_INTERPRETER_SHARD"
 
@@ -52,22 +54,6 @@ def run_interpreter_cases(cases: Path, *, cwd: Path, timeout: int, tier: str = "
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
     if name == "full":
         assert "deselected" not in result.stdout, result.stdout[-2000:]
-
-
-def per_axis_cover(items: list) -> list:
-    """Of one case function's parametrized items, a few that hold every value of every parameter (greedy,
-    in collection order); an item with no parameters is kept."""
-    values = {item: set() for item in items}
-    for item in items:
-        if hasattr(item, "callspec"):
-            values[item] = {(name, repr(v)) for name, v in item.callspec.params.items()}
-    wanted = set().union(*values.values())
-    chosen = [item for item in items if not values[item]]
-    while wanted:
-        best = max(items, key=lambda item: len(wanted & values[item]))
-        chosen.append(best)
-        wanted -= values[best]
-    return [item for item in items if item in chosen]  # collection order
 
 
 def pytest_collection_modifyitems(config, items):

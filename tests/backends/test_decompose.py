@@ -84,6 +84,7 @@ FORMS = {
 CASES = [(name, False) for name in FORMS] + [(name, True) for name in ("half", "offset", "positions")]
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @needs_cpu_kernel
 @pytest.mark.parametrize("qk", [False, True], ids=["apply_rotary", "apply_rotary_qk"])
 @pytest.mark.parametrize(
@@ -115,6 +116,7 @@ def test_functional_api_exports_lowers_and_equals_eager_bit_for_bit(form, qk, dy
             _same(ep.module()(*longer), module(*longer))
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @needs_cpu_kernel
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic_seq"])
 @pytest.mark.parametrize("call", ["offsets", "positions", "one_tensor"])

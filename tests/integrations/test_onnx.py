@@ -116,6 +116,7 @@ FORMS = {
 }
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_functional_rotation_exports_as_rotary_embedding_within_one_ulp(form, dtype):
@@ -160,6 +161,7 @@ SCALINGS = {
 }  # fmt: skip
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_every_scaling_type_round_trips_through_rotary_embedding(scaling, interleaved):
