@@ -68,7 +68,7 @@ lint: $(STAMP)
 
 # The fast tier: every behaviour, representative cases; a test over the fast tier's bound fails the run.
 test: lint
-	$(PY) -m pytest -n 2 -q -m "not proof and not engine" --durations=15 tests
+	$(PY) -m pytest -n 2 --dist worksteal -q -m "not proof and not engine" --durations=15 tests
 
 # The heavy tier: full grids, the Triton compile cover, full-size interpreter suites, then the engines in their own
 # venv. .ci/run calls the parts one by one (to time each): proofs = proofs-core, engines-venv, proofs-engines.

@@ -668,6 +668,15 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "module: the gate admits device rows before the table covers the module's context",
+        "ropekit/module.py",
+        "            if type(rows) is not torch.Tensor or rows.is_cpu or table.shape[0] >= cache._covered:\n",
+        "            if True:\n",
+        (
+            "tests/test_module.py::test_device_rows_reach_the_modules_gate_only_once_the_table_covers_its_context",
+        ),
+    ),
+    Mutation(
         "vLLM plugin: the cache cast to the query's dtype",
         "ropekit/integrations/vllm.py",
         "    return cache if cache.device == query.device else cache.to(query.device)\n",

@@ -758,6 +758,35 @@ def test_a_positions_plan_never_serves_another_head_dim_or_layout(layout):
         narrow(q, k, positions=positions, **kwargs)
 
 
+@pytest.mark.parametrize("call", ["positions", "offsets"])
+def test_device_rows_reach_the_modules_gate_only_once_the_table_covers_its_context(call):
+    """The gate's rule for rows the host does not read (a device's; here the meta device, whose tensors have
+    no values and are never planned): a module whose table does not yet cover its max_position_embeddings
+    grows it on the checked path before any plan may serve it, since a plan made for a table of the same
+    shape by a shorter-context module would otherwise run with rows past this table (the CUDA tests below
+    check the rotation itself). A spy in place of the gate's launch records whether the gate admitted."""
+    module = RotaryEmbedding(head_dim=16, max_position_embeddings=8192).to("meta")
+    admitted = []
+
+    def spy(*args, **kwargs):
+        admitted.append(args[4])  # the rows it was asked to serve
+        return None, None  # declined: the checked path below serves the call
+
+    module._launch_positions = module._launch = spy
+    q, k = torch.empty(3, 1, 4, 16, device="meta"), torch.empty(3, 1, 2, 16, device="meta")
+    rows = torch.empty(3, 1, dtype=torch.int64, device="meta") if call == "positions" else None
+    kwargs = (
+        {"positions": rows}
+        if call == "positions"
+        else {"offsets": torch.empty(3, dtype=torch.int64, device="meta")}
+    )
+    assert module.cos.shape[0] == 2048
+    module(q, k, **kwargs)
+    assert admitted == [] and module.cos.shape[0] == 8192  # grown on the checked path, the gate passed by
+    module(q, k, **kwargs)
+    assert len(admitted) == 1  # the table covers the context: the gate may serve device rows now
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none in this environment)")
 def test_device_positions_are_planned_only_once_the_table_covers_the_modules_context():
     """Device positions are checked in the kernel (no host check that could miss the plan): a module whose

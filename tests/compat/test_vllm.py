@@ -334,6 +334,7 @@ def test_module_forward_compiles_with_fullgraph_and_still_writes_in_place():
     torch.testing.assert_close(key, want_k, atol=0, rtol=0)
 
 
+@pytest.mark.cover  # fast tier: a per-axis cover; the other cases: make proofs
 @pytest.mark.parametrize("head_stride_is_contiguous", [True, False])
 @pytest.mark.parametrize("use_key", [True, False])
 @pytest.mark.parametrize("head_size", [32, 108])

@@ -12,7 +12,7 @@ from triton_interpreter import run_interpreter_cases, tiers
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("tier", tiers(4))
+@pytest.mark.parametrize("tier", tiers(2))
 def test_fused_triton_kernel_passes_the_interpreter_suite(tier):
     """tests/fused/fused_triton_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
     run_interpreter_cases(HERE / "fused_triton_cases.py", cwd=HERE, timeout=600, tier=tier)

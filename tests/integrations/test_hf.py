@@ -126,6 +126,7 @@ def run(model):
     return logits, tokens
 
 
+@pytest.mark.cover(every=2)  # fast tier: every 2nd case; the others: make proofs
 @pytest.mark.parametrize(
     ("model_type", "rope_parameters"),
     [(t, p) for t, cases in CASES.items() for p in cases],

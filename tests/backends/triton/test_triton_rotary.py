@@ -11,12 +11,12 @@ import torch
 from ropekit import apply_rotary
 from ropekit.backends import BACKENDS
 from rotary_cases import tables
-from triton_interpreter import run_interpreter_cases, tiers
+from triton_interpreter import TIERS, run_interpreter_cases
 
 HERE = Path(__file__).parent.parent  # tests/backends: the shared interpreter cases
 
 
-@pytest.mark.parametrize("tier", tiers(2))
+@pytest.mark.parametrize("tier", TIERS)
 def test_triton_kernel_passes_the_interpreter_suite(tier):
     """tests/backends/triton_interpreter_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
     run_interpreter_cases(HERE / "triton_interpreter_cases.py", cwd=HERE, timeout=300, tier=tier)
