@@ -48,6 +48,7 @@ def hf_dict(model_type, **changes):
     return d
 
 
+@pytest.mark.cover(every=2)  # fast tier: every 2nd type; the others: make proofs
 @pytest.mark.parametrize("model_type", FAST)
 def test_model_rope_equals_every_layer_of_the_tiny_model(model_type):
     problems, unmeasured = proof.prove(model_type)

@@ -20,6 +20,7 @@ ALL = os.environ.get("ROPEKIT_HF_COVERAGE") == "all"
 TYPES = list(hf_coverage.rope_model_types()) if ALL else list(hf_coverage.REPRESENTATIVE)
 
 
+@pytest.mark.cover(every=2)  # fast tier: every 2nd type; the others: make proofs (all of them: hf-latest)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_patched_model_equals_unpatched(model_type):
     row = hf_coverage.check_model_type(model_type)
