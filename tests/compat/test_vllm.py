@@ -744,3 +744,22 @@ def test_a_steady_out_of_place_step_takes_the_positions_plan_and_keeps_the_check
     assert messages[0] == messages[1] and messages[2] == messages[3], messages
     assert messages[0].startswith("positions: largest position 512 is past the cos/sin table")
     assert torch.equal(query, before[0]) and torch.equal(key, before[1])
+
+
+@pytest.mark.parametrize("call", ["apply_rope_with_cos_sin_cache", "rotary_embedding"])
+@pytest.mark.parametrize(("tokens", "heads", "rows"), [(2, 2, 1), (3, 2, 2), (2, 2, 4), (2, 1, 1)])
+def test_positions_that_do_not_count_the_query_tokens_are_a_value_error(call, tokens, heads, rows):
+    """Found by the fuzzer's plugin family in the proof tier (issue 39): query (2, 2 * 8) with one position
+    was read as one token of 4 heads (divisibility was all the check asked) and rotated silently; (2, 8)
+    with one position as one token's (2 heads, 8) form."""
+    from ropekit import RopeConfig
+    from ropekit.compat import vllm as compat_vllm
+
+    cos, sin = RopeConfig(8, 10000.0).cos_sin(24)
+    cache = torch.cat([cos, sin], -1)
+    query, key = torch.randn(tokens, heads * 8), torch.randn(tokens, 8)
+    before = query.clone()
+    fn = getattr(compat_vllm, call)
+    with pytest.raises(ValueError, match=rf"^query: expected .* with num_tokens = {rows} \(positions\)"):
+        fn(torch.zeros(rows, dtype=torch.int64), query, key, 8, cache, True)
+    assert torch.equal(query, before)

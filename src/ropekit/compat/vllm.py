@@ -63,7 +63,7 @@ def _token_heads(name: str, t: torch.Tensor, tokens: int, head_size: int) -> tor
     """The (1, T, H, D) view of a tensor holding T tokens of H heads of width head_size."""
     if isinstance(t, torch.Tensor):  # the decode path: a few attribute reads, then the view
         shape = t.shape
-        if len(shape) >= 2 and not shape[-1] % head_size and not _leftover(t, tokens, head_size):
+        if len(shape) >= 2 and not shape[-1] % head_size and _holds(shape, tokens, head_size):
             # No tokens: -1 cannot be inferred from 0 elements; any head count views an empty tensor.
             heads = -1 if tokens else max(shape[-1] // head_size, 1)
             try:
@@ -77,7 +77,7 @@ def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> Val
     """What is wrong with a tensor :func:`_token_heads` could not view."""
     if not isinstance(t, torch.Tensor):
         return ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
-    if t.dim() < 2 or t.shape[-1] % head_size or _leftover(t, tokens, head_size):
+    if t.dim() < 2 or t.shape[-1] % head_size or not _holds(t.shape, tokens, head_size):
         return ValueError(
             f"{name}: expected (num_tokens, num_heads * head_size) or (num_tokens, num_heads, head_size) "
             f"with num_tokens = {tokens} (positions) and head_size = {head_size}, got shape {tuple(t.shape)}"
@@ -88,9 +88,14 @@ def _token_heads_error(name: str, t: object, tokens: int, head_size: int) -> Val
     )
 
 
-def _leftover(t: torch.Tensor, tokens: int, head_size: int) -> int:
-    """Elements that do not fill whole (token, head) rows; with no tokens, every element is left over."""
-    return t.numel() % (tokens * head_size) if tokens else t.numel()
+def _holds(shape: torch.Size, tokens: int, head_size: int) -> bool:
+    """Whether a tensor of this shape holds exactly ``tokens`` tokens on its leading axes: (..., H * D) with
+    the leading axes' product ``tokens``, or (..., H, D) with the product of the axes before the heads
+    ``tokens`` (vLLM's two forms; a 2-D tensor is always the first). Divisibility alone is not enough: (2, 16)
+    with one position and head_size 8 would be read as one token of 4 heads."""
+    return math.prod(shape[:-1]) == tokens or (
+        len(shape) > 2 and shape[-1] == head_size and math.prod(shape[:-2]) == tokens
+    )
 
 
 def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
