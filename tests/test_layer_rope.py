@@ -6,6 +6,7 @@ decoder layer with its model_rope entry (tests/model_rope_proof.py). The fast se
 feature once; the sweep over every RoPE model type is in the proof tier.
 """
 
+import copy
 import dataclasses
 import math
 import sys
@@ -488,15 +489,64 @@ def _break_each_numeric_field(d):
                     assert got == plan, f"{(*path, key)} = {bad!r} was taken: the plan changed"
 
 
+# Identity and dtype keys: not RoPE fields (model_type names the config; breaking it is another model).
+NOT_FIELDS = {"model_type", "transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"}
+
+
+def _break_each_other_field(d):
+    """model_rope of d with each string and list field broken in turn, in the language model's config and in
+    rope_parameters / rope_scaling (per layer type too): a string or every entry of a list replaced by
+    "bogus" (never a valid value) is refused by a ValueError naming the field or leaves the plan as it was;
+    a list one entry short is refused by name or planned (a block list may set the depth: Nemotron-H)."""
+    plan = model_rope(d)
+    nested = [k for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
+    for path in [None, *nested]:
+        fields = d if path is None else d[path]
+        places = []  # (the dict holding the value, its key, the name a ValueError must give)
+        for key, value in fields.items():
+            if key in NOT_FIELDS:
+                continue
+            if isinstance(value, dict) and key in ("rope_parameters", "rope_scaling"):
+                for sub, entry in value.items():
+                    if isinstance(entry, dict):  # per layer type
+                        places += [((key, sub), k, v) for k, v in entry.items()]
+                    else:
+                        places.append(((key,), sub, entry))
+            else:
+                places.append(((), key, value))
+        for where, key, value in places:
+            if isinstance(value, str):
+                broken = [("bogus", True)]
+            elif isinstance(value, list) and value:
+                broken = [(["bogus"] * len(value), True), (value[:-1], False)]
+            else:
+                continue
+            for bad, never_valid in broken:
+                b = copy.deepcopy(d)
+                holder = b if path is None else b[path]
+                for step in where:
+                    holder = holder[step]
+                holder[key] = bad
+                try:
+                    got = model_rope(b)
+                except ValueError as err:
+                    assert key.removeprefix("decoder_") in str(err), (path, where, key, bad, str(err))
+                    continue
+                if never_valid:
+                    assert got == plan, f"{(path, *where, key)} = {bad!r} was taken: the plan changed"
+
+
 # Qwen3-Omni's default thinker config has no readable head width (2048 over 28 heads): left out.
 @pytest.mark.parametrize("model_type", [t for t in FAST if t != "qwen3_omni_moe_thinker"])
 def test_a_config_with_one_numeric_field_broken_gives_a_plan_or_a_value_error_naming_the_field(model_type):
-    """The fuzzer's door for model_rope: each numeric field of a real config broken in turn, one at a time.
-    A field model_rope reads is either refused by a ValueError that names it or does not matter; never a
-    TypeError, ZeroDivisionError or IndexError, never a silent 512 for 512.7."""
+    """The fuzzer's door for model_rope: each numeric field of a real config broken in turn, one at a time,
+    then each string and list field (rope_parameters' entries too). A field model_rope reads is either
+    refused by a ValueError that names it or does not matter; never a TypeError, ZeroDivisionError or
+    IndexError, never a silent 512 for 512.7 or a "bogus" layer type taken."""
     d = AutoConfig.for_model(model_type).to_dict()
     model_rope(d)
     _break_each_numeric_field(d)
+    _break_each_other_field(d)
 
 
 def _without_layer_types_equals_what_transformers_builds(model_type):
@@ -572,6 +622,7 @@ def test_every_model_types_config_with_one_numeric_field_broken_gives_a_plan_or_
     except ValueError:
         pytest.skip("model_rope refuses the default config itself")
     _break_each_numeric_field(d)
+    _break_each_other_field(d)
 
 
 @pytest.mark.parametrize(("key", "value"), [("floor_scale", 0), ("attn_scale", "0.1"), ("floor_scale", -8)])
