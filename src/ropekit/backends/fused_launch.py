@@ -35,6 +35,7 @@ __all__ = [
     "FusedLaunch",
     "check_bounds",
     "check_launch",
+    "check_scale_form",
     "fp8_kind",
     "slot_error",
 ]
@@ -177,11 +178,22 @@ def _check_channel(name: str, ch: Channel, launch: FusedLaunch, device, dtype) -
     if ch.by_slot and launch.slots is None:
         _fail("slot_mapping", "a tensor when a channel writes by slot", "None")
     if ch.fp8:
-        s = ch.scale
-        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.device != device:
-            _fail(f"{name} scale", f"a 1-D float32 tensor on {device}", describe(s))
-        if s.shape[0] not in (1, heads) or not s.is_contiguous():
-            _fail(f"{name} scale", f"a contiguous tensor of 1 or {heads} values", describe(s))
+        check_scale_form(f"{name} scale", ch.scale, heads, device)
+
+
+def check_scale_form(name: str, scale: object, heads: int, device, hint: str = "") -> None:
+    """A scale as the kernels read it (stored = value / scale): a contiguous float32 tensor of 1 or
+    ``heads`` values on ``device``. The kernel wall's rule, and the registered ops' (through
+    ``fused.checks.check_kernel_scale``, which adds ``hint``: the forms the public functions also take)."""
+    if (
+        not isinstance(scale, torch.Tensor)
+        or scale.dtype != torch.float32
+        or scale.dim() != 1
+        or scale.shape[0] not in (1, heads)
+        or not scale.is_contiguous()
+        or scale.device != device
+    ):
+        _fail(name, f"a contiguous float32 tensor of 1 or {heads} values on {device}{hint}", describe(scale))
 
 
 def slot_error(slot: int, num_slots: int, token: int | None = None) -> ValueError:

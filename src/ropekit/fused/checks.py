@@ -19,7 +19,7 @@ import numbers
 import numpy as np
 import torch
 
-from ropekit.backends.fused_launch import FP8_KINDS, fp8_kind
+from ropekit.backends.fused_launch import FP8_KINDS, check_scale_form, fp8_kind
 from ropekit.validation import check_in_place_allowed, check_movable, check_writable, describe, is_compiling
 
 __all__ = [
@@ -148,19 +148,8 @@ def check_kernel_scale(name: str, scale: object, heads: int, device: torch.devic
     """A scale as a registered op takes it (what :func:`check_scale` makes of the function's argument): a
     contiguous float32 tensor of 1 or ``heads`` values on ``device``, each finite and > 0. The registered ops'
     own callers reach every backend through this, the torch backend included, which has no kernel wall."""
-    if (
-        not isinstance(scale, torch.Tensor)
-        or scale.dtype != torch.float32
-        or scale.dim() != 1
-        or scale.shape[0] not in (1, heads)
-        or not scale.is_contiguous()
-        or scale.device != device
-    ):
-        raise ValueError(
-            f"{name}: expected a contiguous float32 tensor of 1 or {heads} values on {device} (the "
-            f"registered op's form of a scale; the function also takes a number or a 0-d tensor), got "
-            f"{describe(scale)}"
-        )
+    hint = " (the registered op's form of a scale; the function also takes a number or a 0-d tensor)"
+    check_scale_form(name, scale, heads, device, hint)
     check_scale_values(name, scale)
 
 
