@@ -135,8 +135,14 @@ def test_positions_past_the_cache_raise_what_torchtitan_raises_and_what_ropekit_
         ours(q, k, positions)
     assert isinstance(raised.value, ValueError) and isinstance(raised.value, TorchtitanRopeError)
     assert "positions" in str(raised.value) and str(MAX_SEQ) in str(raised.value)
-    with pytest.raises(ValueError, match="positions: expected"):  # (tokens,) only, for a packed query
-        ours(torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), torch.arange(4)[None].expand(2, 4))
+    packed = torch.randn(4, HEADS, DIM)
+    for bad in (torch.arange(4)[None].expand(2, 4), torch.arange(4)[None], torch.arange(3)):  # (tokens,) only
+        with pytest.raises(
+            TorchtitanRopeError, match=r"^positions: expected \(4,\) \(one per token of the packed"
+        ):
+            ours(packed, packed, bad)
+    with pytest.raises(TorchtitanRopeError, match=r"^key: expected \(tokens, heads, dim\) like query"):
+        ours(packed, packed[None], None)
 
 
 @pytest.mark.parametrize("kind", list(STOCK))
