@@ -466,74 +466,75 @@ def _never_valid(bad) -> bool:
     return isinstance(bad, (str, bool)) or math.isnan(bad) or bad < 0
 
 
-def _break_each_numeric_field(d):
-    """model_rope of d with each numeric field broken in turn (in the language model's config where it is
-    nested): a ValueError that names the field, or a plan; for a value no read field may hold (a string, a
-    bool, NaN, a negative number), the plan of the unbroken config (the field is not read): never a plan
-    that silently took it."""
-    plan = model_rope(d)
-    nested = [(k,) for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
-    for path in [(), *nested]:
-        fields = d if not path else d[path[0]]
-        for key, value in fields.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            for bad in BROKEN:
-                broken = {**d, **({path[0]: {**fields, key: bad}} if path else {key: bad})}
-                try:
-                    got = model_rope(broken)
-                except ValueError as err:  # Moonshine's decoder_* keys are read without their prefix
-                    assert key.removeprefix("decoder_") in str(err), (key, bad, str(err))
-                    continue
-                if _never_valid(bad):
-                    assert got == plan, f"{(*path, key)} = {bad!r} was taken: the plan changed"
-
-
 # Identity and dtype keys: not RoPE fields (model_type names the config; breaking it is another model).
 NOT_FIELDS = {"model_type", "transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"}
 
 
-def _break_each_other_field(d):
-    """model_rope of d with each string and list field broken in turn, in the language model's config and in
-    rope_parameters / rope_scaling (per layer type too): a string or every entry of a list replaced by
-    "bogus" (never a valid value) is refused by a ValueError naming the field or leaves the plan as it was;
-    a list one entry short is refused by name or planned (a block list may set the depth: Nemotron-H)."""
-    plan = model_rope(d)
-    nested = [k for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
-    for path in [None, *nested]:
-        fields = d if path is None else d[path]
-        places = []  # (the dict holding the value, its key, the name a ValueError must give)
+def _numeric_breaks(value):
+    """A numeric field's broken values, each with whether no read field may hold it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return []
+    return [(bad, _never_valid(bad)) for bad in BROKEN]
+
+
+def _other_breaks(value):
+    """A string's or list's broken values: "bogus" (never valid), and a list one entry short (which may be a
+    valid config: a block list can set the depth, Nemotron-H)."""
+    if isinstance(value, str):
+        return [("bogus", True)]
+    if isinstance(value, list) and value:
+        return [(["bogus"] * len(value), True), (value[:-1], False)]
+    return []
+
+
+def _fields(d, *, rope_entries: bool):
+    """(path, key, value) of each field of d and of its language model's nested config; with rope_entries,
+    also of each entry of rope_parameters / rope_scaling (per layer type too) instead of the dict itself."""
+    nested = [(k,) for k in ("text_config", "thinker_config") if isinstance(d.get(k), dict)]
+    for path in [(), *nested]:
+        fields = d if not path else d[path[0]]
         for key, value in fields.items():
             if key in NOT_FIELDS:
                 continue
-            if isinstance(value, dict) and key in ("rope_parameters", "rope_scaling"):
+            if rope_entries and isinstance(value, dict) and key in ("rope_parameters", "rope_scaling"):
                 for sub, entry in value.items():
                     if isinstance(entry, dict):  # per layer type
-                        places += [((key, sub), k, v) for k, v in entry.items()]
+                        yield from (((*path, key, sub), k, v) for k, v in entry.items())
                     else:
-                        places.append(((key,), sub, entry))
+                        yield (*path, key), sub, entry
             else:
-                places.append(((), key, value))
-        for where, key, value in places:
-            if isinstance(value, str):
-                broken = [("bogus", True)]
-            elif isinstance(value, list) and value:
-                broken = [(["bogus"] * len(value), True), (value[:-1], False)]
-            else:
+                yield path, key, value
+
+
+def _break_each_field(d, breaks, *, rope_entries: bool):
+    """model_rope of d with each field broken in turn by ``breaks``: a ValueError that names the field, or a
+    plan; for a value no read field may hold, the plan of the unbroken config (the field is not read):
+    never a plan that silently took it."""
+    plan = model_rope(d)
+    for path, key, value in list(_fields(d, rope_entries=rope_entries)):
+        for bad, never_valid in breaks(value):
+            broken = copy.deepcopy(d)
+            holder = broken
+            for step in path:
+                holder = holder[step]
+            holder[key] = bad
+            try:
+                got = model_rope(broken)
+            except ValueError as err:  # Moonshine's decoder_* keys are read without their prefix
+                assert key.removeprefix("decoder_") in str(err), (path, key, bad, str(err))
                 continue
-            for bad, never_valid in broken:
-                b = copy.deepcopy(d)
-                holder = b if path is None else b[path]
-                for step in where:
-                    holder = holder[step]
-                holder[key] = bad
-                try:
-                    got = model_rope(b)
-                except ValueError as err:
-                    assert key.removeprefix("decoder_") in str(err), (path, where, key, bad, str(err))
-                    continue
-                if never_valid:
-                    assert got == plan, f"{(path, *where, key)} = {bad!r} was taken: the plan changed"
+            if never_valid:
+                assert got == plan, f"{(*path, key)} = {bad!r} was taken: the plan changed"
+
+
+def _break_each_numeric_field(d):
+    """Each numeric field of the config (and of its language model's nested config) broken in turn."""
+    _break_each_field(d, _numeric_breaks, rope_entries=False)
+
+
+def _break_each_other_field(d):
+    """Each string and list field broken in turn, rope_parameters / rope_scaling entries included."""
+    _break_each_field(d, _other_breaks, rope_entries=True)
 
 
 # Qwen3-Omni's default thinker config has no readable head width (2048 over 28 heads): left out.
