@@ -42,6 +42,7 @@ from ropekit.validation import (
     check_in_place_allowed,
     check_movable,
     check_no_alias,
+    check_rotary_position,
     check_tables,
     check_writable,
     check_x,
@@ -277,11 +278,7 @@ def apply_resolved(
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
     if rotary_position != "first":
-        if not isinstance(rotary_position, str) or rotary_position != "last":
-            raise ValueError(
-                f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end "
-                f"it, NoPE first), got {describe(rotary_position)}"
-            )
+        check_rotary_position(rotary_position)
         return _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse)
     if inplace:
         _check_inplace(q, k, cos, sin, pos.tensor)

@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
 from ropekit.config import RopeConfig, config_from
 from ropekit.module import LAYOUT_SHAPES, LAYOUTS
 from ropekit.schedules import mrope_axis_of_pair
-from ropekit.validation import check_bool, check_even, check_int, check_positive
+from ropekit.validation import check_bool, check_even, check_int, check_positive, check_rotary_position
 
 __all__ = [
     "MaxTextRotaryEmbedding",
@@ -311,11 +311,7 @@ def _rotate(
 def _check_flags(interleaved: Any, inverse: Any, rotary_position: Any) -> None:
     check_bool("interleaved", interleaved)
     check_bool("inverse", inverse)
-    if rotary_position not in ("first", "last"):
-        raise ValueError(
-            f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end it), "
-            f"got {_describe(rotary_position)}"
-        )
+    check_rotary_position(rotary_position, _describe)
 
 
 def apply_rotary(

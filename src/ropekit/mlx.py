@@ -31,7 +31,7 @@ import torch
 
 from ropekit.config import RopeConfig
 from ropekit.schedules import mrope_axis_of_pair
-from ropekit.validation import check_bool, check_int, describe
+from ropekit.validation import check_bool, check_int, check_rotary_position, describe
 
 __all__ = ["LAYOUTS", "RotaryEmbedding", "apply_rotary", "cos_sin"]
 
@@ -350,11 +350,7 @@ def _rotate_rows(
     """x (B, T, H, D) rotated by per-token rows cos, sin (B, T, P), in the torch backend's operation order
     (ropekit.backends.eager.rotary.rotate): float32 a*c - b*s and b*c + a*s, then cast to x's dtype."""
     check_bool("interleaved", interleaved)
-    if rotary_position not in ("first", "last"):
-        raise ValueError(
-            f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end it), "
-            f"got {describe(rotary_position)}"
-        )
+    check_rotary_position(rotary_position)
     pairs = cos.shape[-1]
     width = 2 * pairs
     start = x.shape[-1] - width if rotary_position == "last" else 0

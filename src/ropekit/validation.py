@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "check_number",
     "check_positive",
     "check_rotary_dim",
+    "check_rotary_position",
     "check_table_pair",
     "check_tables",
     "check_writable",
@@ -94,6 +96,17 @@ def check_bool(name: str, value: Any) -> bool:
     """value must be a bool (not 0/1, not a string)."""
     if not isinstance(value, bool):
         raise ValueError(f"{name}: expected a bool, got {describe(value)}")
+    return value
+
+
+def check_rotary_position(value: Any, describe: Callable[[Any], str] = describe) -> str:
+    """value must be 'first' or 'last': where the rotated features sit in each head (the one rule of the
+    torch, JAX and MLX paths; ``describe`` renders a received value, arrays included)."""
+    if not isinstance(value, str) or value not in ("first", "last"):
+        raise ValueError(
+            f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end it, "
+            f"NoPE first), got {describe(value)}"
+        )
     return value
 
 
