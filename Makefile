@@ -31,7 +31,9 @@ LATEST_STAMP := $(LATEST_VENV)/.ropekit-installed
 HF_TESTS     := tests/integrations/test_hf.py tests/integrations/test_hf_probe.py \
                 tests/integrations/test_hf_tables.py tests/integrations/test_hf_kernels.py \
                 tests/test_module_hf_parity.py tests/compat/test_hf.py tests/schedules/test_hf_parity.py \
-                tests/tools/test_hf_coverage.py
+                tests/tools/test_hf_coverage.py \
+                tests/test_layer_rope.py::test_a_config_json_without_layer_types_is_planned_as_transformers_builds_it \
+                tests/test_layer_rope.py::test_every_config_json_without_layer_types_is_planned_as_transformers_builds_it
 
 latest-venv: $(LATEST_STAMP)
 
