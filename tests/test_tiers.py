@@ -14,6 +14,11 @@ import pytest
 
 HERE = Path(__file__).parent
 
+# Each test here runs a child pytest (about 4 CPU-s, most of it importing torch). The fast tier keeps the ones
+# that prove what it relies on (the bound fails a run and counts CPU time, the C marker, the cover); the
+# refusals and switches run in make proofs (moved 2026-12-08: 22 CPU-s of a fast tier at its 5-minute edge).
+PROOF = pytest.mark.proof
+
 SLOW = """
 import time
 import pytest
@@ -72,17 +77,20 @@ def test_the_bound_counts_cpu_time_not_the_wall_clock(tmp_path):
     assert "test_waits:" not in done.stdout
 
 
+@PROOF
 def test_a_proof_may_take_longer(tmp_path):
     done = _run(tmp_path, SLOW, "-m", "proof")
     assert done.returncode == 0, done.stdout
     assert "1 passed" in done.stdout and "over its bound" not in done.stdout
 
 
+@PROOF
 def test_the_bound_can_be_turned_off_for_a_loaded_machine(tmp_path):
     done = _run(tmp_path, SLOW, bound="0")
     assert done.returncode == 0, done.stdout
 
 
+@PROOF
 def test_an_engine_test_outside_tests_engines_is_refused(tmp_path):
     body = "import pytest\n\n@pytest.mark.engine\ndef test_needs_vllm():\n    pass\n"
     done = _run(tmp_path, body)
@@ -134,12 +142,14 @@ def test_without_a_compiler_only_the_c_cases_skip_and_the_run_counts_them(tmp_pa
     assert done.stdout.count(": no C compiler (set CC)") == 3  # -rs: both skips, then the count
 
 
+@PROOF
 def test_ci_can_require_a_compiler_so_the_c_tests_never_skip_there(tmp_path):
     done = _run(tmp_path, C_LOOP, CC=str(tmp_path / "no-such-compiler"), ROPEKIT_REQUIRE_C_COMPILER="1")
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
     assert "ROPEKIT_REQUIRE_C_COMPILER=1 but no C compiler was found" in done.stdout + done.stderr
 
 
+@PROOF
 def test_an_unmarked_cpu_case_in_a_parametrized_list_is_refused(tmp_path):
     body = 'import pytest\n\n@pytest.mark.parametrize("launcher", ["torch", "cpu"])\n'
     body += "def test_x(launcher):\n    pass\n"

@@ -22,15 +22,19 @@ TIER_ENV = "ROPEKIT_INTERPRETER_TIER"
 SHARD_ENV = "ROPEKIT_INTERPRETER_SHARD"
 
 
-def tiers(fast_shards: int = 1) -> list:
+def tiers(fast_shards: int = 1, *, fast_runs: int | None = None) -> list:
     """The tiers as pytest parameters: the fast one, split into ``fast_shards`` tests when a suite's cover
     takes longer than the fast tier's per-test bound (shard i runs every fast_shards-th case of the cover,
-    each in its own process, and pytest-xdist spreads the shards over its workers), then the full one."""
+    each in its own process, and pytest-xdist spreads the shards over its workers), then the full one.
+    ``fast_runs``: only the first that many shards run in the fast tier (a suite whose kernel another suite
+    covers); the full tier still runs every case."""
+    if fast_runs is not None and not 1 <= fast_runs <= fast_shards:
+        raise ValueError(f"fast_runs must be in [1, fast_shards={fast_shards}], got {fast_runs!r}")
     if fast_shards == 1:
         fast = [pytest.param("fast", id="fast")]
     else:
         fast = [pytest.param(f"fast-{i}/{fast_shards}", id=f"fast-{i}") for i in range(fast_shards)]
-    return [*fast, pytest.param("full", id="full", marks=pytest.mark.proof)]
+    return [*fast[:fast_runs], pytest.param("full", id="full", marks=pytest.mark.proof)]
 
 
 TIERS = tiers()

@@ -20,10 +20,10 @@ few hundred bytes), keyed also by the checks' own code. A changed check re-reads
 test's time depends on either store (a fresh machine has neither). Triton's own artifacts (about 190 KB a
 specialization) go wherever ``TRITON_CACHE_DIR`` points (the tests: a temporary directory).
 
-Three grids: the fast tier compiles a pairwise :func:`cover`, ``make proofs`` a 3-wise one and the whole
-grid of each kernel whose source or specializations changed since the last ``make proofs-full``, which
-compiles every specialization for every target and records each kernel in :data:`MANIFEST`
-(:func:`write_manifest`, :func:`full_grid_kernels`).
+Three grids: the fast tier compiles a per-axis :func:`cover` (``strength=1``), ``make proofs`` a 3-wise one
+and the whole grid of each kernel whose source or specializations changed since the last
+``make proofs-full``, which compiles every specialization for every target and records each kernel in
+:data:`MANIFEST` (:func:`write_manifest`, :func:`full_grid_kernels`).
 
 Compiling needs Triton's JIT: under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields functions that cannot be
 compiled.
@@ -178,7 +178,7 @@ def cover(
     count at least once), ``strength=2`` (the default) a pairwise one (every constexpr value on every
     target, every pair of flags together, every dtype with every flag), ``strength=3`` a 3-wise one (every
     triple: each pair of flags on every target, each dtype with each pair of flags). The fast tier compiles
-    the pairwise cover, ``make proofs`` the 3-wise one and ``make proofs-full`` the full product.
+    the per-axis cover, ``make proofs`` the 3-wise one and ``make proofs-full`` the full product.
 
     Greedy: each step takes the compile that covers the most uncovered combinations, its count recounted
     only when it reaches the top (a count only shrinks, so a stale one bounds it); among equal counts the

@@ -106,6 +106,7 @@ def test_global_batch_must_split_evenly_over_ranks():
               DistContext(rank=0, world_size=2))  # fmt: skip
 
 
+@pytest.mark.proof  # two processes of the quick training, 17 s: make proofs since 2026-12-08 (CONTRIBUTING)
 def test_two_processes_match_one_process_at_the_same_global_batch(quick_report, quick_ddp_report):
     single = json.loads((quick_report / "results.json").read_text())
     ddp = json.loads((quick_ddp_report / "results.json").read_text())
