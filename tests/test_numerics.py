@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from c_compiler import CPU
 from numerics_paths import cases, draw_paths, observe
+from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
 from triton_interpreter import TIERS, run_interpreter_cases
 
 FAST_EXAMPLES = 300  # per backend: 3-7 s of CPU (2-core AMD EPYC VM)
@@ -93,3 +94,29 @@ def test_proof_any_two_paths_rotate_the_same_tokens_to_the_same_bits(backend, da
 @given(data=st.data())
 def test_proof_a_compiled_call_rotates_to_the_eager_bits(backend, data):
     check_two_paths(data, (backend,), _other(backend), compiles=True)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "dynamic", "factor": 4.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+            "original_max_position_embeddings": 16,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_an_unfrozen_module_rotates_as_the_table_for_its_calls_largest_position(scaling):
+    """docs/numerics.md, batch-dependent types: unfrozen, RotaryEmbedding reads seq_len = the call's largest
+    position + 1 (padding counts), and returns the functional API's bits on a table built for that seq_len."""
+    config = RopeConfig(8, scaling=scaling, max_position_embeddings=32)
+    for seq, first in ((4, 0), (10, 30), (3, 60)):  # below, across and past both schedules' switches
+        rope = RotaryEmbedding(config, layout="bshd")  # fresh: dynamic NTK keeps the longest call it saw
+        q, k = torch.randn(2, seq, 2, 8).bfloat16(), torch.randn(2, seq, 1, 8).bfloat16()
+        offsets = torch.tensor([first, first // 2])
+        cos, sin = config.cos_sin(first + seq, seq_len=first + seq)
+        want = apply_rotary_qk(q, k, cos, sin, offsets=offsets)
+        assert all(torch.equal(a, b) for a, b in zip(rope(q, k, offsets=offsets), want, strict=True))
