@@ -688,6 +688,34 @@ MUTATIONS += [
 ]
 
 
+# The numerics contract (docs/numerics.md, issue 36): a path that rounds differently must fail the property
+# test (tests/test_numerics.py), which compares any two paths bit for bit.
+_NUMERICS = "tests/test_numerics.py::test_any_two_paths_rotate_the_same_tokens_to_the_same_bits"
+MUTATIONS += [
+    Mutation(
+        "numerics: an FMA in the C loop (a * c - b * s rounded once)",
+        "ropekit/backends/c/rotary.py",
+        "                orow[i] = STORE(a * c[i] - b * s[i]); \\\n",
+        "                orow[i] = STORE(__builtin_fmaf(a, c[i], -(b * s[i]))); \\\n",
+        (f"{_NUMERICS}[cpu]",),
+    ),
+    Mutation(
+        "numerics: a product in the input's dtype (bfloat16) in the torch backend",
+        "ropekit/backends/eager/rotary.py",
+        "    ra = a32 * c - b32 * s\n",
+        "    ra = (a * c.to(a.dtype)).to(compute) - b32 * s\n",
+        (f"{_NUMERICS}[torch]", f"{_NUMERICS}[cpu]"),
+    ),
+    Mutation(
+        "numerics: compat.vllm (the engine plugins' path) casts the [cos | sin] cache to the query's dtype",
+        "ropekit/compat/vllm.py",
+        "    cos, sin = _halves(c)\n",
+        "    cos, sin = (t.to(query.dtype) for t in _halves(c))\n",
+        (f"{_NUMERICS}[torch]", f"{_NUMERICS}[cpu]"),
+    ),
+]
+
+
 def occurrences(m: Mutation, root: Path = ROOT) -> list[int]:
     """How many times each old text of m occurs in its file under root/src (each must be 1)."""
     return [(root / "src" / path).read_text().count(old) for path, old, _ in m.edits()]
