@@ -64,6 +64,8 @@ FAMILIES = {
         {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
     ),
     "yarn": Family("LlamaConfig", YARN),
+    # torchtitan's YaRN: a pure rotation (it folds mscale into its softmax scale).
+    "yarn-rotation": Family("LlamaConfig", {**YARN, "attention_factor": 1.0}),
     "llama3": Family("LlamaConfig", LLAMA3),
     # Gemma 4's global layers: p-RoPE on a quarter of the pairs.
     "proportional": Family(
@@ -170,9 +172,9 @@ def engine_rotation(module, positions, q, k):
     return got_q, got_k
 
 
-def compositions(model, recorded, halves_copy):
-    """(name, positions (T,), q, k, q_out, k_out) packed, for each batch composition the model ran; with
-    halves_copy, the features back in pairs order (2i, 2i + 1), where vLLM reads and writes them."""
+def runs(model, recorded):
+    """(name, valid tokens (B, S), positions (B, S), (q, k, q_out, k_out) each (B, S, H, D)) for each batch
+    composition: one sequence, a ragged batch (right-padded), then one decode step of that batch."""
     out = []
     with torch.no_grad():
         ids, mask, positions = batch(LENGTHS[1:2])
@@ -186,11 +188,17 @@ def compositions(model, recorded, halves_copy):
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
         model(ids[:, :1], attention_mask=mask, position_ids=step, past_key_values=prefill.past_key_values)
         out.append(("decode step", torch.ones_like(step), step, recorded.last()))
+    return out
+
+
+def compositions(model, recorded, halves_copy):
+    """:func:`runs` as vLLM packs them: (name, positions (T,), q, k, q_out, k_out), the valid tokens only;
+    with halves_copy, the features back in pairs order (2i, 2i + 1), where vLLM reads and writes them."""
     to_pairs = torch.stack((torch.arange(HEAD_DIM // 2), torch.arange(HEAD_DIM // 2, HEAD_DIM)), -1).flatten()
     order = to_pairs if halves_copy else slice(None)
     return [
         (name, positions[valid.bool()], *(packed(t[..., order], valid) for t in tensors))
-        for name, valid, positions, tensors in out
+        for name, valid, positions, tensors in runs(model, recorded)
     ]
 
 
@@ -236,3 +244,52 @@ def test_a_table_ropekit_cannot_prove_is_vllms_own_cache_kept(params, monkeypatc
     vllm_rope._ROPE_DICT.clear()
     assert type(module) in plugin.registered().values()
     assert torch.equal(module.cos_sin_cache, _vllms_own_cache(module))
+
+
+# -- torchtitan's override against the HF patch ------------------------------------------------------------
+
+# (HF family, torchtitan class, its scaling fields): the same RoPE.
+TORCHTITAN = {
+    "default": ("CosSinRoPE", {"theta": 10000.0}),
+    "gptj-pairs": ("ComplexRoPE", {"theta": 10000.0}),
+    "llama3": (
+        "ComplexRoPE",
+        {
+            "theta": 500000.0,
+            "scaling": "llama",
+            "scaling_factor": 8.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "yarn-rotation": (
+        "CosSinRoPE",
+        {"theta": 10000.0, "scaling": "yarn", "rope_factor": 4.0, "original_seq_len": 64, "truncate": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(TORCHTITAN))
+def test_torchtitan_override_and_hf_patch_rotate_q_and_k_to_identical_bits_in_float32(family, monkeypatch):
+    """torchtitan trains in float32 RoPE: its cache stays float32 whatever q's dtype (the stock modules'
+    contract), where a bfloat16 HF model reads bfloat16 rows; float32 is where the two promise the same table.
+    A llama3 table is rotated in halves by HF's Llama and in pairs by torchtitan's ComplexRoPE: the HF side
+    is Llama's, permuted (the rotation of each pair does not depend on where its features sit)."""
+    from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+
+    from ropekit.integrations.torchtitan import rope
+
+    kind, fields = TORCHTITAN[family]
+    stock = {"ComplexRoPE": ComplexRoPE, "CosSinRoPE": CosSinRoPE}[kind]
+    module = rope(stock.Config(dim=HEAD_DIM, max_seq_len=MAX_POS, **fields)).build()
+    model = patched_model(family, torch.float32)
+    recorded = Recorded(monkeypatch)
+    neox = FAMILIES[family].neox
+    # HF's halves (i, i + D/2) as torchtitan's pairs (2i, 2i + 1), where the two disagree.
+    to_pairs = torch.stack((torch.arange(HEAD_DIM // 2), torch.arange(HEAD_DIM // 2, HEAD_DIM)), -1).flatten()
+    order = to_pairs if neox and kind == "ComplexRoPE" else slice(None)
+    for name, _, positions, tensors in runs(model, recorded):
+        q, k, q_out, k_out = (t[..., order] for t in tensors)
+        got_q, got_k = module(q, k, positions)
+        assert not torch.equal(got_q, q), name  # it rotated
+        assert torch.equal(got_q, q_out), (name, (got_q - q_out).abs().max())
+        assert torch.equal(got_k, k_out), (name, (got_k - k_out).abs().max())
