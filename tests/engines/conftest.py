@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 try:
@@ -16,9 +18,19 @@ try:
     import torchtitan.models.common.rope  # noqa: F401
     import vllm.config
     import vllm.model_executor.layers.rotary_embedding
-    import vllm.plugins  # noqa: F401
+    import vllm.plugins
 except ImportError as err:  # pragma: no cover - a broken engines environment
     raise RuntimeError(
         f"tests/engines needs the engines environment (make engines-venv, then run it with "
         f".venv-engines/bin/python -m pytest tests/engines): {err}"
     ) from err
+
+
+@pytest.fixture(scope="module")
+def vllm_plugin_loaded():
+    """vLLM's own plugin loading, as in a deployment (every entry point of vllm.general_plugins;
+    VLLM_PLUGINS unset), then vLLM's default config current while the module's tests build vLLM modules."""
+    os.environ.pop("VLLM_PLUGINS", None)
+    vllm.plugins.load_general_plugins()
+    with vllm.config.set_current_vllm_config(vllm.config.VllmConfig()):
+        yield

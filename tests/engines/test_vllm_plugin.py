@@ -19,12 +19,11 @@ import vllm.model_executor.layers.rotary_embedding as vllm_rope
 from torch import nn
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor import custom_op
-from vllm.plugins import load_general_plugins
 
 from ropekit.integrations import vllm as plugin
 from rotary_reference import reference_rotation, tolerance
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("vllm_plugin_loaded")]
 
 # (id, vLLM class, head_size, is_neox_style, rope_parameters, max_position)
 FAMILIES = [
@@ -106,15 +105,6 @@ FAMILIES = [
 LLAMA4_VISION = {"rope_type": "mllama4", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # Every dtype vLLM builds caches in for serving.
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def loaded():
-    """vLLM's own plugin loading (every entry point of vllm.general_plugins; VLLM_PLUGINS unset)."""
-    os.environ.pop("VLLM_PLUGINS", None)
-    load_general_plugins()
-    with set_current_vllm_config(VllmConfig()):
-        yield
 
 
 def _vllm_class(module: nn.Module) -> type:

@@ -7,9 +7,11 @@ ropekit.integrations.vllm:register`` is in its metadata) and, where a deployment
 How it plugs in: vLLM's supported door for an out-of-tree kernel,
 ``CustomOp.register_oot(_decorated_op_cls=..., name=...)``. ``CustomOp.__new__`` looks the class name up in
 that registry, so ``get_rope(...)`` and every model that builds ``RotaryEmbedding(...)`` directly then build
-ropekit's class instead. Each replacement *subclasses* vLLM's class: construction and the ``[cos | sin]``
-cache (``cos_sin_cache``, (P, R), row p = [cos(p theta) | sin(p theta)], vLLM's own numbers) stay vLLM's;
-only the forward paths change:
+ropekit's class instead. Each replacement *subclasses* vLLM's class: construction and the shape of the
+``[cos | sin]`` cache (``cos_sin_cache``, (P, R), row p = [cos(p theta) | sin(p theta)]) stay vLLM's; its
+numbers become ropekit's table for the same RoPE (:func:`exact_cache`: float64 angles, the rows a model
+patched by :func:`ropekit.integrations.hf.patch` reads, so both rotate to the same bits), where ropekit proves
+it is vLLM's table up to vLLM's float32 rounding; and the forward paths change:
 
 * ``forward_cuda`` / ``forward_cpu`` (an enabled op: vLLM's default without Inductor, or
   ``--compilation_config.custom_ops '["+rotary_embedding"]'``) rotate query and key in place through
@@ -39,16 +41,28 @@ Nothing here imports vLLM until :func:`register` runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, rotary_embedding
 from ropekit.compat.vllm_variants import _check_rows, check_patch_tokens
+from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.schedules.mrope import mrope_axis_of_pair
 from ropekit.validation import describe
 
-__all__ = ["ADAPTERS", "LEFT", "mrope_rotate", "register", "registered"]
+__all__ = [
+    "ADAPTERS",
+    "LEFT",
+    "SCALINGS",
+    "exact_cache",
+    "mrope_rotate",
+    "register",
+    "registered",
+    "rope_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +78,131 @@ def _with_offsets(positions: torch.Tensor, offsets: torch.Tensor | None) -> torc
     return positions if offsets is None else positions + offsets
 
 
+def _yarn(module) -> dict:
+    """vLLM's YaRN classes: the ramp over ``max_position_embeddings`` (their original length), mscale in
+    the rows."""
+    return {
+        "rope_type": "yarn",
+        "factor": module.scaling_factor,
+        "original_max_position_embeddings": module.max_position_embeddings,
+        "beta_fast": module.beta_fast,
+        "beta_slow": module.beta_slow,
+        "truncate": getattr(module, "truncate", True),  # DeepSeek's class has none: vLLM's ramp truncates
+        "attention_factor": module.mscale,
+    }
+
+
+def _one_linear_factor(module) -> dict:
+    factors = module.scaling_factors
+    if len(factors) != 1:  # vLLM stacks one cache per LoRA factor: not one RoPE
+        raise ValueError(f"scaling_factors: expected one linear factor, got {factors!r}")
+    return {"rope_type": "linear", "factor": factors[0]}
+
+
+# vLLM class name -> its RoPE in ropekit's scaling vocabulary, read from the module's constructor attributes
+# (None: unscaled). DynamicNTK's length is its trained one (RopeConfig's max_position_embeddings below).
+# Not here, so vLLM's cache stays: NTKScalingRotaryEmbedding (vLLM's fixed NTK also divides every frequency
+# by factor^(2/d): not ropekit's "ntk", and no HF model uses it).
+SCALINGS: dict[str, Callable[[Any], dict | None]] = {
+    "RotaryEmbedding": lambda m: None,
+    "LinearScalingRotaryEmbedding": _one_linear_factor,
+    "DynamicNTKScalingRotaryEmbedding": lambda m: {"rope_type": "dynamic", "factor": m.scaling_factor},
+    "DynamicNTKAlphaRotaryEmbedding": lambda m: {"rope_type": "ntk_alpha", "alpha": m.scaling_alpha},
+    "YaRNScalingRotaryEmbedding": _yarn,
+    "DeepseekScalingRotaryEmbedding": _yarn,
+    "Llama3RotaryEmbedding": lambda m: {
+        "rope_type": "llama3",
+        "factor": m.scaling_factor,
+        "low_freq_factor": m.low_freq_factor,
+        "high_freq_factor": m.high_freq_factor,
+        "original_max_position_embeddings": m.orig_max_position,
+    },
+    # vLLM widens rotary_dim to head_size and zero-pads the frequencies past rope_angles.
+    "Gemma4RotaryEmbedding": lambda m: {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 2 * m.rope_angles / m.head_size,
+    },
+    # The cache is 1-D (each axis picks its rows at lookup): plain, or YaRN when scaled.
+    "MRotaryEmbedding": lambda m: None if m.scaling_factor is None else _yarn(m),
+}
+
+
+def rope_config(module) -> RopeConfig:
+    """The :class:`ropekit.RopeConfig` whose table a vLLM rotary module's ``cos_sin_cache`` holds.
+
+    Raises:
+        ValueError: a class or a setting ropekit does not read (named).
+    """
+    name = _vllm_name(module)
+    if name not in SCALINGS:
+        raise ValueError(f"module: vLLM's {name} has no RopeConfig in ropekit's plugin")
+    length = getattr(module, "max_trained_positions", module.max_position_embeddings)
+    return RopeConfig(
+        module.head_size,
+        float(module.base),
+        rotary_dim=module.rotary_dim,
+        interleaved=not module.is_neox_style,
+        scaling=SCALINGS[name](module),
+        max_position_embeddings=length,
+    )
+
+
+def _vllm_name(module) -> str:
+    """The name of the vLLM class a module is (or a ropekit class stands in for)."""
+    return next(c for c in type(module).__mro__ if c.__module__.startswith("vllm.")).__name__
+
+
+def exact_cache(module) -> torch.Tensor | None:
+    """ropekit's [cos | sin] table for the module's RoPE, shaped and typed like its ``cos_sin_cache``: angles
+    in float64, rounded to float32, then to the cache's dtype (the rows a patched HF model reads, so the two
+    rotate q and k to the same bits); None, with the reason logged, where ropekit cannot prove it is the
+    module's own table up to vLLM's float32 rounding of the angles (p * theta formed in float32: about
+    p * 2^-24 radians at row p), and vLLM's cache stays.
+    """
+    cache = getattr(module, "cos_sin_cache", None)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or not cache.dtype.is_floating_point:
+        return None
+    try:
+        config = rope_config(module)
+        rows = cache.shape[0]
+        seq_len = rows if config.length_dependent else None
+        cos, sin = config.cos_sin(rows, seq_len=seq_len, device=cache.device)  # float32, (P, R/2) each
+    except ValueError as err:
+        logger.info("ropekit: %s keeps vLLM's cos_sin_cache: %s", type(module).__name__, err)
+        return None
+    ours = torch.cat([cos, sin], dim=-1).to(cache.dtype)  # (P, R) = [cos | sin]
+    if ours.shape != cache.shape:
+        logger.info(
+            "ropekit: %s keeps vLLM's cos_sin_cache: ropekit's table is %s, vLLM's %s",
+            type(module).__name__, tuple(ours.shape), tuple(cache.shape),
+        )  # fmt: skip
+        return None
+    scale = float(cache.abs().max()) if cache.numel() else 1.0
+    row = torch.arange(rows, device=cache.device, dtype=torch.float64)[:, None]  # (P, 1)
+    bound = 4 * scale * (torch.finfo(cache.dtype).eps + torch.finfo(torch.float32).eps * (1 + row))
+    excess = (ours.double() - cache.double()).abs() - bound  # (P, R)
+    if cache.numel() and float(excess.max()) > 0:
+        logger.info(
+            "ropekit: %s keeps vLLM's cos_sin_cache: ropekit's table differs past float32 rounding "
+            "(by %.3g over the bound)", type(module).__name__, float(excess.max()),
+        )  # fmt: skip
+        return None
+    return ours
+
+
 class CacheForwards:
     """vLLM's ``RotaryEmbedding`` forward: row ``positions[t]`` of the [cos | sin] cache rotates token t.
 
     Serves every class whose forward is that lookup and which differs from ``RotaryEmbedding`` only in how it
-    fills its cache (scaled frequencies, a YaRN mscale baked into the rows, ...).
+    fills its cache (scaled frequencies, a YaRN mscale baked into the rows, ...). The constructor is vLLM's;
+    the cache it built then holds :func:`exact_cache`'s rows where ropekit proves them.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cache = exact_cache(self)
+        if cache is not None:
+            self.cos_sin_cache = cache  # the registered buffer, replaced: vLLM moves it with the model
 
     def forward_native(self, positions, query, key=None, offsets=None):
         positions = _with_offsets(positions, offsets)
