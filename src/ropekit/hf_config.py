@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ropekit.schedules import get_schedule
-from ropekit.schedules.registry import STRUCTURAL_KEYS
+from ropekit.schedules.registry import STRUCTURAL_KEYS, RopeSpec, split_scaling
 from ropekit.schedules.yarn import telechat3_attention_factor
 from ropekit.validation import check_fraction, check_int, describe
 
@@ -635,8 +635,6 @@ def indexer_rope_kwargs(config: Any) -> dict[str, Any]:
     Raises:
         ValueError: for a config without index_head_dim or qk_rope_head_dim.
     """
-    from ropekit.config import RopeConfig  # config sits beside this module and imports it lazily too
-
     d = load_hf_config(config)
     for key in ("index_head_dim", "qk_rope_head_dim"):
         if not isinstance(d.get(key), int):
@@ -646,7 +644,14 @@ def indexer_rope_kwargs(config: Any) -> dict[str, Any]:
     kwargs = rope_kwargs(d)
     scaling = kwargs["scaling"]
     if scaling is not None and scaling.get("mscale_all_dim"):
-        table_factor = RopeConfig(**kwargs).attention_scaling()
+        # the tables' factor (RopeConfig.attention_scaling), from the schedule itself: this module sits below
+        # RopeConfig (config.py reads configs through it) and never builds one. No width enters the factor.
+        schedule, params = split_scaling(scaling)
+        widths = d["qk_rope_head_dim"], d["index_head_dim"]
+        spec = RopeSpec(kwargs["base"], *widths, kwargs["max_position_embeddings"], params)
+        if schedule.validate is not None:
+            schedule.validate(spec)
+        table_factor = float(schedule.fn(spec, None)[1])
         scaling = {k: v for k, v in scaling.items() if k not in ("mscale", "mscale_all_dim")}
         scaling["attention_factor"] = table_factor
     return {

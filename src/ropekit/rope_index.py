@@ -34,7 +34,14 @@ from typing import Any
 import torch
 
 from ropekit.hf_config import load_hf_config
-from ropekit.validation import check_int, check_movable, check_number, describe
+from ropekit.validation import (
+    check_grid_thw,
+    check_int,
+    check_movable,
+    check_number,
+    check_seconds_per_grid,
+    describe,
+)
 
 __all__ = [
     "ROPE_INDEX_FAMILIES",
@@ -82,16 +89,6 @@ def _family_and_vision(config: Any) -> tuple[str, Mapping[str, Any]]:
             f"full multimodal config, not its text_config), got {describe(vision)}"
         )
     return ROPE_INDEX_FAMILIES[model_type], vision
-
-
-def _grids(name: str, grid_thw: torch.Tensor | None) -> torch.Tensor | None:
-    if grid_thw is None:
-        return None
-    if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[-1] != 3:
-        raise ValueError(f"{name}: expected an integer tensor of shape (count, 3), got {describe(grid_thw)}")
-    if grid_thw.is_floating_point() or grid_thw.is_complex() or (grid_thw.numel() and grid_thw.min() < 1):
-        raise ValueError(f"{name}: expected positive integer (t, h, w) rows, got {grid_thw.tolist()}")
-    return grid_thw.to("cpu", torch.int64)
 
 
 def _runs(types: list[int]) -> Iterator[tuple[int, int]]:
@@ -171,8 +168,8 @@ def get_rope_index(
             "mm_token_type_ids: expected 0 (text), 1 (image) or 2 (video), "
             f"got values {types.unique().tolist()}"
         )
-    images = _grids("image_grid_thw", image_grid_thw)
-    videos = _grids("video_grid_thw", video_grid_thw)
+    images = check_grid_thw("image_grid_thw", image_grid_thw)
+    videos = check_grid_thw("video_grid_thw", video_grid_thw)
     intervals = _video_intervals(family, vision, videos, second_per_grid_ts)
     if family == "qwen3_vl" and videos is not None:  # one run per frame, each frame a (1, h, w) grid
         intervals = intervals.repeat_interleave(videos[:, 0])
@@ -241,7 +238,7 @@ def _video_intervals(
     if second_per_grid_ts is None:
         seconds = torch.ones(count)
     else:
-        seconds = _seconds(second_per_grid_ts)
+        seconds = check_seconds_per_grid(second_per_grid_ts)
         if seconds.dim() != 1 or seconds.shape[0] < count:
             raise ValueError(
                 f"second_per_grid_ts: expected one number per video ({count}), "
@@ -252,22 +249,6 @@ def _video_intervals(
         raise ValueError("config['vision_config']['tokens_per_second']: Qwen2.5-VL needs it, got none")
     check_number("config['vision_config']['tokens_per_second']", tokens_per_second, minimum=0)
     return tokens_per_second * seconds
-
-
-def _seconds(second_per_grid_ts: Any) -> torch.Tensor:
-    """second_per_grid_ts on the host, each a finite number >= 0 (Qwen2.5-VL, Qwen3-Omni).
-
-    nan or inf seconds made frame positions of -2^63 (Qwen2.5-VL) or NaN (Qwen3-Omni); negative ones run time
-    backwards.
-    """
-    check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
-    seconds = torch.as_tensor(second_per_grid_ts).cpu()
-    if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
-        raise ValueError(
-            f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
-            f"{seconds.reshape(-1).tolist()[:8]}"
-        )
-    return seconds
 
 
 def mrope_decode_positions(

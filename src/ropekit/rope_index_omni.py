@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ropekit.validation import check_bool, check_int, describe
+from ropekit.validation import check_bool, check_grid_thw, check_int, check_seconds_per_grid, describe
 
 __all__ = ["audio_output_length", "omni_rope_index"]
 
@@ -261,15 +261,13 @@ def _counting(grids: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
 
 def _queues(image_grid_thw, video_grid_thw, second_per_grids, audio_seqlens) -> dict[str, Any]:
     """Batch-wide queues of (grid, seconds) per image and video, and feature lengths per audio."""
-    from ropekit.rope_index import _grids, _seconds  # the checks of the Qwen-VL families, shared
-
-    images = _grids("image_grid_thw", image_grid_thw)
-    videos = _grids("video_grid_thw", video_grid_thw)
+    images = check_grid_thw("image_grid_thw", image_grid_thw)
+    videos = check_grid_thw("video_grid_thw", video_grid_thw)
     image_list = [] if images is None else [tuple(g) for g in images.tolist()]
     video_list = [] if videos is None else [tuple(g) for g in videos.tolist()]
     seconds = [1.0] * len(video_list)
     if second_per_grids is not None:
-        seconds = _seconds(second_per_grids).reshape(-1).tolist()
+        seconds = check_seconds_per_grid(second_per_grids).reshape(-1).tolist()
     audios = [] if audio_seqlens is None else torch.as_tensor(audio_seqlens).reshape(-1).tolist()
     videos_seconds = zip(video_list, seconds, strict=False)  # too few seconds: the queue ends early
     state = {"image": iter(image_list), "video": iter(videos_seconds), "audio": iter(audios)}

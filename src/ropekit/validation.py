@@ -22,6 +22,7 @@ __all__ = [
     "check_disjoint",
     "check_even",
     "check_fraction",
+    "check_grid_thw",
     "check_head_dim",
     "check_in_place_allowed",
     "check_int",
@@ -31,6 +32,7 @@ __all__ = [
     "check_positive",
     "check_rotary_dim",
     "check_rotary_position",
+    "check_seconds_per_grid",
     "check_table_pair",
     "check_tables",
     "check_writable",
@@ -445,3 +447,32 @@ def _solve(residual: int, ranges: list[tuple[int, int, int]], budget: list[int])
         if found is not False:
             return found
     return False
+
+
+def check_grid_thw(name: str, grid_thw: Any) -> torch.Tensor | None:
+    """A Qwen-VL / Qwen3-Omni ``image_grid_thw`` or ``video_grid_thw``: None, or an integer (count, 3)
+    tensor of positive (t, h, w) rows, returned as int64 on the host (:mod:`ropekit.rope_index`,
+    :mod:`ropekit.rope_index_omni`)."""
+    if grid_thw is None:
+        return None
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[-1] != 3:
+        raise ValueError(f"{name}: expected an integer tensor of shape (count, 3), got {describe(grid_thw)}")
+    if grid_thw.is_floating_point() or grid_thw.is_complex() or (grid_thw.numel() and grid_thw.min() < 1):
+        raise ValueError(f"{name}: expected positive integer (t, h, w) rows, got {grid_thw.tolist()}")
+    return grid_thw.to("cpu", torch.int64)
+
+
+def check_seconds_per_grid(second_per_grid_ts: Any) -> torch.Tensor:
+    """second_per_grid_ts on the host, each a finite number >= 0 (Qwen2.5-VL, Qwen3-Omni).
+
+    nan or inf seconds made frame positions of -2^63 (Qwen2.5-VL) or NaN (Qwen3-Omni); negative ones run time
+    backwards.
+    """
+    check_movable("second_per_grid_ts", second_per_grid_ts, torch.device("cpu"), where="the host device")
+    seconds = torch.as_tensor(second_per_grid_ts).cpu()
+    if seconds.is_complex() or not bool(seconds.isfinite().all() & (seconds >= 0).all()):
+        raise ValueError(
+            f"second_per_grid_ts: expected finite numbers >= 0 (seconds per temporal patch), got "
+            f"{seconds.reshape(-1).tolist()[:8]}"
+        )
+    return seconds
