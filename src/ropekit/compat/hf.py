@@ -259,7 +259,16 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
     out = launch_rotary(
-        q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend, conjugate=False
+        q,
+        k,
+        cos_rows,
+        sin_rows,
+        starts,
+        interleaved=False,
+        inplace=False,
+        backend=backend,
+        conjugate=False,
+        numerics="exact",
     )[0]  # the rotation's gate: a steady step is its plan (a miss is looked up again by apply_rotary_qk)
     if out is None:
         with peer_names({"x": "q"}):

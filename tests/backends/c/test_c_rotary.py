@@ -192,3 +192,23 @@ def test_cpu_planned_positions_keep_the_checked_paths_errors(form):
     """A position past the table or negative, or malformed cu_seqlens, after the key was planned: the loop
     refuses it before writing, and the checked path raises exactly its message."""
     check_planned_positions_errors("cpu", form)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("conjugate", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_the_loops_per_op_rounding_equals_the_torch_backends_peer_arithmetic(
+    dtype, interleaved, conjugate, strided
+):
+    cos, sin = tables(10)  # partial rotary: rotary_dim 10 of head_dim 16
+    x = (8 * torch.randn(2, 5, 3, 16)).to(dtype)
+    if strided:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
+    rows = torch.randint(0, 16, (2, 5))
+    flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=False, numerics="hf")
+    got, _ = backends.BACKENDS["cpu"].rotate_qk(x, None, cos, sin, rows, **flags)
+    want, _ = backends.BACKENDS["torch"].rotate_qk(x, None, cos, sin, rows, **flags)
+    assert torch.equal(got, want)
+    exact, _ = backends.BACKENDS["cpu"].rotate_qk(x, None, cos, sin, rows, **{**flags, "numerics": "exact"})
+    assert torch.equal(exact, got) == (dtype == torch.float32)
