@@ -32,6 +32,18 @@ def test_patched_model_equals_unpatched(model_type):
         assert row.model_rope_tables, row.detail
 
 
+@pytest.mark.cover(
+    every=2
+)  # fast tier: every 2nd case; the others (all types with ROPEKIT_HF_COVERAGE=all): proofs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_patched_with_numerics_hf_the_model_is_bit_identical(model_type, dtype):
+    row = hf_coverage.check_model_type(model_type, numerics="hf", dtype=dtype)
+    assert row.status != "unequal", row.detail  # "patched" here means max diff 0 and the same generation
+    if model_type in hf_coverage.REPRESENTATIVE:
+        assert row.status == "patched" and "max diff 0.0e+00" in row.detail, row.detail
+
+
 def test_representative_types_are_enumerated_and_cover_every_variant():
     enumerated = hf_coverage.rope_model_types()
     assert set(hf_coverage.REPRESENTATIVE) <= set(enumerated)
