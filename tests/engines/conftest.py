@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 try:
@@ -22,3 +24,15 @@ except ImportError as err:  # pragma: no cover - a broken engines environment
         f"tests/engines needs the engines environment (make engines-venv, then run it with "
         f".venv-engines/bin/python -m pytest tests/engines): {err}"
     ) from err
+
+
+@pytest.fixture
+def vllm_numerics(monkeypatch, request):
+    """The test module's ``plugin`` registered with ROPEKIT_NUMERICS=vllm (the engine's own forward_native
+    bits), then registered again without it ("exact")."""
+    register = request.module.plugin.register
+    monkeypatch.setenv("ROPEKIT_NUMERICS", "vllm")
+    register()
+    yield
+    monkeypatch.delenv("ROPEKIT_NUMERICS")
+    register()

@@ -20,7 +20,6 @@ from sglang.srt.layers.rotary_embedding import mrope as sglang_mrope
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
 
 from ropekit.integrations import sglang as plugin
-from ropekit.integrations import vllm as vllm_plugin
 from rotary_reference import reference_rotation, tolerance
 
 pytestmark = pytest.mark.engine
@@ -204,16 +203,6 @@ def test_second_register_changes_nothing():
     plugin.register()
     HookRegistry.apply_hooks()
     assert {m: sglang_base.RotaryEmbedding.__dict__[m] for m in METHODS} == before
-
-
-@pytest.fixture
-def vllm_numerics(monkeypatch):
-    """The plugin registered with ROPEKIT_NUMERICS=vllm (SGLang's own native bits), "exact" afterwards."""
-    monkeypatch.setenv(vllm_plugin.NUMERICS_ENV, "vllm")
-    plugin.register()
-    yield
-    monkeypatch.delenv(vllm_plugin.NUMERICS_ENV)
-    plugin.register()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

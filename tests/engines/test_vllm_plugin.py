@@ -296,16 +296,6 @@ def test_vllm_plugins_not_naming_ropekit_leaves_vllms_classes():
     assert built("ropekit") == "ropekit.integrations.vllm.RopekitRotaryEmbedding"
 
 
-@pytest.fixture
-def vllm_numerics(monkeypatch):
-    """The plugin registered with ROPEKIT_NUMERICS=vllm (vLLM's own bits), "exact" again afterwards."""
-    monkeypatch.setenv(plugin.NUMERICS_ENV, "vllm")
-    plugin.register()
-    yield
-    monkeypatch.delenv(plugin.NUMERICS_ENV)
-    plugin.register()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(("family", "name", "head_size", "neox", "params", "max_position"), FAMILIES)
 def test_numerics_vllm_equals_stock_forward_native_bit_for_bit(
