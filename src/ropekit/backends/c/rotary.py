@@ -98,7 +98,7 @@ static inline int64_t packed_sequence(const void *cu, int cu32, int64_t n, int64
 }
 
 /* st: strides in elements, {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}. */
-#define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND) \
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
                          int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
                          int interleaved, int copy_tail, int direct, int per_op) { \
@@ -106,19 +106,21 @@ static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t hea
     for (int64_t h = 0; h < heads; ++h) { \
         const T *xr = x + h * sx; \
         T *orow = out + h * so; \
-        if (per_op) { /* numerics "hf" / "vllm": each product and sum rounded to T, as PyTorch's ops in T \
-                         (a product of two values of T is exact in float32); the same single pass */ \
-            const int64_t n = interleaved ? 2 * half : half; \
-            for (int64_t j = 0; j < n; ++j) { \
-                float a, b, cc, ss; /* out = a cc + b ss: ss carries the pair's sign (s2 is signed) */ \
-                if (interleaved) { a = LOAD(xr[j]); b = LOAD(xr[j ^ 1]); cc = c2[j]; ss = s2[j]; } \
-                else { a = LOAD(xr[j]); b = LOAD(xr[j + half]); cc = c[j]; ss = -s[j]; } \
-                ra[j] = LOAD(STORE(LOAD(STORE(a * cc)) + LOAD(STORE(b * ss)))); \
-                if (!interleaved) rb[j] = LOAD(STORE(LOAD(STORE(b * cc)) + LOAD(STORE(a * s[j])))); \
+        if (per_op && interleaved) { /* numerics "hf" / "vllm": each product and sum rounded to T, as \
+                    PyTorch's ops in T (a product of two values of T is exact in float32); the same pass */ \
+            for (int64_t j = 0; j < 2 * half; ++j) xf[j] = LOAD(xr[j]); \
+            for (int64_t j = 0; j < 2 * half; ++j) /* s2 carries each pair's sign */ \
+                ra[j] = ROUND(ROUND(xf[j] * c2[j]) + ROUND(xf[j ^ 1] * s2[j])); \
+            for (int64_t j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
+        } else if (per_op) { \
+            for (int64_t i = 0; i < half; ++i) { \
+                float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
+                ra[i] = ROUND(ROUND(a * c[i]) - ROUND(b * s[i])); \
+                rb[i] = ROUND(ROUND(b * c[i]) + ROUND(a * s[i])); \
             } \
-            for (int64_t j = 0; j < n; ++j) { \
-                orow[j] = STORE(ra[j]); \
-                if (!interleaved) orow[j + half] = STORE(rb[j]); \
+            for (int64_t i = 0; i < half; ++i) { \
+                orow[i] = STORE(ra[i]); \
+                orow[i + half] = STORE(rb[i]); \
             } \
         } else if (interleaved) { /* c2, s2: c, s per pair, s2 signed; out[j] = x[j] c2 + x[j^1] s2 */ \
             int64_t j = 0; \
@@ -211,7 +213,7 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
         float s[ROPEKIT_MAX_HALF], c2[2 * ROPEKIT_MAX_HALF], s2[2 * ROPEKIT_MAX_HALF], cr[ROPEKIT_MAX_HALF]; \
         for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
         if (per_op) { /* the peers' tables are cast to T first */ \
-            for (int64_t i = 0; i < half; ++i) { cr[i] = LOAD(STORE(c[i])); s[i] = LOAD(STORE(s[i])); } \
+            for (int64_t i = 0; i < half; ++i) { cr[i] = ROUND(c[i]); s[i] = ROUND(s[i]); } \
             c = cr; \
         } \
         if (interleaved) \
@@ -230,9 +232,20 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     return -1; \
 }
 
-DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
-DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+/* A float rounded to T and back (numerics "hf" / "vllm"): branch-free, so the per-op loops vectorize; bf16 as
+   bf16_store rounds (to nearest even, a NaN kept quiet). */
+static inline float bf16_round(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? ((u | 0x00400000u) & 0xffff0000u) : rounded;
+    memcpy(&f, &r, 4); return f;
+}
+#define F32_ROUND(v) (v)
+#define F16_ROUND(v) ((float)(_Float16)(v))
+
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE, F16_ROUND)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store, bf16_round)
 """
 )
 
