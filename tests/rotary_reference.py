@@ -15,7 +15,15 @@ import torch
 
 from ropekit import reference
 
-__all__ = ["assert_matches_reference", "reference_rotation", "reference_tables", "tolerance"]
+__all__ = [
+    "PEER_ROTATIONS",
+    "assert_matches_reference",
+    "hf_rotation",
+    "reference_rotation",
+    "reference_tables",
+    "tolerance",
+    "vllm_rotation",
+]
 
 
 def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict[str, float]:
@@ -59,3 +67,50 @@ def assert_matches_reference(got, x, cos, sin, positions, *, interleaved, conjug
     want = reference_rotation(x, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
     scale = float(x.detach().abs().max()) if x.numel() else 1.0
     torch.testing.assert_close(got.detach().double(), want, **tolerance(got.dtype, scale))
+
+
+# -- the peers' own torch expressions, written as they write them (numerics="hf" / "vllm") ------------------
+
+
+def _peer_rows(x, cos, sin, positions, inverse):
+    """Each token's table row cast to x's dtype, as the peers cast it, with a heads axis: (..., 1, R/2)."""
+    c = cos[positions].to(x.dtype).unsqueeze(-2)
+    s = sin[positions].to(x.dtype).unsqueeze(-2)
+    return c, (-s if inverse else s)
+
+
+def hf_rotation(x, cos, sin, positions, *, interleaved, inverse=False):
+    """transformers' eager ``q * cos + rotate_half(q) * sin`` in x's dtype on the first R features (full-width
+    rows: ``cat(freqs, freqs)``; interleaved: ``repeat_interleave`` and Cohere's interleaved rotate_half); the
+    rest pass through. cos, sin (L, R/2); positions: x.shape[:-2]. inverse: sin negated."""
+    c, s = _peer_rows(x, cos, sin, positions, inverse)
+    rot = 2 * cos.shape[-1]
+    x_rot = x[..., :rot]
+    if interleaved:
+        c, s = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+        rotated_half = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    else:
+        c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+        rotated_half = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x_rot * c + rotated_half * s, x[..., rot:]), dim=-1)
+
+
+def vllm_rotation(x, cos, sin, positions, *, interleaved, inverse=False):
+    """vLLM's ``apply_rotary_emb_torch`` (``forward_native``): ``x1 * cos - x2 * sin``, ``x2 * cos + x1 *
+    sin`` in x's dtype on the first R features, cos / sin the cache's halves cast to x's dtype."""
+    c, s = _peer_rows(x, cos, sin, positions, inverse)
+    rot = 2 * cos.shape[-1]
+    x_rot = x[..., :rot]
+    if interleaved:
+        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+    else:
+        x1, x2 = torch.chunk(x_rot, 2, dim=-1)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+PEER_ROTATIONS = {"hf": hf_rotation, "vllm": vllm_rotation}

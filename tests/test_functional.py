@@ -21,7 +21,7 @@ from boundary_checks import (
 from c_compiler import CPU
 from ropekit import RopeConfig, apply_rotary, apply_rotary_qk
 from ropekit import reference as ref
-from rotary_reference import assert_matches_reference
+from rotary_reference import PEER_ROTATIONS, assert_matches_reference, hf_rotation, reference_rotation
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BATCH, SEQ, TABLE_LEN = 2, 5, 32
@@ -622,3 +622,113 @@ def test_in_place_with_cu_seqlens_or_offsets_inside_the_input_is_refused_as_plan
     with pytest.raises(ValueError, match=rf"^x: it is written and shares memory with {index}"):
         apply_rotary(x, cos, sin, inplace=True, backend=backend, **kwargs)
     assert torch.equal(storage.view(torch.int32), before.view(torch.int32))
+
+
+# -- numerics= (issue 36): a peer's bits on request ----------------------------------------------------------
+
+PEER_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _peer_case(dtype, rotary_dim, seed=0):
+    """x (B, S, H, 16), float32 tables (TABLE_LEN, rotary_dim / 2), explicit rows (B, S)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(BATCH, SEQ, 3, 16, generator=g)).to(dtype)  # scale 4: products round in bf16
+    cos, sin = RopeConfig(16, rotary_dim=rotary_dim).cos_sin(TABLE_LEN)
+    positions = torch.randint(0, TABLE_LEN, (BATCH, SEQ), generator=g)
+    return x, cos, sin, positions
+
+
+@pytest.mark.cover
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", ["torch", CPU, "auto"])
+@pytest.mark.parametrize("dtype", PEER_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 10])  # full and partial rotary
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("kind", ["positions", "offset"])
+def test_numerics_mode_equals_the_peers_torch_expression_bit_for_bit(
+    numerics, backend, dtype, interleaved, rotary_dim, inverse, kind
+):
+    x, cos, sin, positions = _peer_case(dtype, rotary_dim)
+    k = x[:, :, :2].flip(-1).contiguous()  # GQA: fewer key heads
+    if kind == "offset":
+        positions = torch.arange(7, 7 + SEQ).expand(BATCH, SEQ)
+        where = dict(offsets=7)
+    else:
+        where = dict(positions=positions)
+    peer = PEER_ROTATIONS[numerics]
+    flags = dict(interleaved=interleaved, inverse=inverse)
+    want_q, want_k = (peer(t, cos, sin, positions, **flags) for t in (x, k))
+    kw = dict(**where, **flags, backend=backend, numerics=numerics)
+    for _ in range(2):  # the checked path, then the launch plan it kept
+        q_out, k_out = apply_rotary_qk(x, k, cos, sin, **kw)
+        assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+        assert torch.equal(apply_rotary(x, cos, sin, **kw), want_q)
+    q_in, k_in = x.clone(), k.clone()
+    apply_rotary_qk(q_in, k_in, cos, sin, **kw, inplace=True)
+    assert torch.equal(q_in, want_q) and torch.equal(k_in, want_k)
+
+
+@pytest.mark.parametrize("backend", ["torch", CPU])
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_numerics_mode_reads_hf_full_width_per_token_tables_as_hf_does(backend, numerics):
+    x, cos, sin, positions = _peer_case(torch.bfloat16, 16)
+    cos_hf = torch.cat((cos, cos), -1)[positions].to(torch.bfloat16)  # (B, S, D): HF's rotary module output
+    sin_hf = torch.cat((sin, sin), -1)[positions].to(torch.bfloat16)
+    got = apply_rotary(x, cos_hf, sin_hf, per_token=True, full_width=True, numerics=numerics, backend=backend)
+    assert torch.equal(got, hf_rotation(x, cos, sin, positions, interleaved=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_numerics_modes_equal_exact_in_float32_and_float64(dtype):
+    x, cos, sin, positions = _peer_case(dtype, 10)
+    if dtype == torch.float64:
+        cos, sin = cos.double(), sin.double()
+    exact = apply_rotary(x, cos, sin, positions=positions)
+    for numerics in ("hf", "vllm"):
+        assert torch.equal(apply_rotary(x, cos, sin, positions=positions, numerics=numerics), exact)
+    assert torch.equal(hf_rotation(x, cos, sin, positions, interleaved=False), exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_is_the_default_and_rounds_once_unlike_the_peers(dtype, assert_matches_reference):
+    x, cos, sin, positions = _peer_case(dtype, 16)
+    default = apply_rotary(x, cos, sin, positions=positions)
+    assert torch.equal(default, apply_rotary(x, cos, sin, positions=positions, numerics="exact"))
+    assert_matches_reference(default, x, cos, sin, positions.numpy(), interleaved=False)
+    peer = apply_rotary(x, cos, sin, positions=positions, numerics="hf")
+    assert not torch.equal(peer, default)  # the modes differ in 16-bit dtypes: the tests above can fail
+    exact_error = (default.double() - ref_rotation(x, cos, sin, positions)).abs().sum()
+    peer_error = (peer.double() - ref_rotation(x, cos, sin, positions)).abs().sum()
+    assert exact_error < peer_error  # one rounding is the closer to the exact rotation
+
+
+def ref_rotation(x, cos, sin, positions):
+    return reference_rotation(x, cos, sin, positions.numpy(), interleaved=False)
+
+
+@pytest.mark.parametrize("numerics", ["HF", "", None, 1, "fast"])
+def test_numerics_other_than_the_three_modes_is_a_value_error_naming_it(numerics):
+    x, cos, sin, _ = _peer_case(torch.float32, 16)
+    with pytest.raises(ValueError, match=r"numerics: expected 'exact' .*'hf' .*'vllm'.*, got"):
+        apply_rotary(x, cos, sin, numerics=numerics)
+    with pytest.raises(ValueError, match="numerics: expected"):
+        rows = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        apply_rotary_qk(x, x, cos, sin, positions=rows, numerics=numerics)
+
+
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_triton_refuses_a_numerics_mode_it_does_not_compute_naming_the_backends_that_do(numerics):
+    x, cos, sin, _ = _peer_case(torch.bfloat16, 16)
+    with pytest.raises(ValueError, match=rf"backend: 'triton' cannot serve numerics='{numerics}'.*'torch'"):
+        apply_rotary(x, cos, sin, numerics=numerics, backend="triton")
+
+
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_a_numerics_mode_rotation_has_the_peers_gradient(numerics):
+    x, cos, sin, positions = _peer_case(torch.bfloat16, 10)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype)
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    apply_rotary(mine, cos, sin, positions=positions, numerics=numerics).backward(grad)
+    PEER_ROTATIONS[numerics](theirs, cos, sin, positions, interleaved=False).backward(grad)
+    assert torch.equal(mine.grad, theirs.grad)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from call_count import ropekit_calls
-from ropekit import RopeConfig, RotaryEmbedding, apply_rotary_qk
+from ropekit import RopeConfig, RotaryEmbedding, apply_rotary, apply_rotary_qk
 from ropekit.backends.plan import clear_plans
 from ropekit.functional import apply_resolved
 
@@ -1117,3 +1117,22 @@ def test_a_torch_whose_private_names_moved_gets_nn_module_call(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and seen == [2]
     rope._forward_hooks.clear()
     assert all(torch.equal(a, b) for a, b in zip(rope(q, k), want, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_a_module_built_with_numerics_rotates_in_that_mode_and_says_so(layout, numerics):
+    rope = RotaryEmbedding(head_dim=32, layout=layout, numerics=numerics)
+    q = (4 * torch.randn(2, 5, 3, 32)).bfloat16()  # (B, S, H, D)
+    view = q if layout == "bshd" else q.transpose(1, 2)
+    want = apply_rotary(q, rope.cos, rope.sin, offsets=3, numerics=numerics)
+    got = rope(view, offsets=3)
+    got = got if layout == "bshd" else got.transpose(1, 2)
+    assert torch.equal(got, want) and not torch.equal(got, apply_rotary(q, rope.cos, rope.sin, offsets=3))
+    assert f"numerics={numerics!r}" in repr(rope) and rope.numerics == numerics
+    assert RotaryEmbedding(head_dim=32).numerics == "exact"
+
+
+def test_a_module_refuses_numerics_other_than_the_three_modes():
+    with pytest.raises(ValueError, match=r"numerics: expected 'exact'.*got 'fp32'"):
+        RotaryEmbedding(head_dim=32, numerics="fp32")

@@ -7,6 +7,7 @@ the offending value and the expectation, so a bare IndexError, an assert or a si
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from ropekit.validation import (
     check_fraction,
     check_int,
     check_number,
+    check_numerics,
     check_positive,
     check_rotary_dim,
 )
@@ -577,3 +579,15 @@ def test_an_empty_tensor_with_a_stride_0_axis_is_writable_while_compiling_as_in_
     validation.check_writable("k", empty)
     with pytest.raises(ValueError, match="k: inplace=True needs a tensor whose elements do not share memory"):
         validation.check_writable("k", torch.empty(1, 1, 2).expand(3, 1, 2))
+
+
+@pytest.mark.parametrize("numerics", ["exact", "hf", "vllm"])
+def test_check_numerics_returns_each_mode(numerics):
+    assert check_numerics(numerics) == numerics
+
+
+@pytest.mark.parametrize("numerics", ["HF", "vLLM", "", None, 0, ("hf",)])
+def test_check_numerics_names_the_argument_the_value_and_the_choices(numerics):
+    message = r"numerics: expected 'exact' .* 'hf' .* 'vllm' .*, got " + re.escape(repr(numerics))
+    with pytest.raises(ValueError, match=message):
+        check_numerics(numerics)

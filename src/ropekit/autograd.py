@@ -21,12 +21,15 @@ from ropekit.dtensor_inputs import is_dtensor
 __all__ = ["RotaryFunction", "RotaryQKFunction"]
 
 
-def _rotate(ctx: Any, q, k, cos, sin, positions, offset, backend, interleaved, inplace, conjugate):
+def _rotate(ctx: Any, q, k, cos, sin, positions, offset, backend, interleaved, inplace, conjugate, numerics):
     """The forward rotation, saving for backward only the tables and the positions (no activations)."""
     flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, offset=offset)
+    if numerics != "exact":  # a backend that lists no numerics computes "exact" alone, and takes no keyword
+        flags["numerics"] = numerics
     out = backend.rotate_qk(q, k, cos, sin, positions, **flags)
     ctx.save_for_backward(cos, sin, *(() if positions is None else (positions,)))
     ctx.offset, ctx.backend, ctx.interleaved, ctx.conjugate = offset, backend, interleaved, conjugate
+    ctx.rounding = flags.get("numerics")
     ctx.placed = (q.device_mesh, q.placements) if is_dtensor(q) else None
     return out
 
@@ -37,6 +40,9 @@ def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
         # A DTensor gradient may arrive placed otherwise (a sum's gradient is replicated): it is rotated where
         # the forward's outputs lay, the placements its positions were sharded alongside.
         grad_q, grad_k = (g if g is None else g.redistribute(*ctx.placed) for g in (grad_q, grad_k))
+    # "hf" / "vllm": the conjugate rotation rounded per op is the peer's own backward (autograd of
+    # x * cos + rotate_half(x) * sin in x's dtype)
+    rounding = {} if ctx.rounding is None else {"numerics": ctx.rounding}
     return ctx.backend.rotate_qk(
         grad_q,
         grad_k,
@@ -47,6 +53,7 @@ def _conjugate(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor | None):
         conjugate=not ctx.conjugate,  # the forward rotation's inverse
         inplace=False,
         offset=ctx.offset,
+        **rounding,
     )
 
 
@@ -54,8 +61,8 @@ class RotaryFunction(torch.autograd.Function):
     """Rotate one tensor by the tables' angles; backward rotates the incoming gradient by the negated angles.
 
     Called as ``RotaryFunction.apply(x, cos, sin, positions, offset, backend, interleaved, inplace,
-    conjugate)`` with positions resolved (:mod:`ropekit.positions`: an int64 tensor, or None and an int
-    offset). The tables are constants here: learnable tables take the plain torch path in
+    conjugate, numerics)`` with positions resolved (:mod:`ropekit.positions`: an int64 tensor, or None and an
+    int offset). The tables are constants here: learnable tables take the plain torch path in
     :mod:`ropekit.functional` instead.
     """
 
@@ -71,20 +78,24 @@ class RotaryFunction(torch.autograd.Function):
         interleaved: bool,
         inplace: bool,
         conjugate: bool = False,
+        numerics: str = "exact",
     ) -> torch.Tensor:
-        out, _ = _rotate(ctx, x, None, cos, sin, positions, offset, backend, interleaved, inplace, conjugate)
+        out, _ = _rotate(
+            ctx, x, None, cos, sin, positions, offset, backend, interleaved, inplace, conjugate, numerics
+        )
         if inplace:
             ctx.mark_dirty(x)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _conjugate(ctx, grad, None)[0], None, None, None, None, None, None, None, None
+        return _conjugate(ctx, grad, None)[0], None, None, None, None, None, None, None, None, None
 
 
 class RotaryQKFunction(torch.autograd.Function):
     """q and k in one launch: ``RotaryQKFunction.apply(q, k, cos, sin, positions, offset, backend,
-    interleaved, conjugate)``, out of place (in place, each tensor goes through :class:`RotaryFunction`)."""
+    interleaved, conjugate, numerics)``, out of place (in place, each tensor goes through
+    :class:`RotaryFunction`)."""
 
     @staticmethod
     def forward(
@@ -98,19 +109,21 @@ class RotaryQKFunction(torch.autograd.Function):
         backend: Backend,
         interleaved: bool,
         conjugate: bool = False,
+        numerics: str = "exact",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A DTensor output's unused gradient stays None: autograd would materialise it as a plain tensor.
         # (Plain tensors keep zeros, so an unused output's input still gets a zero gradient.)
         ctx.set_materialize_grads(not is_dtensor(q))
-        return _rotate(ctx, q, k, cos, sin, positions, offset, backend, interleaved, False, conjugate)
+        flags = (interleaved, False, conjugate, numerics)
+        return _rotate(ctx, q, k, cos, sin, positions, offset, backend, *flags)
 
     @staticmethod
     def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
         if grad_q is None and grad_k is None:
-            return (None,) * 9
+            return (None,) * 10
         if grad_q is None or grad_k is None:  # a DTensor output unused: rotate the other alone
             grad = _conjugate(ctx, grad_k if grad_q is None else grad_q, None)[0]
             grad_q, grad_k = (None, grad) if grad_q is None else (grad, None)
         else:
             grad_q, grad_k = _conjugate(ctx, grad_q, grad_k)
-        return grad_q, grad_k, None, None, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None, None, None, None, None

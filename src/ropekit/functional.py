@@ -42,6 +42,7 @@ from ropekit.validation import (
     check_in_place_allowed,
     check_movable,
     check_no_alias,
+    check_numerics,
     check_rotary_position,
     check_tables,
     check_writable,
@@ -52,6 +53,7 @@ from ropekit.validation import (
 __all__ = ["apply_rotary", "apply_rotary_qk"]
 
 _PLAIN = dict(per_token=False, full_width=False)  # the table form a launch plan takes
+_EXACT: dict = {}  # rotate_qk's keywords for numerics "exact": none (a registered backend may take none)
 
 
 def apply_rotary_qk(
@@ -70,6 +72,7 @@ def apply_rotary_qk(
     backend: str = "auto",
     inverse: bool = False,
     rotary_position: str = "first",
+    numerics: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries and keys together (one kernel launch on fused backends).
 
@@ -81,7 +84,10 @@ def apply_rotary_qk(
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor, got {describe(k)}")
     forms = dict(per_token=per_token, full_width=full_width)
-    flags = dict(interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position)
+    flags = dict(
+        interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position,
+        numerics=numerics,
+    )  # fmt: skip
     return _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags)
 
 
@@ -100,6 +106,7 @@ def apply_rotary(
     backend: str = "auto",
     inverse: bool = False,
     rotary_position: str = "first",
+    numerics: str = "exact",
 ) -> torch.Tensor:
     """Apply rotary position embeddings to x.
 
@@ -128,22 +135,35 @@ def apply_rotary(
         rotary_position: where the rotated R features sit in each head: "first" (features [0, R), the rest
             pass through: partial rotary as in GPT-NeoX) or "last" (features [D - R, D), after the
             position-free ones: DeepSeek's NoPE-first layout).
+        numerics: whose bits the rotation gives (docs/numerics-modes.md). "exact" (the default): products
+            and sums in float32, rounded once to x's dtype. "hf": transformers' eager
+            ``x * cos + rotate_half(x) * sin`` with cos / sin cast to x's dtype, each product and sum rounded
+            to it (bfloat16 / float16), given these same tables. "vllm": vLLM's ``forward_native``, the same
+            arithmetic on its cache cast to x's dtype. The modes differ in bfloat16 and float16 only;
+            float32 and float64 compute as "exact" (float64 in float64). The mode is the arithmetic given a
+            table: pass the peer's own cos / sin (``per_token`` / ``full_width`` take HF's) for its bits.
+            Served by the "torch" and "cpu" backends ("auto" picks one; "triton" raises).
 
     Returns:
         The rotated tensor, shaped like x.
 
     Raises:
         ValueError: on a wrong rank, mismatched or too-wide tables, positions of the wrong shape, negative or
-            past the table, malformed cu_seqlens, offsets of the wrong length, an unavailable backend, or a
-            rotary_position other than "first" and "last".
+            past the table, malformed cu_seqlens, offsets of the wrong length, an unavailable backend, a
+            rotary_position other than "first" and "last", or numerics other than "exact", "hf" and "vllm"
+            (or one the named backend does not compute).
     """
     forms = dict(per_token=per_token, full_width=full_width)
-    flags = dict(interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position)
+    flags = dict(
+        interleaved=interleaved, inplace=inplace, inverse=inverse, rotary_position=rotary_position,
+        numerics=numerics,
+    )  # fmt: skip
     return _apply(x, None, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags)[0]
 
 
 def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags):
     interleaved, inplace, inverse = flags["interleaved"], flags["inplace"], flags["inverse"]
+    numerics = flags["numerics"]
     gated, key = False, None
     if forms["per_token"] is not False or forms["full_width"] is not False:
         # HF's, Liger's, Megatron's, vLLM's M-RoPE rows: the plain table form, when it certainly is one
@@ -159,19 +179,19 @@ def _apply(q, k, cos, sin, positions, offsets, cu_seqlens, backend, forms, flags
             if type(offsets) is int and offsets == 0:
                 out, key = launch_rotary_positions(
                     q, k, cos, sin, positions, cu_seqlens, interleaved=interleaved, inplace=inplace,
-                    backend=backend, conjugate=inverse,
+                    backend=backend, conjugate=inverse, numerics=numerics,
                 )  # fmt: skip
             else:
                 out = None  # positions with offsets: the checked path refuses them
         elif cu_seqlens is None:
             out, key = launch_rotary(
                 q, k, cos, sin, offsets, interleaved=interleaved, inplace=inplace, backend=backend,
-                conjugate=inverse,
+                conjugate=inverse, numerics=numerics,
             )  # fmt: skip
         else:  # a packed (varlen) step: its own gate, cu_seqlens in the key
             out, key = launch_rotary_packed(
                 q, k, cos, sin, offsets, cu_seqlens, interleaved=interleaved, inplace=inplace,
-                backend=backend, conjugate=inverse,
+                backend=backend, conjugate=inverse, numerics=numerics,
             )  # fmt: skip
         if out is not None:
             return out
@@ -211,6 +231,7 @@ def apply_resolved(
     backend: str,
     inverse: bool = False,
     rotary_position: str = "first",
+    numerics: str = "exact",
     gated: bool = False,
     plan_key: tuple | None = None,
     offsets: int | torch.Tensor | None = None,
@@ -228,7 +249,8 @@ def apply_resolved(
 
     Args:
         q, k: as in :func:`apply_rotary_qk`; pos must come from ``resolve(q, ...)``.
-        cos, sin, interleaved, inplace, backend, inverse, rotary_position: as in :func:`apply_rotary`.
+        cos, sin, interleaved, inplace, backend, inverse, rotary_position, numerics: as in
+            :func:`apply_rotary`.
         gated: the caller went through the launch-plan gate (:func:`ropekit.backends.plan.gate`)
             already, which answered ``plan_key``: the key to keep this call's plan under, or None (no plan).
             Otherwise the call goes through the gate here.
@@ -252,7 +274,7 @@ def apply_resolved(
         if pos.tensor is None and type(pos.offset) is int and rotary_position == "first":
             out, plan_key = launch_rotary(
                 q, k, cos, sin, pos.offset, interleaved=interleaved, inplace=inplace,
-                backend=backend, conjugate=inverse,
+                backend=backend, conjugate=inverse, numerics=numerics,
             )  # fmt: skip
             if out is not None:
                 return out
@@ -277,9 +299,11 @@ def apply_resolved(
     check_bool("inverse", inverse)
     if not isinstance(backend, str):
         raise ValueError(f"backend: expected a string, got {backend!r}")
+    if numerics != "exact":
+        check_numerics(numerics)
     if rotary_position != "first":
         check_rotary_position(rotary_position)
-        return _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse)
+        return _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse, numerics)
     if inplace:
         _check_inplace(q, k, cos, sin, pos.tensor)
     table_cos = cos
@@ -288,20 +312,23 @@ def apply_resolved(
         check_movable("sin", sin, q.device)
         cos, sin = cos.to(q.device), sin.to(q.device)
     pos.check_table(cos.shape[0])
-    impl = select_backend(backend, q, cos)
+    impl = select_backend(backend, q, cos, numerics=numerics)
     rows, offset = pos.tensor, pos.offset
     if type(q) is not torch.Tensor and is_dtensor(q):  # sharded: tables replicated, rows alongside q
         cos, sin, rows, offset = _lift_dtensor(q, k, cos, sin, pos, impl)
     if inplace and torch.compiler.is_exporting():
         # An exported graph holds the out-of-place op, whose decomposition run_decompositions() lowers
         # (ropekit.backends.decompose): rotate out of place and copy back, as below.
-        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse)
+        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse, numerics)
+    # a backend that lists no numerics computes "exact" alone (and is never chosen for another mode)
+    rounding = _EXACT if numerics == "exact" else {"numerics": numerics}
     if not torch.is_grad_enabled() or not (
         q.requires_grad or (k is not None and k.requires_grad) or cos.requires_grad or sin.requires_grad
     ):  # no graph to record: skip autograd's bookkeeping
         out = impl.rotate_qk(
-            q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset
-        )
+            q, k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=inplace, offset=offset,
+            **rounding,
+        )  # fmt: skip
         if plan_key is not None:  # plan the next call like this one
             if offsets is not None:  # per-sequence or packed: the plan reads the offsets, not these rows
                 offset = offsets
@@ -310,34 +337,38 @@ def apply_resolved(
             )
             flags = dict(
                 interleaved=interleaved, inplace=inplace, conjugate=inverse, cu_seqlens=cu_seqlens, swap=swap,
-                table_grows=table_grows,
+                table_grows=table_grows, **rounding,
             )  # fmt: skip
             if positions is not None:
                 flags["positions"] = positions
             keep(plan_key, rotary_plan(impl, q, k, cos, sin, offset, **flags) if plannable else None)
         return out
     if cos.requires_grad or sin.requires_grad:
-        return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse)
+        return _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse, numerics)
     if inplace and (impl.name == "torch" or torch.compiler.is_compiling()):
         # AOTAutograd cannot replay a Function that dirties a view (a slice of a packed qkv): it returned
         # wrong gradients (issue 17). Rotate out of place and copy back, which it traces like any torch op;
         # the torch backend always does (its slice assignments inside such a Function fail eagerly too).
-        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse)
+        return _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse, numerics)
     if k is None:
-        return RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace, inverse), None
+        return (
+            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, inplace, inverse, numerics),
+            None,
+        )
     if inplace:  # two single-output Functions: PyTorch lets only those write into views (packed qkv)
         return (
-            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, True, inverse),
-            RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True, inverse),
+            RotaryFunction.apply(q, cos, sin, rows, offset, impl, interleaved, True, inverse, numerics),
+            RotaryFunction.apply(k, cos, sin, rows, offset, impl, interleaved, True, inverse, numerics),
         )
-    return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved, inverse)
+    return RotaryQKFunction.apply(q, k, cos, sin, rows, offset, impl, interleaved, inverse, numerics)
 
 
-def _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse):
+def _out_of_place_then_copy(q, k, cos, sin, pos, interleaved, backend, inverse, numerics):
     """An in-place rotation as an out-of-place one copied back into q and k (traced graphs: see callers)."""
     out_q, out_k = apply_resolved(
-        q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend, inverse=inverse
-    )
+        q, k, cos, sin, pos, interleaved=interleaved, inplace=False, backend=backend, inverse=inverse,
+        numerics=numerics,
+    )  # fmt: skip
     q.copy_(out_q)
     if k is not None:
         k.copy_(out_k)
@@ -388,7 +419,7 @@ def _check_inplace(q, k, cos, sin, rows) -> None:
     )
 
 
-def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse):
+def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse, numerics):
     """rotary_position="last": the rotated features end each head (DeepSeek's NoPE-first layout). The last R
     features are a view with a unit last stride, rotated as a head of width R; out of place, the position-free
     features are joined back in front."""
@@ -404,6 +435,7 @@ def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse):
         inplace=inplace,
         backend=backend,
         inverse=inverse,
+        numerics=numerics,
     )
     if inplace:
         return q, k
@@ -411,15 +443,16 @@ def _rotate_last(q, k, cos, sin, pos, interleaved, inplace, backend, inverse):
     return out_q, None if k is None else torch.cat((k[..., :start], out_k), dim=-1)
 
 
-def _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse):
+def _learnable_tables(q, k, cos, sin, rows, offset, interleaved, inplace, inverse, numerics):
     """Tables that require grad: autograd differentiates the plain torch math (the fused rule treats the
     tables as constants). In place, the rotation reads a copy and writes the result back, so the values the
     table gradient needs are not overwritten before backward."""
     torch_backend: Backend = BACKENDS["torch"]
     src_q, src_k = (q.clone(), None if k is None else k.clone()) if inplace else (q, k)
     out_q, out_k = torch_backend.rotate_qk(
-        src_q, src_k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=False, offset=offset
-    )
+        src_q, src_k, cos, sin, rows, interleaved=interleaved, conjugate=inverse, inplace=False,
+        offset=offset, numerics=numerics,
+    )  # fmt: skip
     if not inplace:
         return out_q, out_k
     q.copy_(out_q)

@@ -20,7 +20,7 @@ from ropekit.functional import apply_resolved, apply_rotary, apply_rotary_qk
 from ropekit.layer_rope import model_rope
 from ropekit.positions import resolve
 from ropekit.table_cache import CosSinCache
-from ropekit.validation import check_bool, describe
+from ropekit.validation import check_bool, check_numerics, describe
 
 __all__ = ["RotaryEmbedding"]
 
@@ -41,7 +41,7 @@ _TO_BSHD = {"bhsd": (1, 2), "sbhd": (0, 1)}
 # gates of their own ("rotary_module positions ..."): a packed call's (T,) positions and (N,) per-sequence
 # offsets are both 1-D int64 tensors, so one gate would let a plan of the one serve a call of the other.
 _GATES: dict[str, Callable] = {}  # the gate's op name -> the gate
-_FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool"
+_FLAGS = "interleaved:bool inplace:bool backend:str conjugate:bool numerics:str"
 # What nn.Module.__call__ asks before it calls forward (RotaryEmbedding.__call__ asks the same, in one frame).
 _Module = nn.Module
 _MODULE_CALL = nn.Module.__call__  # nn.Module's own: torch.fx and torch.ao patch it while they trace
@@ -72,6 +72,9 @@ class RotaryEmbedding(nn.Module):
             "sbhd" (S, B, H, D) (Megatron's, sequence first); "thd" (T, H, D) packed, with cu_seqlens.
             Every layout is read through a view: nothing is copied to reorder it.
         backend: forwarded to :func:`ropekit.apply_rotary_qk`.
+        numerics: "exact" (default), "hf" or "vllm": whose bits the rotation gives, as in
+            :func:`ropekit.apply_rotary` (the arithmetic given this module's own table;
+            docs/numerics-modes.md).
 
     The cos/sin table is ``self.cache``, a :class:`ropekit.table_cache.CosSinCache` (non-persistent buffers;
     ``rope.cos`` / ``rope.sin`` read them), which follows the inputs' device and precision (float64 stays
@@ -98,6 +101,7 @@ class RotaryEmbedding(nn.Module):
         *,
         layout: str = "bshd",
         backend: str = "auto",
+        numerics: str = "exact",
         **config_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -107,6 +111,7 @@ class RotaryEmbedding(nn.Module):
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.config, self.layout, self.backend = config, layout, backend
+        self.numerics = check_numerics(numerics)
         self.cache = CosSinCache(config)
         self._swap = _TO_BSHD.get(layout)
         self._rank = 3 if layout == "thd" else 4
@@ -123,7 +128,7 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def for_model(
-        cls, config: Any, *, layout: str = "bshd", backend: str = "auto"
+        cls, config: Any, *, layout: str = "bshd", backend: str = "auto", numerics: str = "exact"
     ) -> list[RotaryEmbedding | None]:
         """One module per decoder layer of a Hugging Face model, from :func:`ropekit.model_rope`.
 
@@ -132,7 +137,7 @@ class RotaryEmbedding(nn.Module):
 
         Args:
             config: the HF config (a ``PretrainedConfig``, a dict, a config.json path or its folder).
-            layout, backend: as for the constructor.
+            layout, backend, numerics: as for the constructor.
 
         Raises:
             ValueError: for a config :func:`ropekit.model_rope` cannot read, or a bad layout or backend.
@@ -148,7 +153,7 @@ class RotaryEmbedding(nn.Module):
                 modules.append(None)
                 continue
             if layer.rope not in shared:
-                shared[layer.rope] = cls(layer.rope, layout=layout, backend=backend)
+                shared[layer.rope] = cls(layer.rope, layout=layout, backend=backend, numerics=numerics)
             modules.append(shared[layer.rope])
         return modules
 
@@ -197,6 +202,7 @@ class RotaryEmbedding(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("numerics", "exact")  # a module pickled before numerics existed
         self._launch = _module_gate(self.layout, self.config.head_dim)
         self._launch_positions = _module_gate(self.layout, self.config.head_dim, rows=True)
 
@@ -221,7 +227,9 @@ class RotaryEmbedding(nn.Module):
         self.cache.reset_parameters()
 
     def extra_repr(self) -> str:
-        return f"{self.config}, layout={self.layout!r}"  # the table's length: the child cache's line
+        numerics = "" if self.numerics == "exact" else f", numerics={self.numerics!r}"
+        # the table's length: the child cache's line
+        return f"{self.config}, layout={self.layout!r}{numerics}"
 
     def forward(
         self,
@@ -270,7 +278,7 @@ class RotaryEmbedding(nn.Module):
             if type(rows) is not torch.Tensor or rows.is_cpu or table.shape[0] >= cache._covered:
                 out, plan_key = launch(
                     q, k, table, tables["sin"], rows, cu_seqlens, interleaved=self._interleaved,
-                    inplace=inplace, backend=self.backend, conjugate=False,
+                    inplace=inplace, backend=self.backend, conjugate=False, numerics=self.numerics,
                 )  # fmt: skip
                 if out is not None:
                     return out if k is not None else out[0]
@@ -294,6 +302,8 @@ class RotaryEmbedding(nn.Module):
         flags, where = {}, self.config.rotary_position  # keywords past the defaults: passed only when set
         if inverse is not False or where != "first":
             flags = {"inverse": check_bool("inverse", inverse), "rotary_position": where}
+        if self.numerics != "exact":
+            flags["numerics"] = self.numerics
         kw = dict(interleaved=self.config.interleaved, inplace=inplace, backend=self.backend, **flags)
         cos = self.cache.cos
         if (  # a steady decode / prefill step whose rows the table holds: the functional API's planned path

@@ -14,6 +14,7 @@ import torch
 from ropekit.dtensor_inputs import local
 
 __all__ = [
+    "NUMERICS",
     "SUPPORTED_DTYPES",
     "InPlaceError",
     "byte_extent",
@@ -29,6 +30,7 @@ __all__ = [
     "check_movable",
     "check_no_alias",
     "check_number",
+    "check_numerics",
     "check_positive",
     "check_rotary_dim",
     "check_rotary_position",
@@ -45,6 +47,10 @@ __all__ = [
 
 # Storage dtypes the rotation serves: every backend computes in float32 (float64 for float64) and rounds once.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The rotation's arithmetic (docs/numerics-modes.md): "exact" rounds once, at the output; "hf" and "vllm"
+# round to the input's dtype after each product and sum, as transformers' eager apply_rotary_pos_emb and
+# vLLM's forward_native compute in bfloat16 / float16 (the two differ only in the table their peers pass).
+NUMERICS = ("exact", "hf", "vllm")
 
 
 def is_compiling() -> bool:
@@ -108,6 +114,16 @@ def check_rotary_position(value: Any, describe: Callable[[Any], str] = describe)
         raise ValueError(
             f"rotary_position: expected 'first' (rotated features lead each head) or 'last' (they end it, "
             f"NoPE first), got {describe(value)}"
+        )
+    return value
+
+
+def check_numerics(value: Any) -> str:
+    """value must be one of :data:`NUMERICS`: whose bits the rotation gives (docs/numerics-modes.md)."""
+    if type(value) is not str or value not in NUMERICS:
+        raise ValueError(
+            f"numerics: expected 'exact' (one rounding, at the output), 'hf' (transformers' eager bits) or "
+            f"'vllm' (vLLM's forward_native bits), got {describe(value)}"
         )
     return value
 

@@ -117,3 +117,16 @@ def test_a_kernel_backend_names_why_it_cannot_serve_a_fused_op():
     assert select_backend("auto", x, cos, op="fused", widest=16385).name == "torch"
     with pytest.raises(ValueError, match="backend: expected a string, got 3"):
         select_backend(3, x, cos, op="fused")
+
+
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_a_backend_listing_no_numerics_is_exact_only_skipped_by_auto_and_refused_by_name(
+    numerics, rotation_only
+):
+    x, (cos, sin) = torch.zeros(1, 1, 1, 2), tables(2)
+    assert select_backend("auto", x, cos).name == "mine"
+    assert select_backend("auto", x, cos, numerics=numerics).name in ("cpu", "torch")
+    refusal = rf"backend: 'mine' cannot serve numerics='{numerics}': .*\['exact'\] only"
+    with pytest.raises(ValueError, match=refusal):
+        apply_rotary(x, cos, sin, backend="mine", numerics=numerics)
+    assert "triton" not in [n for n, b in BACKENDS.items() if numerics in getattr(b, "numerics", ())]

@@ -538,3 +538,38 @@ def test_tables_the_kernel_does_not_read_as_they_are_are_converted_by_the_run_ea
         )
         for g, w in zip(out, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["offset", "positions", "packed", "module"])
+@pytest.mark.parametrize("backend", ["auto", CPU, "torch"])
+def test_a_plan_made_in_one_numerics_mode_never_serves_another(backend, form):
+    clear_backend_cache()
+    cos, sin = ropekit.RopeConfig(head_dim=64).cos_sin(64)
+    q, k = (4 * torch.randn(2, 3, 4, 64)).bfloat16(), (4 * torch.randn(2, 3, 2, 64)).bfloat16()
+    rows = torch.arange(5, 8).expand(2, 3)
+    where = {
+        "offset": dict(offsets=5),
+        "module": dict(offsets=5),
+        "positions": dict(positions=rows.contiguous()),
+        "packed": dict(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32), offsets=5),
+    }[form]
+    if form == "packed":
+        q, k = q.flatten(0, 1), k.flatten(0, 1)  # (T, H, D): two sequences of 3 tokens
+    modules = {m: ropekit.RotaryEmbedding(head_dim=64, backend=backend, numerics=m) for m in ("exact", "hf")}
+    want = {}
+    for numerics in ("exact", "hf", "vllm"):  # each mode's checked path, no plan kept yet
+        clear_backend_cache()
+        want[numerics] = apply_rotary_qk(q, k, cos, sin, **where, backend=backend, numerics=numerics)
+    assert not torch.equal(want["exact"][0], want["hf"][0])
+    clear_backend_cache()
+    for _ in range(3):  # alternating on the same shapes: every call after the first of its mode is planned
+        for numerics in ("exact", "hf") if form == "module" else ("exact", "hf", "vllm", "hf"):
+            if form == "module":
+                out = modules[numerics](q, k, offsets=5)
+            else:
+                out = apply_rotary_qk(q, k, cos, sin, **where, backend=backend, numerics=numerics)
+            assert all(torch.equal(a, b) for a, b in zip(out, want[numerics], strict=True)), numerics
+    if backend == "torch" and form in ("positions", "packed"):
+        return  # the torch backend plans neither (rows it cannot check itself; packed batches)
+    served = {key[-1] for key, run in plan._plans.items() if run is not None}  # a key ends with its numerics
+    assert served == ({"exact", "hf"} if form == "module" else {"exact", "hf", "vllm"})

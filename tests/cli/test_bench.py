@@ -20,7 +20,8 @@ def test_bench_writes_csv_and_plot(tmp_path, capsys):
     with open(out_csv) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == bench.COLUMNS
-    assert {r["row"] for r in rows} == {"copy_", "clone", "ropekit[cpu]", "ropekit[cpu] in-place"}
+    modes = {f"ropekit[cpu] numerics={m}{s}" for m in ("hf", "vllm") for s in ("", " in-place")}
+    assert {r["row"] for r in rows} == {"copy_", "clone", "ropekit[cpu]", "ropekit[cpu] in-place", *modes}
     assert all(float(r["x_copy"]) > 0 for r in rows)
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 

@@ -194,3 +194,19 @@ def test_framework_mlx_without_mlx_names_the_extra(capsys, monkeypatch):
         "framework: 'mlx' needs mlx installed (mlx missing): pip install 'ropekit[mlx]'"
         in capsys.readouterr().err
     )
+
+
+def test_numerics_hf_prints_bit_rows_against_hfs_expression(capsys):
+    assert main(["verify", "--head-dim", "16", "--numerics", "hf", "--backends", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "backend torch bfloat16 (half) numerics=hf = HF's x*cos + rotate_half(x)*sin" in out
+    assert "FAIL" not in out
+
+
+def test_numerics_triton_or_an_unknown_mode_exits_2_naming_it(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # whatever an earlier test imported Triton with
+    assert main(["verify", "--numerics", "vllm", "--backends", "triton"]) == 2
+    assert "cannot serve numerics='vllm'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["verify", "--numerics", "fast"])
+    assert exit_.value.code == 2

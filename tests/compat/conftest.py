@@ -33,11 +33,11 @@ def force_backend(monkeypatch, name: str) -> ForcedBackend:
     impl = BACKENDS[name]  # "cpu": the test is marked c_compiler (skipped where no C compiler is found)
     original = ropekit.functional.select_backend
 
-    def select(requested, q, cos):
+    def select(requested, q, cos, **needs):
         if requested != "auto":
-            return original(requested, q, cos)
+            return original(requested, q, cos, **needs)
         if q.dtype == torch.float64 and name == "cpu":
-            return original("torch", q, cos)  # the C loop serves 16/32-bit storage only
+            return original("torch", q, cos, **needs)  # the C loop serves 16/32-bit storage only
         forced.calls += 1
         return impl
 

@@ -141,10 +141,33 @@ def test_errors_name_the_argument_and_the_expected_shape():
         apply_rotary_pos_emb(q, k[0], cos, sin)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("expand_position_ids", [True, False])
+def test_numerics_hf_gives_transformers_own_bits_and_gradients(backend, dtype, expand_position_ids):
+    g = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(2, 24, 8, 16, generator=g)).transpose(1, 2).to(dtype)  # (B, H, S, D) views
+    k = (4 * torch.randn(2, 24, 2, 16, generator=g)).transpose(1, 2).to(dtype)
+    cos, sin = llama_tables(16, 2, 24, expand_position_ids, dtype)
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    want = hf_apply_rotary_pos_emb(q1, k1, cos, sin)
+    for _ in range(2):  # the checked path, then the plan (no grad: the gate's steady state)
+        with torch.no_grad():
+            got = apply_rotary_pos_emb(q, k, cos, sin, numerics="hf")
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    got = apply_rotary_pos_emb(q2, k2, cos, sin, numerics="hf")
+    grads = [torch.randn(t.shape, generator=g).to(dtype) for t in want]
+    want_grads = torch.autograd.grad(want, (q1, k1), grads)
+    got_grads = torch.autograd.grad(got, (q2, k2), grads)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    assert backend.calls > 0
+
+
 def test_signature_is_transformers():
     # transformers >= 5.25 (with kernels): HF's name holds a kernels function module around the function
     hf_function = model_function(hf_apply_rotary_pos_emb)
-    assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_function), ("backend", "auto")]
+    ropekits = [("backend", "auto"), ("numerics", "exact")]
+    assert signature_of(apply_rotary_pos_emb) == [*signature_of(hf_function), *ropekits]
 
 
 def test_compiles_with_fullgraph():

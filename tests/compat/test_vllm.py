@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from c_compiler import CPU
+from ropekit import RopeConfig
 from ropekit.compat.vllm import (
     RotaryEmbedding,
     apply_rope_with_cos_sin_cache,
@@ -32,7 +33,7 @@ from ropekit.compat.vllm import (
     get_rope,
     rotary_embedding,
 )
-from rotary_reference import reference_rotation
+from rotary_reference import reference_rotation, vllm_rotation
 
 from .conftest import NO_DEFAULT, force_backend, signature_of, spy_cpu_kernel
 
@@ -279,10 +280,12 @@ def test_signatures_are_vllms_and_flashinfers():
         ("head_size", NO_DEFAULT),
         ("cos_sin_cache", NO_DEFAULT),
     ]
-    backend = ("backend", "auto")  # ropekit's keyword-only addition, after the peer's parameters
-    assert signature_of(rotary_embedding) == [*op, ("is_neox", NO_DEFAULT), backend]
-    assert signature_of(apply_rope_with_cos_sin_cache) == [*op, ("is_neox", True), backend]
-    assert signature_of(apply_rope_with_cos_sin_cache_inplace) == [*op, ("is_neox", True), backend]
+    # ropekit's keyword-only additions, after the peer's parameters
+    backend = ("backend", "auto")
+    added = backend, ("numerics", "exact")
+    assert signature_of(rotary_embedding) == [*op, ("is_neox", NO_DEFAULT), *added]
+    assert signature_of(apply_rope_with_cos_sin_cache) == [*op, ("is_neox", True), *added]
+    assert signature_of(apply_rope_with_cos_sin_cache_inplace) == [*op, ("is_neox", True), *added]
     assert signature_of(get_rope)[:6] == [
         ("head_size", NO_DEFAULT),
         ("max_position", NO_DEFAULT),
@@ -763,3 +766,23 @@ def test_positions_that_do_not_count_the_query_tokens_are_a_value_error(call, to
     with pytest.raises(ValueError, match=rf"^query: expected .* with num_tokens = {rows} \(positions\)"):
         fn(torch.zeros(rows, dtype=torch.int64), query, key, 8, cache, True)
     assert torch.equal(query, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_numerics_vllm_gives_forward_natives_bits_in_place_and_out_of_place(dtype, is_neox):
+    g = torch.Generator().manual_seed(0)
+    cos, sin = RopeConfig(32, rotary_dim=24).cos_sin(64)
+    cache = torch.cat((cos, sin), -1).to(dtype)  # (P, R): vLLM's cache in the model's dtype
+    positions = torch.randint(0, 64, (9,), generator=g)
+    query, key = (8 * torch.randn(9, 4 * 32, generator=g)).to(dtype), (8 * torch.randn(9, 2 * 32)).to(dtype)
+    want = [
+        vllm_rotation(t.view(1, 9, -1, 32), cos, sin, positions[None], interleaved=not is_neox).view(t.shape)
+        for t in (query, key)
+    ]
+    for _ in range(2):  # checked, then planned
+        got = apply_rope_with_cos_sin_cache(positions, query, key, 32, cache, is_neox, numerics="vllm")
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        q, k = query.clone(), key.clone()
+        rotary_embedding(positions, q, k, 32, cache, is_neox, numerics="vllm")
+        assert torch.equal(q, want[0]) and torch.equal(k, want[1])

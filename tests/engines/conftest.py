@@ -34,3 +34,15 @@ def vllm_plugin_loaded():
     vllm.plugins.load_general_plugins()
     with vllm.config.set_current_vllm_config(vllm.config.VllmConfig()):
         yield
+
+
+@pytest.fixture
+def vllm_numerics(monkeypatch, request):
+    """The test module's ``plugin`` registered with ROPEKIT_NUMERICS=vllm (the engine's own forward_native
+    bits), then registered again without it ("exact")."""
+    register = request.module.plugin.register
+    monkeypatch.setenv("ROPEKIT_NUMERICS", "vllm")
+    register()
+    yield
+    monkeypatch.delenv("ROPEKIT_NUMERICS")
+    register()

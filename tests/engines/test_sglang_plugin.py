@@ -203,3 +203,21 @@ def test_second_register_changes_nothing():
     plugin.register()
     HookRegistry.apply_hooks()
     assert {m: sglang_base.RotaryEmbedding.__dict__[m] for m in METHODS} == before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("family", "name", "head_size", "neox", "scaling", "max_position"), FAMILIES)
+def test_numerics_vllm_equals_sglangs_forward_native_bit_for_bit(
+    family, name, head_size, neox, scaling, max_position, dtype, vllm_numerics
+):
+    module = get_rope(head_size, head_size, max_position, 10000, neox, scaling, dtype)
+    positions, query, key = _inputs(name, head_size, module.cos_sin_cache.shape[0], dtype)
+    query, key = 8 * query, 8 * key
+    cls = sglang_mrope.MRotaryEmbedding if name == "MRotaryEmbedding" else sglang_base.RotaryEmbedding
+    want_q, want_k = _original(cls, "forward_native")(module, positions, query.clone(), key.clone())
+    for _ in range(2):  # the checked path, then its launch plan
+        got_q, got_k = module.forward_native(positions, query, key)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        q, k = query.clone(), key.clone()
+        module.forward_cpu(positions, q, k)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)

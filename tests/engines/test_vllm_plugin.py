@@ -284,3 +284,31 @@ def test_vllm_plugins_not_naming_ropekit_leaves_vllms_classes():
 
     assert built("some_other_plugin") == "vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding"
     assert built("ropekit") == "ropekit.integrations.vllm.RopekitRotaryEmbedding"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("family", "name", "head_size", "neox", "params", "max_position"), FAMILIES)
+def test_numerics_vllm_equals_stock_forward_native_bit_for_bit(
+    family, name, head_size, neox, params, max_position, dtype, vllm_numerics
+):
+    module = vllm_rope.get_rope(head_size, max_position, neox, params, dtype)
+    assert type(module) is plugin.registered()[name] and plugin.MODE["numerics"] == "vllm"
+    positions, query, key = _inputs(name, head_size, module.cos_sin_cache.shape[0], dtype)
+    query, key = 8 * query, 8 * key  # larger values: more products that round differently in 16 bits
+    want_q, want_k = _vllm_class(module).forward_native(module, positions, query.clone(), key.clone())
+    for _ in range(2):  # the checked path, then its launch plan
+        got_q, got_k = module.forward_native(positions, query, key)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        inplace_q, inplace_k = query.clone(), key.clone()
+        module.forward_cpu(positions, inplace_q, inplace_k)  # the enabled op: in place, the same bits
+        assert torch.equal(inplace_q, want_q) and torch.equal(inplace_k, want_k)
+
+
+def test_an_unknown_ropekit_numerics_is_refused_by_register(monkeypatch):
+    monkeypatch.setenv(plugin.NUMERICS_ENV, "fast")
+    with pytest.raises(
+        ValueError, match=r"ROPEKIT_NUMERICS: expected one of \['exact', 'hf', 'vllm'\], got 'fast'"
+    ):
+        plugin.register()
+    monkeypatch.delenv(plugin.NUMERICS_ENV)
+    plugin.register()

@@ -487,3 +487,33 @@ def test_float_position_ids_run_as_the_unpatched_model_runs_them(step):
         assert hf.layer_ropes(model)  # the layers read ropekit's tables for integer positions
         got = model(ids, position_ids=positions).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.cover
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "gemma3_text", "qwen2"])
+def test_patched_with_numerics_hf_the_logits_and_generation_are_the_unpatched_models_bits(
+    model_type, dtype, monkeypatch
+):
+    model = make_model(model_type, CASES[model_type][-1]).to(dtype)
+    want_logits, want_tokens = run(model)
+    assert hf.patch(model, numerics="hf") == 2
+    assert hf.layer_ropes(model) == {}  # the model's own tables: the bits to reproduce
+    forbid_hf_rotary(monkeypatch, model)
+    got_logits, got_tokens = run(model)
+    assert torch.equal(got_logits, want_logits) and torch.equal(got_tokens, want_tokens)
+
+
+def test_patched_with_numerics_hf_a_float32_rotation_keeps_its_one_rounding():
+    model = hf_coverage._build("cohere")[0].to(torch.bfloat16)  # Cohere rotates q.float(), then casts back
+    hf.patch(model, numerics="hf")
+    conventions = {c for fns in hf.patched_layers(model).values() for c in fns.values()}
+    assert conventions and not any("numerics='hf'" in c for c in conventions), conventions
+
+
+@pytest.mark.parametrize("numerics", ["vllm", "HF", None])
+def test_patch_refuses_numerics_other_than_exact_and_hf_before_changing_the_model(numerics):
+    model = make_model("llama", {"rope_type": "default"})
+    with pytest.raises(ValueError, match="numerics: expected"):
+        hf.patch(model, numerics=numerics)
+    assert hf.patched_layers(model) == {}

@@ -41,6 +41,16 @@ def test_quick_run_gives_every_column_and_positive_ratios(tiny_records):
             assert r["x_copy"] == 1.0
 
 
+@pytest.mark.c_compiler
+def test_numerics_rows_run_on_the_backend_auto_picks_for_each_mode(tiny_records):
+    records, _ = tiny_records
+    rows = {r["row"] for r in records}
+    for numerics in ("hf", "vllm"):
+        assert {f"ropekit[cpu] numerics={numerics}", f"ropekit[cpu] numerics={numerics} in-place"} <= rows
+    peers = [r for r in records if "numerics=" in r["row"]]
+    assert peers and all(r["max_err"] == 0 for r in peers if r["dtype"] == "float32")  # exact's bits
+
+
 def test_every_row_agrees_with_the_reference_on_the_same_inputs(tiny_records):
     records, _ = tiny_records
     for r in records:
@@ -68,12 +78,12 @@ def test_ropekit_rows_are_the_dispatchs_choice_and_the_torch_baseline(monkeypatc
     case = bench.make_case(bench.SHAPES["tiny"], torch.float32, torch.device("cpu"))
     real = bench.select_backend
 
-    def refusing_cpu(name, q, cos):
+    def refusing_cpu(name, q, cos, **needs):
         if name in ("cpu", "auto"):
             if name == "cpu":
                 raise ValueError("backend: 'cpu' cannot serve these inputs: a test said so")
-            return real("torch", q, cos)
-        return real(name, q, cos)
+            return real("torch", q, cos, **needs)
+        return real(name, q, cos, **needs)
 
     assert bench.ropekit_backends(case)[0] == [real("auto", case.q, case.cos).name, "torch"]
     monkeypatch.setattr(bench, "select_backend", refusing_cpu)

@@ -17,6 +17,14 @@ from ropekit.tools.hf_coverage import Row
 # Representatives whose layers differ in RoPE (layer types, main / compress, NoPE), and other table forms.
 PER_LAYER_TABLES = ("gemma3_text", "gemma4_text", "olmo3", "deepseek_v4", "llama4_text", "qwen2_vl", "cohere")
 ALL = os.environ.get("ROPEKIT_HF_COVERAGE") == "all"
+# patch(numerics="hf") proved each layer bit for bit on its recorded call, yet the model's output differs
+# (docs/numerics-modes.md): deepseek_v2 rotates by a complex product, which PyTorch's vectorized complex
+# multiply rounds otherwise than a*c - b*s for some elements; zaya's cause is not found yet.
+NOT_BIT_IDENTICAL = {
+    ("deepseek_v2", torch.float32): "complex product",
+    ("zaya", torch.float32): "unknown",
+    ("zaya", torch.bfloat16): "unknown",
+}
 TYPES = list(hf_coverage.rope_model_types()) if ALL else list(hf_coverage.REPRESENTATIVE)
 
 
@@ -30,6 +38,21 @@ def test_patched_model_equals_unpatched(model_type):
         assert row.layers >= 1
     if model_type in PER_LAYER_TABLES:  # layers that differ in RoPE: each on its model_rope table
         assert row.model_rope_tables, row.detail
+
+
+@pytest.mark.cover(
+    every=2
+)  # fast tier: every 2nd case; the others (all types with ROPEKIT_HF_COVERAGE=all): proofs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_patched_with_numerics_hf_the_model_is_bit_identical(model_type, dtype):
+    row = hf_coverage.check_model_type(model_type, numerics="hf", dtype=dtype)
+    if (model_type, dtype) in NOT_BIT_IDENTICAL:  # pinned: a fix makes this fail, and the list shrinks
+        assert row.status == "unequal", row.detail
+        return
+    assert row.status != "unequal", row.detail  # "patched" here means max diff 0 and the same generation
+    if model_type in hf_coverage.REPRESENTATIVE:
+        assert row.status == "patched" and "max diff 0.0e+00" in row.detail, row.detail
 
 
 def test_representative_types_are_enumerated_and_cover_every_variant():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import ropekit.backends.eager.rotary
 import ropekit.tools.verify
 from ropekit import RopeConfig
 from ropekit.tools.verify import Check, run_checks
@@ -153,3 +154,30 @@ def test_bad_arguments_are_value_errors(kwargs, match):
     config = kwargs.pop("config")
     with pytest.raises(ValueError, match=match):
         run_checks(config, **kwargs)
+
+
+@pytest.mark.parametrize("numerics", ["hf", "vllm"])
+def test_numerics_rows_hold_each_backend_to_the_peers_bits_in_three_dtypes(numerics):
+    checks = run_checks(RopeConfig(32, rotary_dim=24), backends=["torch"], numerics=numerics)
+    rows = [c for c in checks if f"numerics={numerics}" in c.name]
+    assert len(rows) == 6 and all(c.passed and c.tolerance == 0.0 for c in rows), rows
+    assert not any("= float64 reference" in c.name and c.name.startswith("backend ") for c in checks)
+
+
+def test_a_backend_that_rounds_once_fails_the_hf_rows_of_16_bit_dtypes_only(monkeypatch):
+    rotate = ropekit.backends.eager.rotary.rotate
+
+    def rounds_once(*args, numerics="exact", **kwargs):
+        return rotate(*args, **kwargs)  # ignores numerics: "exact" arithmetic
+
+    monkeypatch.setattr(ropekit.backends.eager.rotary, "rotate", rounds_once)
+    checks = run_checks(RopeConfig(32), backends=["torch"], numerics="hf")
+    failed = {c.name for c in checks if not c.passed}
+    assert failed and all("bfloat16" in n or "float16" in n for n in failed), failed
+    assert not any("float32" in n for n in failed)
+
+
+def test_the_default_backends_for_a_numerics_mode_are_those_that_serve_it():
+    checks = run_checks(RopeConfig(16), numerics="vllm")
+    names = {c.name.split()[1] for c in checks if "numerics=vllm" in c.name}
+    assert names and "triton" not in names and names <= {"torch", "cpu"}

@@ -70,9 +70,17 @@ def register_backend(backend: Backend, *, auto_priority: int | None = None) -> N
 
 
 def select_backend(
-    name: str, q: torch.Tensor, cos: torch.Tensor, *, op: str = "rotary", widest: int = 0, spec=None
+    name: str,
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    *,
+    op: str = "rotary",
+    widest: int = 0,
+    spec=None,
+    numerics: str = "exact",
 ) -> Backend:
-    """Return the backend to use for these inputs (cached per name, device type, dtype and table width).
+    """Return the backend to use for these inputs (cached per name, device type, dtype, table width and
+    numerics).
 
     Args:
         name: "auto" or a registered backend's name.
@@ -80,31 +88,38 @@ def select_backend(
         op: "rotary"; "fused" (RoPE + cache, RoPE + FP8, cache shift: ``launch_fused``) or "qk_norm"
             (``launch_qk_norm``): the rotation's choice, then whether it runs that op here, for heads of
             ``widest`` features and the QK-norm packing ``spec``. "auto" falls back to torch where it cannot.
+        numerics: the rotation's arithmetic (:data:`ropekit.validation.NUMERICS`): a backend serves the
+            modes its ``numerics`` attribute lists ("exact" alone without one; Triton's kernel is "exact"
+            only), "auto" skips one that does not, and naming it raises.
     """
     if op != "rotary":
         return _select_fused(name, q, cos, op, widest, spec)
     if torch.compiler.is_compiling():
-        return _select(name, q, cos)
+        return _select(name, q, cos, numerics=numerics)
     # Only an explicit "triton" on CPU tensors depends on the environment (the interpreter switch).
     interpret = os.environ.get("TRITON_INTERPRET") if name == "triton" else None
-    key = (name, q.device, q.dtype, cos.shape[-1], interpret)
+    key = (name, q.device, q.dtype, cos.shape[-1], interpret, numerics)
     choice = _choices.get(key)
     if choice is None:
         skipped: list[str] = []
-        choice = _choices[key] = (_select(name, q, cos, skipped), skipped)
+        choice = _choices[key] = (_select(name, q, cos, skipped, numerics), skipped)
     if choice[1] and log.isEnabledFor(logging.DEBUG):
         for line in choice[1]:
             log.debug("ropekit: backend %s", line)
     return choice[0]
 
 
-def _select(name: str, q: torch.Tensor, cos: torch.Tensor, skipped: list[str] | None = None) -> Backend:
+def _select(
+    name: str, q: torch.Tensor, cos: torch.Tensor, skipped: list[str] | None = None, numerics: str = "exact"
+) -> Backend:
     """The backend for these inputs; for "auto", why each earlier candidate was skipped goes to skipped."""
     if name == "auto":
         for candidate in AUTO_ORDER:
             backend = BACKENDS[candidate]
             # A backend may refuse auto while still serving an explicit request (Triton's slow interpreter).
-            reason = getattr(backend, "auto_skip_reason", backend.unavailable_reason)(q, cos)
+            reason = _numerics_reason(backend, numerics) or getattr(
+                backend, "auto_skip_reason", backend.unavailable_reason
+            )(q, cos)
             if reason is None:
                 return backend
             if skipped is not None:  # never under compile: a logging call would break the graph
@@ -113,10 +128,22 @@ def _select(name: str, q: torch.Tensor, cos: torch.Tensor, skipped: list[str] | 
     if name not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     backend = BACKENDS[name]
+    reason = _numerics_reason(backend, numerics)
+    if reason is not None:
+        raise ValueError(f"backend: {name!r} cannot serve numerics={numerics!r}: {reason}")
     reason = backend.unavailable_reason(q, cos)
     if reason is not None:
         raise ValueError(f"backend: {name!r} cannot serve these inputs: {reason}")
     return backend
+
+
+def _numerics_reason(backend: Backend, numerics: str) -> str | None:
+    """None when backend computes in the arithmetic mode numerics, else why not."""
+    served = getattr(backend, "numerics", ("exact",))
+    if numerics in served:
+        return None
+    others = [name for name, b in BACKENDS.items() if numerics in getattr(b, "numerics", ("exact",))]
+    return f"it computes numerics {list(served)} only; {numerics!r} is served by {others} (and 'auto')"
 
 
 def _select_fused(name, q, cos, op: str, widest: int, spec) -> Backend:

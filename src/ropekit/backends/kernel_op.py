@@ -16,12 +16,14 @@ Triton kernel on the device (a clamped row, and a trap that fails the launch: no
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ropekit.backends.eager.rotary import EagerBackend
 from ropekit.dtensor_inputs import SHARDED_OPS, check_no_dtensor, is_dtensor
 from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
 from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
@@ -475,7 +477,12 @@ class KernelBackend:
 
         return run
 
-    def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
+    def rotate_qk(
+        self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0, numerics="exact"
+    ):
+        if numerics != "exact":
+            flags = (interleaved, conjugate, inplace, offset, numerics)
+            return self._rotate_rounded(q, k, cos, sin, positions, *flags)
         # Plain eager tensors skip the op dispatcher (tens of microseconds, most of a decode step); anything
         # that traces (torch.compile, fake tensors, dispatch modes) goes through the registered ops.
         direct = plain_eager(q)
@@ -497,3 +504,27 @@ class KernelBackend:
             return q_out, k_out
         outs = (self._rotary if direct else self.op)(*args)
         return outs[0], (outs[1] if k is not None else None)
+
+    def _rotate_rounded(self, q, k, cos, sin, positions, interleaved, conjugate, inplace, offset, numerics):
+        """numerics "hf" / "vllm" (rounded after each op): the raw launcher with its per-op rounding, on plain
+        eager tensors. The registered ops compute "exact" alone; a call that traces (torch.compile, export,
+        a dispatch mode, DTensors) rotates with the torch backend's ops instead, the peers' own torch
+        arithmetic (the same bits in eager)."""
+        if numerics not in getattr(self, "numerics", ("exact",)):
+            raise ValueError(
+                f"numerics: the {self.name!r} backend computes 'exact' only, got {numerics!r} (the 'torch' "
+                f"and 'cpu' backends serve it)"
+            )
+        if not plain_eager(q) or is_dtensor(q):
+            flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, offset=offset)
+            return EagerBackend().rotate_qk(q, k, cos, sin, positions, **flags, numerics=numerics)
+        cos, sin = kernel_tables(cos, sin)
+        if inplace:
+            q_out, k_out = q, k
+        else:
+            q_out, k_out = torch.empty_like(q), None if k is None else torch.empty_like(k)
+        launch = functools.partial(self._launch, numerics=numerics)
+        _run(launch, q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate)
+        if inplace:  # what the dispatcher would do: tell autograd that q and k changed
+            torch._C._increment_version((q,) if k is None else (q, k))
+        return q_out, k_out

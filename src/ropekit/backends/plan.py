@@ -150,20 +150,22 @@ def launch_planned({params}):
 
 # The rotation's gate: apply_rotary(_qk), RotaryEmbedding and compat.hf use it.
 launch_rotary = gate(
-    "rotary", "q k? cos sin offset#", "interleaved:bool inplace:bool backend:str conjugate:bool"
+    "rotary",
+    "q k? cos sin offset#",
+    "interleaved:bool inplace:bool backend:str conjugate:bool numerics:str",
 )
 # A packed batch's (q (T, H, D), cu_seqlens (N + 1,), an int offset or (N,) offsets): apply_rotary(_qk).
 launch_rotary_packed = gate(
     "rotary_packed",
     "q k? cos sin offset# cu_seqlens",
-    "interleaved:bool inplace:bool backend:str conjugate:bool",
+    "interleaved:bool inplace:bool backend:str conjugate:bool numerics:str",
 )
 # Explicit positions (every token's table row): (B, S) for q (B, S, H, D), or (T,) for a packed q (T, H, D)
 # with its cu_seqlens (which the run's launch checks, as the checked path does): apply_rotary(_qk).
 launch_rotary_positions = gate(
     "rotary_positions",
     "q k? cos sin positions cu_seqlens?",
-    "interleaved:bool inplace:bool backend:str conjugate:bool",
+    "interleaved:bool inplace:bool backend:str conjugate:bool numerics:str",
 )
 
 
@@ -196,6 +198,7 @@ def rotary_plan(
     positions=None,
     swap: tuple[int, int] | None = None,
     table_grows: bool = False,
+    numerics: str = "exact",
 ):
     """The run of one rotation key, ``run(q, k, cos, sin, offset)`` -> (q_out, k_out) or None, after the
     checked path served the call with an int offset or per-sequence offsets (4-D q); or, with
@@ -229,6 +232,10 @@ def rotary_plan(
     ``offset + T <= table_len`` (every row inside, whatever the lengths), and packed per-sequence offsets
     only on CPU tensors, whose rows the launch checks on the host before it writes (it returns None, and the
     caller's checked path grows the table); on a device the kernel would flag them instead.
+
+    ``numerics``: the arithmetic mode (:data:`ropekit.validation.NUMERICS`), in the key as a flag: a plan
+    of one mode never serves another; a backend's ``plan`` gets it when it is not "exact" (a ``plan``
+    without that keyword: no plan).
     """
     packed = cu_seqlens is not None
     rows = positions is not None
@@ -272,6 +279,10 @@ def rotary_plan(
         flags["per_sequence"] = True
     if packed:
         flags["cu_seqlens"] = cu_seqlens  # its length and dtype are the key's
+    if numerics != "exact":
+        if make is not None and "numerics" not in inspect.signature(make).parameters:
+            return None
+        flags["numerics"] = numerics
     if rows:
         if make is None or "positions" not in inspect.signature(make).parameters:
             return None  # rows it cannot check itself: the checked path checks them every call

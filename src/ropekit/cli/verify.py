@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "[jax] extra) or mlx (ropekit.mlx, needs the [mlx] extra); jax's or mlx's rows replace the torch "
         "backends",
     )  # fmt: skip
+    p.add_argument(
+        "--numerics", choices=("exact", "hf", "vllm"), default="exact",
+        help="the backends' arithmetic: exact (default: against the float64 reference), or hf / vllm: each "
+        "backend that serves it against the peer's own torch expression, bit for bit, in float32, "
+        "bfloat16 and float16",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help='print {"checks": [...]} as JSON')
     p.set_defaults(run=run)
 
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     compile_only = args.compile_only
     _use_triton_interpreter_without_a_gpu(args.backends, compile_only)
     backends = [b for b in args.backends if b != "triton"] if compile_only else args.backends
-    checks = run_checks(config, backends=backends)
+    checks = run_checks(config, backends=backends, numerics=args.numerics)
     if compile_only:
         checks += triton_compile_checks(config)
     mode = triton_mode(compile_only) if triton else None

@@ -81,6 +81,7 @@ def apply_rotary_pos_emb(
     unsqueeze_dim: int = 1,
     *,
     backend: str = "auto",
+    numerics: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mirrors transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (Llama and most).
 
@@ -91,6 +92,8 @@ def apply_rotary_pos_emb(
             modules return; (S, D) with unsqueeze_dim 0 (bhsd) or 1 (bshd) as HF broadcasts it.
         unsqueeze_dim: where HF unsqueezes cos / sin to broadcast them over the heads axis.
         backend: ropekit's backend ("auto", "torch", "cpu" or "triton").
+        numerics: "exact" (ropekit's one rounding, the default) or "hf": HF's own bits on these tables
+            (each product and sum rounded to q's dtype; :func:`ropekit.apply_rotary`).
 
     Returns:
         (q_embed, k_embed), shaped and laid out like q and k.
@@ -99,7 +102,7 @@ def apply_rotary_pos_emb(
         ValueError: tables of another width or token shape, an unsqueeze_dim that does not land on a heads
             axis, or anything :func:`ropekit.apply_rotary_qk` rejects.
     """
-    out = _direct(q, k, cos, sin, unsqueeze_dim, backend)
+    out = _direct(q, k, cos, sin, unsqueeze_dim, backend, numerics)
     if out is not None:
         return out
     for name, t in (("q", q), ("k", k)):
@@ -114,7 +117,9 @@ def apply_rotary_pos_emb(
     if axis == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
     with peer_names({"x": "q"}):
-        q_out, k_out = apply_rotary_qk(q, k, cos, sin, per_token=True, full_width=True, backend=backend)
+        q_out, k_out = apply_rotary_qk(
+            q, k, cos, sin, per_token=True, full_width=True, backend=backend, numerics=numerics
+        )
     if axis == 1:
         q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)  # back to (B, H, S, D)
     return q_out, k_out
@@ -225,7 +230,7 @@ def _warn_as_transformers(d: dict[str, Any], layer_type: str | None, rope_type: 
         )
 
 
-def _direct(q, k, cos, sin, unsqueeze_dim, backend):
+def _direct(q, k, cos, sin, unsqueeze_dim, backend, numerics):
     """HF's usual call, 3-D tables of q's sequence length and head_dim, as the core call it amounts to: a
     (rows, D/2) view of the tables and each batch row's first row (an int 0 when the rows are shared by the
     batch). In the steady state that is the core's launch plan (its one gate, :mod:`ropekit.backends.plan`)
@@ -259,11 +264,22 @@ def _direct(q, k, cos, sin, unsqueeze_dim, backend):
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views
     out = launch_rotary(
-        q, k, cos_rows, sin_rows, starts, interleaved=False, inplace=False, backend=backend, conjugate=False
+        q,
+        k,
+        cos_rows,
+        sin_rows,
+        starts,
+        interleaved=False,
+        inplace=False,
+        backend=backend,
+        conjugate=False,
+        numerics=numerics,
     )[0]  # the rotation's gate: a steady step is its plan (a miss is looked up again by apply_rotary_qk)
     if out is None:
         with peer_names({"x": "q"}):
-            out = apply_rotary_qk(q, k, cos_rows, sin_rows, offsets=starts, backend=backend)
+            out = apply_rotary_qk(
+                q, k, cos_rows, sin_rows, offsets=starts, backend=backend, numerics=numerics
+            )
     if unsqueeze_dim == 2:
         return out
     return out[0].transpose(1, 2), out[1].transpose(1, 2)  # back to (B, H, S, D)

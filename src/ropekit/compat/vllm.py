@@ -55,7 +55,7 @@ _NAMES = {"x": "query", "q": "query", "k": "key", "cos": "cos_sin_cache", "sin":
 _launch_planned = gate(
     "compat.vllm.rotary_embedding",
     "positions query key? cos_sin_cache",
-    "head_size:int is_neox:bool backend:str",
+    "head_size:int is_neox:bool backend:str numerics:str",
 )
 
 
@@ -121,12 +121,15 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return memo[1]
 
 
-def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto"):
+def _rotate(
+    positions, query, key, head_size, cos_sin_cache, is_neox, inplace, backend="auto", numerics="exact"
+):
     plan_key = None
     if inplace:  # a decode step seen before: vLLM's call as its launch plan, no views built
         out, plan_key = _launch_planned(
-            positions, query, key, cos_sin_cache, head_size=head_size, is_neox=is_neox, backend=backend
-        )
+            positions, query, key, cos_sin_cache, head_size=head_size, is_neox=is_neox, backend=backend,
+            numerics=numerics,
+        )  # fmt: skip
         if out is not None:
             return None
     if type(head_size) is not int:
@@ -151,7 +154,7 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
     if not inplace:  # out of place (vLLM's forward_native): the core's positions gate, on these views
         out, positions_key = launch_rotary_positions(
             q, k, cos, sin, rows, None, interleaved=interleaved, inplace=False, backend=backend,
-            conjugate=False,
+            conjugate=False, numerics=numerics,
         )  # fmt: skip
         if out is not None:
             return out
@@ -160,18 +163,19 @@ def _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, b
         pos = resolve(q, positions=rows, name="query")
         out = apply_resolved(
             q, k, cos, sin, pos, interleaved=interleaved, inplace=inplace, backend=backend,
-            gated=positions_key is not None, plan_key=positions_key, positions=rows,
+            gated=positions_key is not None, plan_key=positions_key, positions=rows, numerics=numerics,
         )  # fmt: skip
     except ValueError as err:
         raise renamed(err, _NAMES, within=True) from None
     if plan_key is not None:  # checked and served: later steps of this kind take the plan
         flat = positions.dtype == torch.int64 and positions.is_contiguous()  # the loop reads it as it lies
-        impl = select_backend(backend, q, cos)
-        keep(plan_key, _plan(impl, query, key, q, k, cos, sin, positions, interleaved) if flat else None)
+        impl = select_backend(backend, q, cos, numerics=numerics)
+        plan = _plan(impl, query, key, q, k, cos, sin, positions, interleaved, numerics) if flat else None
+        keep(plan_key, plan)
     return out
 
 
-def _plan(impl, query, key, q, k, cos, sin, positions, interleaved):
+def _plan(impl, query, key, q, k, cos, sin, positions, interleaved, numerics):
     """run(positions, query, key, cache) -> query once it has rotated query and key in place (None: nothing
     written; the checked path serves the call). On the C loop: the loop on the call's data pointers, each
     token's row read from positions by the loop, which checks it; on another backend: its plan for
@@ -180,13 +184,11 @@ def _plan(impl, query, key, q, k, cos, sin, positions, interleaved):
     # plan for per-sequence offsets proves the backend takes these views and table as they are.
     q_tok, k_tok = q.transpose(0, 1), None if k is None else k.transpose(0, 1)  # (T, 1, H, D)
     if impl.name != "cpu":
-        return _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved)
-    flags = dict(interleaved=interleaved, conjugate=False, inplace=True, per_sequence=True)
-    if q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags) is None:
+        return _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved, numerics)
+    flags = dict(interleaved=interleaved, conjugate=False, per_sequence=True, numerics=numerics)
+    if q_tok.numel() == 0 or impl.plan(q_tok, k_tok, cos, sin, **flags, inplace=True) is None:
         return None  # the core's C plan proves the loop takes these views and table as they are
-    call = pointer_launch(
-        q_tok, k_tok, q_tok, k_tok, cos, sin, interleaved=interleaved, conjugate=False, per_sequence=True
-    )
+    call = pointer_launch(q_tok, k_tok, q_tok, k_tok, cos, sin, **flags)
     sin_bytes = sin.data_ptr() - cos.data_ptr()  # sin is the cache's second half, a fixed step from cos
     q_span, k_span = span(query), 0 if key is None else span(key)
     shared: dict[int, bool] = {}  # k - q byte distance -> whether query and key share an element
@@ -224,13 +226,13 @@ def _plan(impl, query, key, q, k, cos, sin, positions, interleaved):
     return run
 
 
-def _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved):
+def _views_plan(impl, q_tok, k_tok, cos, sin, positions, interleaved, numerics):
     """run(positions, query, key, cache) on a backend other than the C loop: the (T, 1, H, D) views of the
     checked path, then the core's plan for per-sequence offsets (:func:`ropekit.backends.plan.rotary_plan`:
     its value checks, then the backend's launch); None when the backend has no such plan."""
     tokens, head_size = q_tok.shape[0], q_tok.shape[3]
     core = rotary_plan(impl, q_tok, k_tok, cos, sin, positions.view(tokens), interleaved=interleaved,
-                       inplace=True, conjugate=False)  # fmt: skip
+                       inplace=True, conjugate=False, numerics=numerics)  # fmt: skip
     if core is None:
         return None
 
@@ -251,12 +253,15 @@ def _rotary_embedding_op(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
     backend: str = "auto",
+    numerics: str = "exact",
 ) -> None:
     """The kernel of ``torch.ops.ropekit.rotary_embedding``: every check, then the in-place rotation."""
-    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend)
+    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend, numerics)
 
 
-def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_neox, backend="auto"):
+def _rotary_embedding_fake(
+    positions, query, key, head_size, cos_sin_cache, is_neox, backend="auto", numerics="exact"
+):
     """Shapes only: the same views as the kernel, so a traced call fails where an eager one would."""
     head_size = check_int("head_size", head_size, minimum=1, expected="a positive int")
     tokens = positions.numel()
@@ -266,7 +271,8 @@ def _rotary_embedding_fake(positions, query, key, head_size, cos_sin_cache, is_n
 
 
 # vLLM's op signature (csrc/torch_bindings.cpp: ``rotary_embedding(Tensor positions, Tensor! query,
-# Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()``) plus ropekit's backend choice.
+# Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()``) plus ropekit's backend and
+# numerics choices.
 rotary_embedding_op = register_op(
     "rotary_embedding",
     _rotary_embedding_op,
@@ -274,7 +280,7 @@ rotary_embedding_op = register_op(
     mutates_args=("query", "key"),
     schema=(
         "(Tensor positions, Tensor(a!) query, Tensor(b!)? key, SymInt head_size, Tensor cos_sin_cache, "
-        "bool is_neox, str backend='auto') -> ()"
+        "bool is_neox, str backend='auto', str numerics='exact') -> ()"
     ),
 )
 
@@ -288,8 +294,12 @@ def rotary_embedding(
     is_neox: bool,
     *,
     backend: str = "auto",
+    numerics: str = "exact",
 ) -> None:
     """Mirrors vLLM's ``_custom_ops.rotary_embedding``: rotate query and key in place; returns None.
+
+    ``numerics`` as in :func:`ropekit.apply_rotary`: "vllm" gives the bits of vLLM's ``forward_native``
+    (``x1 * cos - x2 * sin`` in query's dtype, the cache cast to it), written in place.
 
     The work is ``torch.ops.ropekit.rotary_embedding`` (vLLM's op signature, in-place on query and key, passes
     ``torch.library.opcheck``). Plain eager tensors call the op's kernel directly and bump query's and key's
@@ -317,10 +327,10 @@ def rotary_embedding(
             "rotate each rank's local tensors (t.to_local()), or DTensors with ropekit.apply_rotary_qk",
         )
         torch.ops.ropekit.rotary_embedding(
-            positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend
+            positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend, numerics=numerics
         )
         return
-    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend)
+    _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, True, backend, numerics)
     # What the dispatcher's ADInplaceOrView step does for the op (torch.autograd.graph.increment_version's
     # own body, without its per-call tuple building).
     _increment_version([query] if key is None else [query, key])
@@ -335,9 +345,12 @@ def apply_rope_with_cos_sin_cache_inplace(
     is_neox: bool = True,
     *,
     backend: str = "auto",
+    numerics: str = "exact",
 ) -> None:
     """Mirrors ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``: as :func:`rotary_embedding`."""
-    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend)
+    rotary_embedding(
+        positions, query, key, head_size, cos_sin_cache, is_neox, backend=backend, numerics=numerics
+    )
 
 
 def apply_rope_with_cos_sin_cache(
@@ -349,12 +362,14 @@ def apply_rope_with_cos_sin_cache(
     is_neox: bool = True,
     *,
     backend: str = "auto",
+    numerics: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mirrors ``flashinfer.rope.apply_rope_with_cos_sin_cache``: new rotated tensors, shaped like the inputs.
 
-    query and key are not modified. Errors as :func:`rotary_embedding`.
+    query and key are not modified. Errors as :func:`rotary_embedding` (``numerics`` as there: "vllm" is
+    vLLM's ``forward_native``, bit for bit).
     """
-    q, k = _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, False, backend)
+    q, k = _rotate(positions, query, key, head_size, cos_sin_cache, is_neox, False, backend, numerics)
     return q.reshape(query.shape), None if k is None else k.reshape(key.shape)
 
 

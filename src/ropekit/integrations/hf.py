@@ -57,7 +57,7 @@ from ropekit.integrations.hf_probe import (
 )
 from ropekit.layer_rope import LayerRope, model_rope
 from ropekit.schedules.extend import EXTEND_METHODS, extension_scaling, ntk_base
-from ropekit.validation import check_bool
+from ropekit.validation import check_bool, check_numerics
 
 __all__ = [
     "EXTEND_METHODS",
@@ -75,7 +75,8 @@ CONVENTIONS_ATTR = "_ropekit_conventions"  # on a patched layer: {function name:
 STAND_INS_ATTR = "_ropekit_stand_ins"  # on a patched layer: {function name: the stand-in it calls}
 DOOR_ATTR = "_ropekit_previous_forward"  # on a kernels function module we opened: its forward before us
 ROPE_ATTR = "_ropekit_layer_rope"  # on a patched layer served ropekit's tables: its model_rope entry
-PATCH_ATTR = "_ropekit_patch"  # on a patched model: (backend, strict), for extend_context to patch again
+# on a patched model: (backend, strict, numerics), for extend_context to patch again
+PATCH_ATTR = "_ropekit_patch"
 ORIGINAL_ATTR = (
     "_ropekit_original_rope"  # on a model extend_context changed: its rope before the first change
 )
@@ -311,17 +312,18 @@ def _record_calls(
     return calls, rotary_calls
 
 
-def _check_backend(backend: str, call: Call, signature: Signature) -> None:
+def _check_backend(backend: str, call: Call, signature: Signature, numerics: str) -> None:
     """Raise the backend's own ValueError now, not as a failed proof, when it cannot serve the model."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     x = Signature.get(call.args, call.kwargs, signature.rotated[0])
     if isinstance(x, torch.Tensor):
         table = torch.zeros(1, 1, device=x.device)
-        apply_rotary(torch.zeros(1, 1, 1, 2, dtype=x.dtype, device=x.device), table, table, backend=backend)
+        x = torch.zeros(1, 1, 1, 2, dtype=x.dtype, device=x.device)
+        apply_rotary(x, table, table, backend=backend, numerics=numerics)
 
 
-def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> int:
+def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True, numerics: str = "exact") -> int:
     """Make every attention layer of an HF model rotate q and k with ropekit, after proving it agrees.
 
     Idempotent: patching a patched model re-patches it (for instance with another backend). See the module
@@ -335,6 +337,12 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
         backend: ropekit backend, "auto", "torch", "cpu" or "triton".
         strict: if True (default), a layer whose RoPE ropekit cannot reproduce is a ValueError and nothing is
             patched; if False, such layers keep HF's code and a warning names each of them.
+        numerics: "exact" (default): ropekit's arithmetic (one rounding) on ropekit's own tables where
+            proved, within a few ulps of HF's. "hf": the model's own bits: each layer reads the cos / sin
+            its rotary module computes (model_rope's tables are not served) and is patched only where
+            ropekit reproduces its function bit for bit, in the dtype's per-op arithmetic (HF's
+            ``q * cos + rotate_half(q) * sin``) or, for a function that computes in float32, rounded once;
+            the patched model's logits then equal the unpatched model's (docs/numerics-modes.md).
 
     Returns:
         The number of layers patched.
@@ -342,12 +350,18 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
     Raises:
         ValueError: when no layer of the model applies RoPE on a text forward pass, when a layer's rotation
             disagrees with ropekit (strict; the message names the model type, the layer and the measured
-            difference), for an unknown backend or one that cannot serve the model, a model on the meta
-            device, or when the model cannot run on a few token ids.
+            difference), for an unknown backend or one that cannot serve the model (or numerics "hf"), a
+            model on the meta device, numerics other than "exact" and "hf", or when the model cannot run on
+            a few token ids.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     check_bool("strict", strict)
+    if check_numerics(numerics) == "vllm":
+        raise ValueError(
+            "numerics: expected 'exact' or 'hf' for a transformers model, got 'vllm' (vLLM's bits are the "
+            "plugins': ROPEKIT_NUMERICS, docs/engines.md)"
+        )
     _text_config(model)
     tensors = (*model.named_parameters(), *model.named_buffers())
     on_meta = next((name for name, t in tensors if t.is_meta), None)
@@ -380,7 +394,7 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
             f"reference {functions} but none was called on a text forward pass (a vision or audio tower's "
             "RoPE is not patched)"
         )
-    replacements, refused, served = _prove(model_type, candidates, calls, backend)
+    replacements, refused, served = _prove(model_type, candidates, calls, backend, numerics)
     if refused and strict:
         raise ValueError(refused[0] + (f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""))
     for message in refused:
@@ -390,8 +404,9 @@ def patch(model: nn.Module, backend: str = "auto", *, strict: bool = True) -> in
         _replace_functions(layer, functions_of[layer], stand_ins)
         setattr(layer, CONVENTIONS_ATTR, conventions)
         layer.__dict__[STAND_INS_ATTR] = stand_ins
-    model.__dict__[PATCH_ATTR] = (backend, strict)
-    ropes = _serve_model_rope(model, rotaries, rotary_calls, served)
+    model.__dict__[PATCH_ATTR] = (backend, strict, numerics)
+    # "hf": the model's own tables are the bits to reproduce (ropekit's agree within float32 rounding only)
+    ropes = _serve_model_rope(model, rotaries, rotary_calls, served) if numerics == "exact" else {}
     for layer, entry in ropes.items():
         layer.__dict__[ROPE_ATTR] = entry
     log.debug("patched %d layers of %s, %d on model_rope's tables", len(replacements), model_type, len(ropes))
@@ -436,7 +451,9 @@ def _layer_index(layer: nn.Module, name: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tuple[dict, list[str], dict]:
+def _prove(
+    model_type: str, candidates: list, calls: dict, backend: str, numerics: str
+) -> tuple[dict, list[str], dict]:
     """Per layer: the stand-ins proved against its recorded calls, or the reason it is refused; and per
     patched layer, the tables its calls received with their form (``Convention.table``), when one form."""
     replacements: dict[nn.Module, tuple[dict, dict]] = {}
@@ -456,10 +473,10 @@ def _prove(model_type: str, candidates: list, calls: dict, backend: str) -> tupl
                 reasons.append(f"its {name} cannot be read: {err}")
                 continue
             if not checked_backend:
-                _check_backend(backend, call, signature)
+                _check_backend(backend, call, signature, numerics)
                 checked_backend = True
             try:
-                convention, diff, tol = find_convention(fn, signature, call, backend)
+                convention, diff, tol = find_convention(fn, signature, call, backend, numerics)
             except NotUnderstood as err:
                 reasons.append(f"its {name} cannot be read: {err}")
                 continue
@@ -621,7 +638,7 @@ def extend_context(model: nn.Module, method: str, factor: float, **params: Any) 
     _write_parameters(config, target, new, max_positions)
     _rebuild_rotary_modules(model, config, config, dry_run=False)
     if patched is not None:  # the new tables from model_rope, proved again, with the same choices
-        patch(model, *patched[:1], strict=patched[1])
+        patch(model, patched[0], strict=patched[1], numerics=patched[2])
     return new
 
 

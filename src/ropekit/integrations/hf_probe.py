@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,11 +58,16 @@ class Convention:
     layout: str  # "bhsd" or "bshd"; overridden per call by unsqueeze_dim when the function has it
     conjugate: bool = False  # rotates by -angle (NanoChat's rotate_half flips the other sign)
     rotary_position: str = "first"  # "last": the trailing features rotate (DeepSeek-V4's [nope | rope] heads)
+    # the arithmetic (ropekit.validation.NUMERICS): "hf" where the model's function computes in its dtype,
+    # "exact" where it computes in float32 and rounds once (patch(numerics="hf") proves which, bit for bit)
+    numerics: str = "exact"
 
     def describe(self) -> str:
         sign = ", conjugate" if self.conjugate else ""
         where = ", trailing features" if self.rotary_position == "last" else ""
-        return f"{self.pairing} pairing, {self.table.replace('_', '-')} table, {self.layout}{sign}{where}"
+        numerics = f", numerics={self.numerics!r}" if self.numerics != "exact" else ""
+        table = self.table.replace("_", "-")
+        return f"{self.pairing} pairing, {table} table, {self.layout}{sign}{where}{numerics}"
 
 
 # Tried in this order; the first one that agrees with the model's function is used.
@@ -262,6 +267,8 @@ def _rotate(
     interleaved = convention.pairing == "interleaved"
     first, second = [*views, None][:2]
     kw = dict(positions=positions, interleaved=interleaved, inplace=inplace, backend=backend)
+    if convention.numerics != "exact":
+        kw["numerics"] = convention.numerics
     if convention.rotary_position != "first":
         kw["rotary_position"] = convention.rotary_position
     if first is None:
@@ -375,12 +382,17 @@ def _difference(ours: Any, theirs: Any) -> float:
 
 
 def find_convention(
-    fn: Callable, signature: Signature, call: Call, backend: str
+    fn: Callable, signature: Signature, call: Call, backend: str, numerics: str = "exact"
 ) -> tuple[Convention | None, float, float]:
     """The first candidate convention that agrees with `fn` on the recorded call's tables and random q, k.
 
     Returns (convention or None, the smallest difference measured, the tolerance). Every candidate is measured
     on the same random inputs, through the model's own function and through ropekit with ``backend``.
+
+    ``numerics`` "hf": the model's bits, tolerance 0. Each candidate is tried in the model dtype's per-op
+    arithmetic ("hf", HF's ``q * cos + rotate_half(q) * sin``) and then rounded once ("exact": a function
+    that computes in float32, as Llama 4's complex product does); the convention carries the one that
+    equals the model's function bit for bit.
     """
     generator = torch.Generator().manual_seed(0)
     args, kwargs = _probe_inputs(signature, call, generator)
@@ -397,9 +409,10 @@ def find_convention(
         if not outputs:
             raise NotUnderstood(f"it returned {type(theirs).__name__}, expected tensors")
         scale = max(o.abs().max().item() for o in outputs if o.numel())
-        tol = tolerance(outputs[0].dtype, scale)
+        tol = tolerance(outputs[0].dtype, scale) if numerics == "exact" else 0.0
+        arithmetic = ("exact",) if numerics == "exact" else (numerics, "exact")
         best = float("inf")
-        for convention in CANDIDATES:
+        for convention in (replace(c, numerics=m) for c in CANDIDATES for m in arithmetic):
             if signature.unsqueeze is not None and convention.layout != "bhsd":
                 continue  # unsqueeze_dim sets the layout: the bshd twins would repeat the bhsd ones
             try:

@@ -20,7 +20,9 @@ and DeepSeek YaRN's ``forward_cuda``) are served too, with their own caches. Con
 * ``forward_native`` returns new tensors and leaves its inputs alone; like SGLang's, it refuses the fused
   argument.
 
-The math runs in float32 whatever the cache dtype. Nothing here imports SGLang until :func:`register` runs.
+The math runs in float32 whatever the cache dtype, or, with ``ROPEKIT_NUMERICS=vllm`` (read by
+:func:`register`, as the vLLM plugin reads it), in the query's dtype after each op: the bits of SGLang's own
+``forward_native`` (vLLM's arithmetic). Nothing here imports SGLang until :func:`register` runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import logging
 import torch
 
 from ropekit.compat.vllm import apply_rope_with_cos_sin_cache, rotary_embedding
-from ropekit.integrations.vllm import mrope_rotate
+from ropekit.integrations.vllm import MODE, mrope_rotate, plugin_numerics
 
 __all__ = ["LEFT", "TARGETS", "register"]
 
@@ -66,7 +68,9 @@ def forward_native(original, self, positions, query, key, offsets=None, fused_se
     if offsets is not None:
         positions = positions + offsets
     cache = _cache(self, query)
-    return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+    return apply_rope_with_cos_sin_cache(
+        positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+    )
 
 
 def forward_inplace(original, self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
@@ -75,7 +79,10 @@ def forward_inplace(original, self, positions, query, key, offsets=None, fused_s
         return original(self, positions, query, key, offsets, fused_set_kv_buffer_arg)
     if offsets is not None:
         positions = positions + offsets
-    rotary_embedding(positions, query, key, self.head_size, _cache(self, query), self.is_neox_style)
+    cache = _cache(self, query)
+    rotary_embedding(
+        positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+    )
     if fused_set_kv_buffer_arg is not None:
         _store(fused_set_kv_buffer_arg, key, positions.numel())
     return query, key
@@ -96,7 +103,9 @@ def mrope_forward_native(original, self, positions, query, key, fused_set_kv_buf
     _no_fused(fused_set_kv_buffer_arg)
     if positions.dim() == 1:
         cache = _cache(self, query)
-        return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+        return apply_rope_with_cos_sin_cache(
+            positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+        )
     return mrope_rotate(self, positions, query, key, inplace=False)
 
 
@@ -105,7 +114,10 @@ def mrope_forward_inplace(original, self, positions, query, key, fused_set_kv_bu
     if not _mrope_served(self, positions):
         return original(self, positions, query, key, fused_set_kv_buffer_arg)
     if positions.dim() == 1:
-        rotary_embedding(positions, query, key, self.head_size, _cache(self, query), self.is_neox_style)
+        cache = _cache(self, query)
+        rotary_embedding(
+            positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+        )
     else:
         mrope_rotate(self, positions, query, key, inplace=True)
     if fused_set_kv_buffer_arg is not None:
@@ -145,8 +157,14 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register ropekit's forwards in SGLang's hook registry (SGLang's general-plugin hook). Idempotent."""
+    """Register ropekit's forwards in SGLang's hook registry (SGLang's general-plugin hook). Idempotent;
+    each call reads ``$ROPEKIT_NUMERICS`` again (:func:`ropekit.integrations.vllm.plugin_numerics`).
+
+    Raises:
+        ValueError: for a ROPEKIT_NUMERICS other than "exact", "hf" and "vllm".
+    """
     global _REGISTERED
+    plugin_numerics()
     if _REGISTERED:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -35,12 +35,19 @@ the graph to ``torch.ops._C.fused_qk_norm_rope``, an op of vLLM's compiled exten
 ``_C`` namespace), so it stays vLLM's. ``ropekit.compat.vllm.fused_qk_norm_rope`` offers the same call
 outside vLLM.
 
+Numerics: ``ROPEKIT_NUMERICS`` (read by :func:`register`, in each process vLLM starts) picks the arithmetic
+of every forward: "exact" (the default, above), or "vllm": the bits of vLLM's own ``forward_native``
+(``x1 * cos - x2 * sin`` in the query's dtype, the cache cast to it), on every path, in place or not
+("hf" is the same arithmetic). Llama 4's vision rotation computes in float32 in vLLM too: it stays "exact".
+Under "vllm" / "hf" the cache keeps vLLM's own numbers (:func:`exact_cache` is not applied).
+
 Nothing here imports vLLM until :func:`register` runs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,20 +58,40 @@ from ropekit.compat.vllm_variants import _check_rows, check_patch_tokens
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary, apply_rotary_qk
 from ropekit.schedules.mrope import mrope_axis_of_pair
-from ropekit.validation import describe
+from ropekit.validation import NUMERICS, describe
 
 __all__ = [
     "ADAPTERS",
     "LEFT",
+    "NUMERICS_ENV",
     "SCALINGS",
     "exact_cache",
     "mrope_rotate",
+    "plugin_numerics",
     "register",
     "registered",
     "rope_config",
 ]
 
 logger = logging.getLogger(__name__)
+
+NUMERICS_ENV = "ROPEKIT_NUMERICS"  # the engine plugins' arithmetic (vLLM's and SGLang's register read it)
+# The plugins' arithmetic in this process: set by register() from NUMERICS_ENV, read by every forward.
+MODE = {"numerics": "exact"}
+
+
+def plugin_numerics() -> str:
+    """The engine plugins' arithmetic from ``$ROPEKIT_NUMERICS`` ("exact" when unset), stored for the
+    forwards: "exact", or "vllm" / "hf" (one arithmetic: vLLM's and SGLang's ``forward_native`` bits).
+
+    Raises:
+        ValueError: naming ROPEKIT_NUMERICS, for any other value.
+    """
+    value = os.environ.get(NUMERICS_ENV, "exact")
+    if value not in NUMERICS:
+        raise ValueError(f"{NUMERICS_ENV}: expected one of {list(NUMERICS)}, got {value!r}")
+    MODE["numerics"] = value
+    return value
 
 
 def _cache(module, query: torch.Tensor) -> torch.Tensor:
@@ -200,18 +227,24 @@ class CacheForwards:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        cache = exact_cache(self)
+        # numerics "vllm" / "hf" ask for vLLM's own bits: its cache, cast to the model dtype, stays
+        cache = exact_cache(self) if MODE["numerics"] == "exact" else None
         if cache is not None:
             self.cos_sin_cache = cache  # the registered buffer, replaced: vLLM moves it with the model
 
     def forward_native(self, positions, query, key=None, offsets=None):
         positions = _with_offsets(positions, offsets)
         cache = _cache(self, query)
-        return apply_rope_with_cos_sin_cache(positions, query, key, self.head_size, cache, self.is_neox_style)
+        return apply_rope_with_cos_sin_cache(
+            positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+        )
 
     def forward_cuda(self, positions, query, key=None, offsets=None):
         positions = _with_offsets(positions, offsets)
-        rotary_embedding(positions, query, key, self.head_size, _cache(self, query), self.is_neox_style)
+        cache = _cache(self, query)
+        rotary_embedding(
+            positions, query, key, self.head_size, cache, self.is_neox_style, numerics=MODE["numerics"]
+        )
         return query, key
 
     forward_cpu = forward_cuda
@@ -243,7 +276,9 @@ def mrope_rotate(module, positions, query, key, offsets=None, *, inplace):
     index = axis.expand(1, rows.shape[1], half)  # (1, T, R/2)
     cos, sin = rows[..., :half].gather(0, index)[0], rows[..., half:].gather(0, index)[0]  # (T, R/2) each
     q = query.view(1, tokens, -1, module.head_size)  # (1, T, Hq, D)
-    flags = dict(interleaved=not module.is_neox_style, inplace=inplace, per_token=True)
+    flags = dict(
+        interleaved=not module.is_neox_style, inplace=inplace, per_token=True, numerics=MODE["numerics"]
+    )
     if key is None:
         return apply_rotary(q, cos, sin, **flags).view(query.shape), None
     k = key.view(1, tokens, -1, module.head_size)  # (1, T, Hk, D)
@@ -353,10 +388,15 @@ def register() -> None:
     Idempotent: a class already registered by this module is left as it is; a name another plugin registered
     first is left to that plugin (logged). The replacement keeps vLLM's op name (``rotary_embedding``), so
     ``--compilation_config.custom_ops '["+rotary_embedding"]'`` switches it as it switches vLLM's class.
+    Each call reads ``$ROPEKIT_NUMERICS`` again (:func:`plugin_numerics`).
+
+    Raises:
+        ValueError: for a ROPEKIT_NUMERICS other than "exact", "hf" and "vllm".
     """
     from vllm.model_executor import custom_op
     from vllm.model_executor.layers import rotary_embedding as vllm_rope
 
+    plugin_numerics()
     replaced, absent = [], []
     for name, forwards in ADAPTERS.items():
         if name in _REGISTERED:
@@ -376,7 +416,7 @@ def register() -> None:
         _REGISTERED[name] = cls
         replaced.append(name)
     if replaced:
-        logger.info("ropekit: serving vLLM's %s", ", ".join(replaced))
+        logger.info("ropekit: serving vLLM's %s (numerics %r)", ", ".join(replaced), MODE["numerics"])
         logger.info("ropekit: left to vLLM: %s", "; ".join(f"{name} ({why})" for name, why in LEFT.items()))
     if absent:
         logger.info("ropekit: not in this vLLM, skipped: %s", ", ".join(absent))

@@ -11,6 +11,8 @@ Rows:
     copy_ / clone: the floors (copy into existing buffers; a fresh allocation plus the copy).
     ropekit[<backend>] and ropekit[<backend>] in-place, for the backend ``backend="auto"`` picks for the
     inputs (the dispatch in :mod:`ropekit.backends` decides) and the plain torch backend.
+    ropekit[<backend>] numerics=hf / numerics=vllm (and in-place): the peers' bits on request, on the backend
+    ``backend="auto"`` picks for that mode (issue 36: the same speed as "exact").
     ropekit.compat.hf (HF's call on HF's (B, S, D) tables) and ropekit.compat.vllm in-place (vLLM's op on a
     [cos | sin] cache): the peers' call conventions through ropekit, to compare with the core rows.
     HF eager (transformers' apply_rotary_pos_emb), HF + torch.compile, Meta's complex form (written here,
@@ -177,7 +179,9 @@ class Row:
 # ---- rows: ropekit --------------------------------------------------------------------------------------
 
 
-def _ropekit_row(backend: str, inplace: bool) -> Row:
+def _ropekit_row(backend: str, inplace: bool, numerics: str = "exact") -> Row:
+    mode = {} if numerics == "exact" else {"numerics": numerics}
+
     def setup(case: Case):
         packed = case.shape.seqlens is not None
 
@@ -185,13 +189,13 @@ def _ropekit_row(backend: str, inplace: bool) -> Row:
             if packed:  # (1, T, H, D) -> (T, H, D): ropekit takes packed input as it is stored
                 q, k = q[0], k[0]
             out = ropekit.apply_rotary_qk(
-                q, k, case.cos, case.sin, inplace=inplace, backend=backend, **case.ropekit_kwargs
+                q, k, case.cos, case.sin, inplace=inplace, backend=backend, **case.ropekit_kwargs, **mode
             )
             return tuple(o.unsqueeze(0) for o in out) if packed else out
 
         return fn
 
-    suffix = " in-place" if inplace else ""
+    suffix = ("" if numerics == "exact" else f" numerics={numerics}") + (" in-place" if inplace else "")
     return Row(f"ropekit[{backend}]{suffix}", setup, inplace=inplace, differentiable=not inplace)
 
 
@@ -391,6 +395,9 @@ def build_rows(case: Case, include: list[str] | None = None) -> tuple[list[Row],
     any of these substrings (case-insensitive)."""
     names, notes = ropekit_backends(case)
     rows = [_ropekit_row(name, inplace) for name in names for inplace in (False, True)]
+    for numerics in ("hf", "vllm"):  # the peers' bits, on the backend auto picks for the mode
+        name = select_backend("auto", case.q, case.cos, numerics=numerics).name
+        rows += [_ropekit_row(name, inplace, numerics) for inplace in (False, True)]
     for peer in PEER_ROWS:
         if case.q.device.type not in peer.devices:
             continue

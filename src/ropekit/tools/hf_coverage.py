@@ -18,6 +18,9 @@ proof at patch time found a layer ropekit does not reproduce; the reason is the 
 model`` (its forward takes no input_ids: the RoPE lives in a vision or audio stack, which ``patch`` does not
 probe), ``not instantiable`` (the tiny model could not be built or run unpatched; the error is given), and
 ``unequal`` (patched, but the outputs differ: the target is that this never happens).
+
+``--numerics hf --dtype bfloat16`` (or float32) checks ``patch(model, numerics="hf")`` instead: the model is
+cast to that dtype and "patched" then means bit-identical outputs (tolerance 0) and greedy generation.
 """
 
 from __future__ import annotations
@@ -497,20 +500,24 @@ class NotATokenModel(Exception):
     """The model type's classes all need inputs other than token ids (pixels, audio)."""
 
 
-def check_model_type(model_type: str, time_limit: int = 300) -> Row:
-    """Build, run, patch, run again and compare one model type (see the module docstring)."""
+def check_model_type(
+    model_type: str, time_limit: int = 300, *, numerics: str = "exact", dtype: torch.dtype = torch.float32
+) -> Row:
+    """Build, run, patch, run again and compare one model type (see the module docstring); with numerics
+    "hf", the model in ``dtype`` patched with ``numerics="hf"`` must give bit-identical outputs."""
     try:
         with _time_limit(time_limit):
-            return _check(model_type)
+            return _check(model_type, numerics, dtype)
     except TimeoutError as err:
         return Row(model_type, "not instantiable", _short(err))
     except Exception as err:  # after patching: the patched model failed where the unpatched one ran
         return Row(model_type, "unequal", f"the patched model raised {_short(err)}")
 
 
-def _check(model_type: str) -> Row:
+def _check(model_type: str, numerics: str = "exact", dtype: torch.dtype = torch.float32) -> Row:
     try:
         model, generates = _build(model_type)
+        model = model.to(dtype)
     except NotATokenModel as err:
         return Row(model_type, "not a token model", str(err))
     except Exception as err:
@@ -531,7 +538,7 @@ def _check(model_type: str) -> Row:
         except Exception:
             want_tokens = None
     try:
-        layers = hf.patch(model)
+        layers = hf.patch(model, numerics=numerics)
     except ValueError as err:
         reason = " ".join(str(err).split())[:300]
         if "nothing to patch" in reason:  # the modeling file defines a rotation its layers never call
@@ -563,7 +570,8 @@ def _check(model_type: str) -> Row:
     detail = (
         f"{layers} layers; {'; '.join(conventions)}; max diff {diff:.1e} of output scale; {generation}{kept}"
     )
-    if not math.isfinite(diff) or diff > TOLERANCE or not equal_tokens:
+    tolerance = TOLERANCE if numerics == "exact" else 0.0  # "hf": the model's own bits
+    if not math.isfinite(diff) or diff > tolerance or not equal_tokens:
         if not equal_tokens:
             detail += " (generation differs)"
         return Row(model_type, "unequal", detail, layers)
@@ -646,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ropekit.tools.hf_coverage", description=__doc__)
     parser.add_argument("--write", type=Path, help="markdown file whose coverage section is replaced")
     parser.add_argument("--only", nargs="*", help="model types to check (default: all enumerated)")
+    parser.add_argument(
+        "--numerics", choices=("exact", "hf"), default="exact", help="patch(numerics=...); hf: bit-identical"
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args(argv)
     import warnings
 
@@ -655,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = []
     for model_type in types:
-        row = check_model_type(model_type)
+        row = check_model_type(model_type, numerics=args.numerics, dtype=getattr(torch, args.dtype))
         rows.append(row)
         print(f"{row.model_type}: {row.status}: {row.detail}", file=sys.stderr, flush=True)
     table = render(rows, time.perf_counter() - start)

@@ -5,6 +5,8 @@ Each check compares two computations that the mathematics (docs/math.md) says ar
 largest difference against a tolerance: float64 round-off for the float64 claims. A backend's float32 or
 bfloat16 output is held to a bound per element, one rounding of the output dtype plus float32 arithmetic
 (:func:`backend_error_bound`); its row reports the largest error / bound, which must stay <= 1.
+With ``numerics="hf"`` or ``"vllm"`` the backend rows instead hold each backend that serves the mode to the
+peer's own torch expression, bit for bit (:func:`peer_rotation`), in float32, bfloat16 and float16.
 Used by ``ropekit verify`` and the demo report.
 """
 
@@ -23,6 +25,7 @@ from ropekit.backends import BACKENDS, select_backend
 from ropekit.config import RopeConfig
 from ropekit.functional import apply_rotary
 from ropekit.sinusoidal import sinusoidal_embedding
+from ropekit.validation import check_numerics
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -31,6 +34,7 @@ __all__ = [
     "Check",
     "available_backends",
     "backend_error_bound",
+    "peer_rotation",
     "run_checks",
     "triton_compile_checks",
     "triton_mode",
@@ -45,6 +49,8 @@ PRINTED_DIGITS_TOL = 5e-4
 MAX_HEAD_DIM = 1024
 # Storage dtypes the production backends are checked in (math runs in float32 for both).
 BACKEND_DTYPES = (torch.float32, torch.bfloat16)
+# numerics "hf" / "vllm": the dtypes whose bits are checked against the peer's expression.
+PEER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,62 @@ def _backend_checks(
     return checks
 
 
+def peer_rotation(x, cos, sin, positions, *, interleaved: bool, numerics: str) -> torch.Tensor:
+    """The peer's own torch expression in x's dtype on the first R features (the rest pass through): "hf",
+    transformers' eager ``x * cos + rotate_half(x) * sin`` on full-width rows (``cat(freqs, freqs)``, or
+    ``repeat_interleave`` and Cohere's interleaved rotate_half); "vllm", vLLM's ``forward_native``, ``x1 *
+    cos - x2 * sin`` and ``x2 * cos + x1 * sin``. cos, sin (L, R/2) are cast to x's dtype first, as both
+    peers cast theirs. x (B, S, H, D), positions (B, S)."""
+    c = cos[positions].to(x.dtype).unsqueeze(-2)  # (B, S, 1, R/2)
+    s = sin[positions].to(x.dtype).unsqueeze(-2)
+    rot = 2 * cos.shape[-1]
+    x_rot = x[..., :rot]
+    x1, x2 = (
+        (x_rot[..., ::2], x_rot[..., 1::2])
+        if interleaved
+        else (x_rot[..., : rot // 2], x_rot[..., rot // 2 :])
+    )
+    if numerics == "hf":
+        if interleaved:
+            c, s = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+            rotated_half = torch.stack((-x2, x1), dim=-1).flatten(-2)
+        else:
+            c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+            rotated_half = torch.cat((-x2, x1), dim=-1)
+        out = x_rot * c + rotated_half * s
+    else:
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def _numerics_checks(config, backends, rng, n_positions, max_position, numerics) -> list[Check]:
+    """Each backend in numerics "hf" / "vllm", in PEER_DTYPES and both pair layouts, against the peer's own
+    expression on the same inputs and tables: the largest difference, which must be 0 (the same bits)."""
+    positions = rng.integers(0, max_position, size=n_positions)
+    x = torch.from_numpy(4 * rng.standard_normal((1, n_positions, 3, config.head_dim)))  # (B, S, H, D)
+    cos, sin = config.cos_sin(int(positions.max()) + 1)
+    pos = torch.from_numpy(positions).reshape(1, n_positions)  # (batch, seq)
+    checks = []
+    for name in backends:
+        device = backend_device(name)
+        for dtype in PEER_DTYPES:
+            stored = x.to(dtype)
+            for interleaved, layout in ((False, "half"), (True, "interleaved")):
+                want = peer_rotation(stored, cos, sin, pos, interleaved=interleaved, numerics=numerics)
+                got = apply_rotary(
+                    stored.to(device), cos.to(device), sin.to(device), positions=pos.to(device),
+                    interleaved=interleaved, backend=name, numerics=numerics,
+                )  # fmt: skip
+                error = (got.cpu().double() - want.double()).abs().max().item()
+                peer = "HF's x*cos + rotate_half(x)*sin" if numerics == "hf" else "vLLM's forward_native"
+                dtype_name = str(dtype).removeprefix("torch.")
+                checks.append(
+                    Check(f"backend {name} {dtype_name} ({layout}) numerics={numerics} = {peer}", error, 0.0)
+                )
+    return checks
+
+
 def run_checks(
     config: RopeConfig,
     *,
@@ -159,6 +221,7 @@ def run_checks(
     n_positions: int = 8,
     max_position: int = 4096,
     backends: Sequence[str] | None = None,
+    numerics: str = "exact",
 ) -> list[Check]:
     """Run every check for ``config``; the textbook's worked examples are included whatever the config.
 
@@ -169,7 +232,11 @@ def run_checks(
         n_positions: how many random positions each check samples.
         max_position: positions are drawn from [0, max_position).
         backends: backends whose float32 and bfloat16 outputs are checked against the float64 reference
-            (one row per backend, dtype and pair layout); None means :func:`available_backends`.
+            (one row per backend, dtype and pair layout); None means :func:`available_backends` (those
+            that serve ``numerics``).
+        numerics: "exact" (the rows above), or "hf" / "vllm": the backend rows check the mode's bits
+            against the peer's expression (:func:`peer_rotation`, tolerance 0) in float32, bfloat16 and
+            float16 instead.
 
     Returns:
         One :class:`Check` per claim, in a fixed order, then the backend rows.
@@ -183,11 +250,15 @@ def run_checks(
             f"head_dim: expected at most {MAX_HEAD_DIM} for verify (its checks build head_dim x head_dim "
             f"rotation matrices), got {config.head_dim}"
         )
+    check_numerics(numerics)
     if backends is None:
-        backends = available_backends()
+        backends = [
+            b for b in available_backends() if numerics in getattr(BACKENDS[b], "numerics", ("exact",))
+        ]
     for name in backends:
         device = backend_device(name)
-        select_backend(name, torch.empty(1, 1, 1, 2, device=device), torch.empty(1, 1, device=device))
+        probe, table = torch.empty(1, 1, 1, 2, device=device), torch.empty(1, 1, device=device)
+        select_backend(name, probe, table, numerics=numerics)
     rng = np.random.default_rng(seed)
     d, D = config.rotary_dim, config.head_dim
     theta = ref.inv_freq(d, config.base)
@@ -301,7 +372,11 @@ def run_checks(
         config, backends, rng, n_positions, max_position, check=Check, bound=backend_error_bound,
         device_of=backend_device,
     )  # fmt: skip
-    return checks + _backend_checks(config, backends, rng, n_positions, max_position) + fused + qk_norm
+    if numerics == "exact":
+        rows = _backend_checks(config, backends, rng, n_positions, max_position)
+    else:
+        rows = _numerics_checks(config, backends, rng, n_positions, max_position, numerics)
+    return checks + rows + fused + qk_norm
 
 
 # How `verify --backends triton` ran the Triton kernel, and what that proves.

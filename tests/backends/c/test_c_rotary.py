@@ -192,3 +192,47 @@ def test_cpu_planned_positions_keep_the_checked_paths_errors(form):
     """A position past the table or negative, or malformed cu_seqlens, after the key was planned: the loop
     refuses it before writing, and the checked path raises exactly its message."""
     check_planned_positions_errors("cpu", form)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("conjugate", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_the_loops_per_op_rounding_equals_the_torch_backends_peer_arithmetic(
+    dtype, interleaved, conjugate, strided
+):
+    cos, sin = tables(10)  # partial rotary: rotary_dim 10 of head_dim 16
+    x = (8 * torch.randn(2, 5, 3, 16)).to(dtype)
+    if strided:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
+    rows = torch.randint(0, 16, (2, 5))
+    flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=False, numerics="hf")
+    got, _ = backends.BACKENDS["cpu"].rotate_qk(x, None, cos, sin, rows, **flags)
+    want, _ = backends.BACKENDS["torch"].rotate_qk(x, None, cos, sin, rows, **flags)
+    assert torch.equal(got, want)
+    exact, _ = backends.BACKENDS["cpu"].rotate_qk(x, None, cos, sin, rows, **{**flags, "numerics": "exact"})
+    assert torch.equal(exact, got) == (dtype == torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_loops_per_op_rounding_equals_pytorchs_at_the_edges_of_the_dtype(dtype, interleaved):
+    """Products and sums that overflow to infinity, land among the subnormals or tie: the loop's roundings
+    (bf16_round, a _Float16 round trip) against PyTorch's own ops in the dtype."""
+    magnitudes = torch.linspace(1, 2, 33)[:, None] * 2.0 ** torch.arange(-30, 17)[None, :]  # (33, 47)
+    extra = torch.tensor([65504, 65519, 65520, 65536, 7e4, 6.1e-5, 6.09e-5, 5.96e-8, 2.98e-8, 1e-8, 0.0])
+    values = torch.cat((magnitudes.flatten(), -magnitudes.flatten(), extra, -extra))
+    x = values[: values.numel() // 64 * 64].reshape(1, -1, 1, 64)  # (1, S, 1, 64)
+    g = torch.Generator().manual_seed(0)
+    cos = 2 * torch.rand(x.shape[1], 32, generator=g) - 1
+    sin = 300 * torch.rand(x.shape[1], 32, generator=g) - 150  # products past float16's range, and tiny ones
+    for scale in (1.0, 200.0, 1e-3):
+        stored = (x * scale).to(dtype)
+        stored = torch.where(stored.isinf(), torch.zeros_like(stored), stored)  # finite inputs
+        flags = dict(numerics="hf", interleaved=interleaved)
+        got = apply_rotary(stored, cos, sin, backend="cpu", **flags)
+        want = apply_rotary(stored, cos, sin, backend="torch", **flags)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+        if dtype == torch.float16 and scale == 200.0:
+            assert got.isinf().any()  # the case reaches the overflow

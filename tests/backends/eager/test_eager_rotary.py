@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ropekit import RopeConfig
@@ -44,3 +45,16 @@ def test_backend_serves_everything_and_k_is_optional():
         q, None, COS, SIN, POSITIONS, interleaved=False, conjugate=False, inplace=False
     )
     assert k_out is None and q_out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_peer_numerics_round_after_each_op_in_the_inputs_dtype(dtype):
+    cos, sin = COS.float(), SIN.float()
+    x = (8 * torch.randn(2, 3, 4, 10)).to(dtype)
+    got = rotate(x, cos, sin, POSITIONS, interleaved=False, conjugate=False, inplace=False, numerics="hf")
+    c, s = cos[POSITIONS].to(dtype).unsqueeze(-2), sin[POSITIONS].to(dtype).unsqueeze(-2)
+    a, b = x[..., :3], x[..., 3:6]
+    want = torch.cat((a * c - b * s, b * c + a * s, x[..., 6:]), -1)  # each op in dtype: PyTorch's rounding
+    assert torch.equal(got, want)
+    exact = rotate(x, cos, sin, POSITIONS, interleaved=False, conjugate=False, inplace=False)
+    assert not torch.equal(got, exact)

@@ -23,6 +23,7 @@ import torch
 
 from ropekit.backends.c.build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
 from ropekit.backends.kernel_op import MAX_HALF, KernelBackend, check_launch, check_offset_rows, row_error
+from ropekit.validation import NUMERICS
 
 __all__ = ["CpuBackend", "launch"]
 
@@ -97,15 +98,31 @@ static inline int64_t packed_sequence(const void *cu, int cu32, int64_t n, int64
 }
 
 /* st: strides in elements, {q_b, q_s, q_h, qo_b, qo_s, qo_h, k_b, k_s, k_h, ko_b, ko_s, ko_h}. */
-#define DEFINE_ROTARY(NAME, T, LOAD, STORE) \
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND) \
 static void NAME##_heads(const T *x, T *out, int64_t sx, int64_t so, int64_t heads, int64_t half, \
                          int64_t tail, const float *c, const float *s, const float *c2, const float *s2, \
-                         int interleaved, int copy_tail, int direct) { \
+                         int interleaved, int copy_tail, int direct, int per_op) { \
     float ra[2 * ROPEKIT_MAX_HALF], rb[ROPEKIT_MAX_HALF], xf[2 * ROPEKIT_MAX_HALF]; /* half <= the bound */ \
     for (int64_t h = 0; h < heads; ++h) { \
         const T *xr = x + h * sx; \
         T *orow = out + h * so; \
-        if (interleaved) { /* c2, s2: c, s repeated per pair, s2 signed; out[j] = x[j] c2 + x[j^1] s2 */ \
+        if (per_op && interleaved) { /* numerics "hf" / "vllm": each product and sum rounded to T, as \
+                    PyTorch's ops in T (a product of two values of T is exact in float32); the same pass */ \
+            for (int64_t j = 0; j < 2 * half; ++j) xf[j] = LOAD(xr[j]); \
+            for (int64_t j = 0; j < 2 * half; ++j) /* s2 carries each pair's sign */ \
+                ra[j] = ROUND(ROUND(xf[j] * c2[j]) + ROUND(xf[j ^ 1] * s2[j])); \
+            for (int64_t j = 0; j < 2 * half; ++j) orow[j] = STORE(ra[j]); \
+        } else if (per_op) { \
+            for (int64_t i = 0; i < half; ++i) { \
+                float a = LOAD(xr[i]), b = LOAD(xr[i + half]); \
+                ra[i] = ROUND(ROUND(a * c[i]) - ROUND(b * s[i])); \
+                rb[i] = ROUND(ROUND(b * c[i]) + ROUND(a * s[i])); \
+            } \
+            for (int64_t i = 0; i < half; ++i) { \
+                orow[i] = STORE(ra[i]); \
+                orow[i + half] = STORE(rb[i]); \
+            } \
+        } else if (interleaved) { /* c2, s2: c, s per pair, s2 signed; out[j] = x[j] c2 + x[j^1] s2 */ \
             int64_t j = 0; \
             for (j = 0; j < 2 * half; ++j) xf[j] = LOAD(xr[j]); \
             for (j = 0; j + 8 <= 2 * half; j += 8) { /* swap within pairs with one shuffle per 8 floats */ \
@@ -154,6 +171,7 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
     const int per_seq = (int)a[24]; \
     const int64_t n_seqs = a[25]; \
     const int cu32 = (int)a[26]; \
+    const int per_op = (int)a[27]; \
     const int threads = (int)nthreads; \
     float sign = conjugate ? -1.0f : 1.0f; \
     int64_t tokens = batch * seq; \
@@ -192,8 +210,12 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
             row = pos ? (per_seq ? pos[b] + t : pos[token]) : offset + t; \
         } \
         const float *c = cos + row * cos_stride; \
-        float s[ROPEKIT_MAX_HALF], c2[2 * ROPEKIT_MAX_HALF], s2[2 * ROPEKIT_MAX_HALF]; \
+        float s[ROPEKIT_MAX_HALF], c2[2 * ROPEKIT_MAX_HALF], s2[2 * ROPEKIT_MAX_HALF], cr[ROPEKIT_MAX_HALF]; \
         for (int64_t i = 0; i < half; ++i) s[i] = sign * sin[row * sin_stride + i]; \
+        if (per_op) { /* the peers' tables are cast to T first */ \
+            for (int64_t i = 0; i < half; ++i) { cr[i] = ROUND(c[i]); s[i] = ROUND(s[i]); } \
+            c = cr; \
+        } \
         if (interleaved) \
             for (int64_t i = 0; i < half; ++i) { \
                 c2[2 * i] = c2[2 * i + 1] = c[i]; \
@@ -201,17 +223,29 @@ int64_t NAME(const void *q, void *qo, const void *k, void *ko, const float *cos,
                 s2[2 * i + 1] = s[i]; \
             } \
         NAME##_heads((const T *)q + b * st[0] + t * st[1], (T *)qo + b * st[3] + t * st[4], st[2], \
-                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 1, direct); \
+                     st[5], q_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 1, direct, per_op); \
         if (k) \
             NAME##_heads((const T *)k + b * st[6] + t * st[7], (T *)ko + b * st[9] + t * st[10], st[8], \
-                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 2, direct); \
+                         st[11], k_heads, half, tail, c, s, c2, s2, interleaved, copy_tail & 2, direct, \
+                         per_op); \
     } \
     return -1; \
 }
 
-DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
-DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+/* A float rounded to T and back (numerics "hf" / "vllm"): branch-free, so the per-op loops vectorize; bf16 as
+   bf16_store rounds (to nearest even, a NaN kept quiet). */
+static inline float bf16_round(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? ((u | 0x00400000u) & 0xffff0000u) : rounded;
+    memcpy(&f, &r, 4); return f;
+}
+#define F32_ROUND(v) (v)
+#define F16_ROUND(v) ((float)(_Float16)(v))
+
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE, F16_ROUND)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store, bf16_round)
 """
 )
 
@@ -225,7 +259,8 @@ _ARGTYPES = (ctypes.c_void_p,) * 9 + (ctypes.c_int64,) * 2
 # copy_tail: bit 0 for q, bit 1 for k, set when that output is not its input (the tail must be copied).
 # per_seq: positions holds one offset per batch row (a launch plan's tensor offsets), not a row per token.
 # n_seqs, cu32: a packed batch's sequences and whether its cu_seqlens is int32 (a launch plan's, else 0).
-_INT_ARGS = struct.Struct("27q")
+# per_op: numerics "hf" / "vllm" (the table and each product and sum rounded to the dtype), else 0 ("exact").
+_INT_ARGS = struct.Struct("28q")
 
 
 _LIBRARY = CLibrary(
@@ -259,8 +294,9 @@ def _build_failure() -> str | None:
 _NO_K = (0, 0, 0)
 
 
-def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate) -> None:
-    """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch`.
+def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjugate, numerics="exact") -> None:
+    """Run the C loop; see :data:`ropekit.backends.kernel_op.Launch` (numerics: one of
+    :data:`ropekit.validation.NUMERICS`, "hf" and "vllm" rounding after each op, in the same pass).
 
     Raises:
         ValueError: on anything :func:`~ropekit.backends.kernel_op.check_launch` rejects, CUDA tensors, or a
@@ -272,7 +308,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
     table_len = cos.shape[0]
     if positions is None:
         check_offset_rows(offset, q.shape[0], q.shape[1], table_len)
-    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate)
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_op=numerics != "exact")
     bad = (_LIBRARY.functions or _LIBRARY.require())[q.dtype](
         q.data_ptr(),
         q_out.data_ptr(),
@@ -293,9 +329,7 @@ def launch(q, k, q_out, k_out, cos, sin, positions, offset, interleaved, conjuga
         raise row_error(position, table_len, bad if positions is not None else None)
 
 
-def _pack(
-    q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_seq: bool = False, cu_seqlens=None
-) -> bytes:
+def _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_seq=False, cu_seqlens=None, per_op=False):
     """The C loop's integer arguments that depend on shapes, strides and flags alone (see _INT_ARGS); of
     cu_seqlens (a packed batch: q (1, T, H, D)), its length and dtype."""
     batch, seq, q_heads, head_dim = q.shape  # (batch, seq, heads, head_dim)
@@ -311,11 +345,12 @@ def _pack(
         per_seq,
         0 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
         cu_seqlens is not None and cu_seqlens.dtype == torch.int32,
+        per_op,
     )  # fmt: skip
 
 
 def pointer_launch(
-    q, k, q_out, k_out, cos, sin, interleaved: bool, conjugate: bool, per_sequence: bool, cu_seqlens=None
+    q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens=None, numerics="exact"
 ):
     """The C loop bound to the integers of a launch on tensors laid out as these (shapes, strides, dtype,
     flags; a packed batch's cu_seqlens length and dtype): call(q, q_out, k, k_out, cos, sin, rows, offset,
@@ -324,9 +359,9 @@ def pointer_launch(
     checked, not read for rows) or None for offset + the token's index in its sequence; cu: the packed
     batch's cu_seqlens, q then (1, T, H, D)) returns the loop's code: -1 done, else a row outside the
     table or malformed cu_seqlens, nothing written. The caller keeps the kernel wall: every tensor it points
-    at is laid out as these."""
+    at is laid out as these. numerics: as the loop's per_op rounding (:func:`launch`)."""
     function, int_args, parallel = _bound_loop(
-        q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens
+        q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens, numerics != "exact"
     )
 
     def call(q, q_out, k, k_out, cos, sin, rows, offset, cu=None) -> int:
@@ -336,12 +371,12 @@ def pointer_launch(
     return call
 
 
-def _bound_loop(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens):
+def _bound_loop(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens, per_op=False):
     """pointer_launch's pieces: (the C loop, its packed integers, whether it runs on torch's threads), for a
     caller that calls the loop itself, ``function(q, q_out, k, k_out, cos, sin, rows, cu, int_args, offset,
     threads)`` (a plan's run: one Python call fewer per step)."""
     function = (_LIBRARY.functions or _LIBRARY.require())[q.dtype]
-    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens)
+    int_args = _pack(q, k, q_out, k_out, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens, per_op)
     return function, int_args, _threads(q, k) > 1
 
 
@@ -354,6 +389,7 @@ class CpuBackend(KernelBackend):
     # A plan's run reads its tensors' data pointers alone (the strides are the plan's) and allocates its
     # outputs with empty_like: it serves the same memory through another view (ropekit.backends.plan).
     plan_reads_pointers = True
+    numerics = NUMERICS  # "hf" / "vllm": a rounding per op in the loop (its per_op argument)
 
     def __init__(self) -> None:
         super().__init__("cpu", launch)
@@ -399,6 +435,7 @@ class CpuBackend(KernelBackend):
         per_sequence=False,
         cu_seqlens=None,
         positions=False,
+        numerics="exact",
     ):
         """The launch for one key (:mod:`ropekit.backends.plan`): the packed arguments are built once, and a
         call is the outputs, the data pointers and the C loop. With per_sequence, ``offset`` is an int64
@@ -423,7 +460,7 @@ class CpuBackend(KernelBackend):
             probes = tuple(None if t is None else t[None] for t in probes)
         # pointer_launch's loop, called here (a decode step spares the wrapper's Python call)
         function, int_args, parallel = _bound_loop(
-            *probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens
+            *probes, cos, sin, interleaved, conjugate, per_sequence, cu_seqlens, numerics != "exact"
         )
         reads = per_sequence or positions  # offset is a tensor the loop reads
 

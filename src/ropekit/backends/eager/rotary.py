@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ropekit.validation import NUMERICS
+
 __all__ = ["EagerBackend", "rotate"]
 
 
@@ -53,11 +55,18 @@ def rotate(
     interleaved: bool,
     conjugate: bool,
     inplace: bool,
+    numerics: str = "exact",
 ) -> torch.Tensor:
-    """Rotate one tensor; see :mod:`ropekit.backends.base` for the contract (positions already checked)."""
+    """Rotate one tensor; see :mod:`ropekit.backends.base` for the contract (positions already checked).
+
+    numerics "hf" / "vllm" compute in x's own dtype: each product and sum is PyTorch's op in that dtype, the
+    peers' own arithmetic (float32 and float64 then compute as "exact" does)."""
     half = cos.shape[-1]
     rot = 2 * half
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if numerics == "exact" or x.dtype == torch.float64:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    else:
+        compute = x.dtype
     c = cos[positions].to(compute).unsqueeze(-2)  # (..., 1, rotary_dim/2): one row serves all heads
     s = sin[positions].to(compute).unsqueeze(-2)
     if conjugate:
@@ -85,6 +94,7 @@ class EagerBackend:
     """Plain PyTorch: serves every op on any device and dtype, and traces under torch.compile."""
 
     name = "torch"
+    numerics = NUMERICS  # every arithmetic mode (a backend without this attribute serves "exact" alone)
 
     def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
         return None
@@ -108,9 +118,11 @@ class EagerBackend:
 
         qk_norm_eager.launch(qkv, q_weight.detach(), k_weight.detach(), cos, sin, positions, offset, spec)
 
-    def rotate_qk(self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0):
+    def rotate_qk(
+        self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0, numerics="exact"
+    ):
         positions = table_rows(positions, offset, q, cos.shape[0])
-        kw = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+        kw = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, numerics=numerics)
         q_out = rotate(q, cos, sin, positions, **kw)
         k_out = None if k is None else rotate(k, cos, sin, positions, **kw)
         return q_out, k_out
