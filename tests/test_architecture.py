@@ -172,10 +172,6 @@ def test_imports_point_down_the_layers():
 # cycle fails, and a removed one must leave this list.
 KNOWN_CYCLES = {
     frozenset({"ropekit.compat.vllm", "ropekit.compat.vllm_variants"}),
-    frozenset({"ropekit.backends.fused_launch", "ropekit.backends.kernel_op"}),
-    frozenset(
-        {"ropekit.backends.eager.fused", "ropekit.backends.eager.qk_norm", "ropekit.backends.eager.rotary"}
-    ),
     frozenset(
         {
             "ropekit.backends.triton.fused",

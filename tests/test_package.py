@@ -124,6 +124,7 @@ FUNCTIONAL_KEYWORDS = [
     ("backend", KW, "auto"),
     ("inverse", KW, False),
     ("rotary_position", KW, "first"),
+    ("numerics", KW, "exact"),
 ]
 
 

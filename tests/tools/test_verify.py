@@ -123,7 +123,7 @@ class _TruncatingBackend:
         return None
 
     def rotate_qk(self, q, k, cos, sin, positions, **kw):
-        from ropekit.backends.eager.rotary import EagerBackend
+        from ropekit.backends.eager.backend import EagerBackend
 
         exact, _ = EagerBackend().rotate_qk(q.float(), None, cos, sin, positions, **kw)
         if q.dtype == torch.bfloat16:

@@ -17,7 +17,7 @@ import torch
 
 from ropekit.backends.base import Backend
 from ropekit.backends.c.rotary import CpuBackend
-from ropekit.backends.eager.rotary import EagerBackend
+from ropekit.backends.eager.backend import EagerBackend
 from ropekit.backends.kernel_op import check_device
 from ropekit.backends.plan import clear_plans
 from ropekit.backends.triton.rotary import TritonBackend

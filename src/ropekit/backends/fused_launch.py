@@ -25,12 +25,11 @@ from typing import NamedTuple
 
 import torch
 
-from ropekit.backends.kernel_op import MAX_HALF
+from ropekit.backends.kernel_op import MAX_HALF, MAX_WIDTH
 from ropekit.validation import check_no_alias, check_writable, describe
 
 __all__ = [
     "FP8_KINDS",
-    "MAX_WIDTH",
     "Channel",
     "FusedLaunch",
     "check_bounds",
@@ -42,9 +41,6 @@ __all__ = [
 
 # FP8 storage formats: the kernels' code for each (0 stores the source dtype).
 FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-# The widest head a channel of the C loop or the Triton kernel serves: the C loop keeps one head of float32 in
-# a scratch row of this fixed size on its stack (64 KB). Wider heads take the torch backend.
-MAX_WIDTH = 16384
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

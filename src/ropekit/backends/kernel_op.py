@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ropekit.backends.eager.rotary import EagerBackend
+from ropekit.backends.eager.rotary import rotate_qk as eager_rotate_qk
 from ropekit.dtensor_inputs import SHARDED_OPS, check_no_dtensor, is_dtensor
 from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
 from ropekit.validation import check_in_place_allowed, check_no_alias, check_writable, describe
@@ -52,6 +52,9 @@ Launch = Callable[..., None]
 # The widest table (rotary_dim / 2) the kernels serve: the C loop keeps ~10 floats per pair on its stack, so
 # this bounds it to 160 KB; Triton keeps a row in registers. Wider tables use the torch backend.
 MAX_HALF = 4096
+# The widest head a channel of the fused kernels serves: the C loop keeps one head of float32 in a scratch row
+# of this fixed size on its stack (64 KB). Wider heads take the torch backend.
+MAX_WIDTH = 16384
 
 _OUT_OF_PLACE = (
     "(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? positions, bool interleaved, "
@@ -424,8 +427,6 @@ class KernelBackend:
     def fused_unavailable_reason(self, op: str, *, widest: int = 0, spec=None) -> str | None:
         """None when this backend's kernel runs ``op`` ("fused": RoPE + cache, RoPE + FP8, cache shift;
         "qk_norm") for heads of ``widest`` features, else the rest of the error ``backend: '<name>' ...``."""
-        from ropekit.backends.fused_launch import MAX_WIDTH  # it builds on this file's bounds
-
         if op == "fused" and widest > MAX_WIDTH:
             return (
                 f"serves heads of up to {MAX_WIDTH} features, got a head of {widest}; use backend='torch' "
@@ -517,7 +518,7 @@ class KernelBackend:
             )
         if not plain_eager(q) or is_dtensor(q):
             flags = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, offset=offset)
-            return EagerBackend().rotate_qk(q, k, cos, sin, positions, **flags, numerics=numerics)
+            return eager_rotate_qk(q, k, cos, sin, positions, **flags, numerics=numerics)
         cos, sin = kernel_tables(cos, sin)
         if inplace:
             q_out, k_out = q, k

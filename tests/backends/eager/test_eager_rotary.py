@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ropekit import RopeConfig
-from ropekit.backends.eager.rotary import EagerBackend, rotate
+from ropekit.backends.eager.backend import EagerBackend
+from ropekit.backends.eager.rotary import rotate
 
 COS, SIN = RopeConfig(10, rotary_dim=6).cos_sin(8, dtype=torch.float64)
 POSITIONS = torch.tensor([[0, 3, 7], [1, 1, 2]])  # (batch, seq)

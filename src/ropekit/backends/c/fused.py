@@ -23,8 +23,8 @@ import struct
 import torch
 
 from ropekit.backends.c.build import C_PRELUDE, PARALLEL_THRESHOLD, CLibrary
-from ropekit.backends.fused_launch import MAX_WIDTH, FusedLaunch, check_bounds, check_launch, slot_error
-from ropekit.backends.kernel_op import row_error
+from ropekit.backends.fused_launch import FusedLaunch, check_bounds, check_launch, slot_error
+from ropekit.backends.kernel_op import MAX_WIDTH, row_error
 
 __all__ = ["launch", "plan", "unavailable_reason"]
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ropekit.validation import NUMERICS
-
-__all__ = ["EagerBackend", "rotate"]
+__all__ = ["rotate", "rotate_qk", "table_rows"]
 
 
 def table_rows(positions: torch.Tensor | None, offset: int, x: torch.Tensor, table_len: int) -> torch.Tensor:
@@ -90,39 +88,11 @@ def rotate(
     return out
 
 
-class EagerBackend:
-    """Plain PyTorch: serves every op on any device and dtype, and traces under torch.compile."""
-
-    name = "torch"
-    numerics = NUMERICS  # every arithmetic mode (a backend without this attribute serves "exact" alone)
-
-    def unavailable_reason(self, q: torch.Tensor, cos: torch.Tensor) -> str | None:
-        return None
-
-    def fused_unavailable_reason(self, op: str, *, widest: int = 0, spec=None) -> str | None:
-        return None  # tensor ops: any head width, any packing
-
-    def launch_fused(self, launch, *, checked: bool, written=()) -> None:
-        """A fused serving launch (:class:`~ropekit.backends.fused_launch.FusedLaunch`) with tensor ops, which
-        tell autograd what they wrote themselves (``written`` is not needed)."""
-        from ropekit.backends.eager import fused as fused_eager  # it builds on this file's rotation
-
-        fused_eager.launch(launch, checked=checked)
-
-    def launch_qk_norm(
-        self, qkv, q_weight, k_weight, cos, sin, positions, offset, spec, *, written=()
-    ) -> None:
-        """QK-RMSNorm + RoPE on qkv (B, S, W) in place (:mod:`ropekit.backends.eager.qk_norm`); tensor ops
-        bump the version counters themselves."""
-        from ropekit.backends.eager import qk_norm as qk_norm_eager
-
-        qk_norm_eager.launch(qkv, q_weight.detach(), k_weight.detach(), cos, sin, positions, offset, spec)
-
-    def rotate_qk(
-        self, q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0, numerics="exact"
-    ):
-        positions = table_rows(positions, offset, q, cos.shape[0])
-        kw = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, numerics=numerics)
-        q_out = rotate(q, cos, sin, positions, **kw)
-        k_out = None if k is None else rotate(k, cos, sin, positions, **kw)
-        return q_out, k_out
+def rotate_qk(q, k, cos, sin, positions, *, interleaved, conjugate, inplace, offset=0, numerics="exact"):
+    """Rotate q and k (k may be None) with the torch ops: the torch backend's ``rotate_qk`` (positions or
+    offset checked against the table here)."""
+    positions = table_rows(positions, offset, q, cos.shape[0])
+    kw = dict(interleaved=interleaved, conjugate=conjugate, inplace=inplace, numerics=numerics)
+    q_out = rotate(q, cos, sin, positions, **kw)
+    k_out = None if k is None else rotate(k, cos, sin, positions, **kw)
+    return q_out, k_out
