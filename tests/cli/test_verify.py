@@ -115,6 +115,7 @@ def test_backend_rows_are_printed_for_the_cpu_fast_path(capsys):
     assert "backend torch" not in out
 
 
+@pytest.mark.proof  # 7 CPU-s; the kernel's own interpreter suite is in the fast tier
 def test_backends_triton_without_a_gpu_runs_the_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     done = subprocess.run(
@@ -138,6 +139,7 @@ def test_backends_triton_without_a_gpu_runs_the_kernel_in_the_interpreter():
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiling needs the JIT"
 )
+@pytest.mark.proof  # 9 CPU-s; tests/tools/test_triton_aot.py compiles the kernels in the fast tier
 def test_backends_triton_compile_only_compiles_for_three_gpus_and_says_so(capsys):
     pytest.importorskip("triton")
     argv = ["verify", "--head-dim", "64", "--rotary-dim", "32", "--backends", "triton", "--compile-only"]

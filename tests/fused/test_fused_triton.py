@@ -12,7 +12,9 @@ from triton_interpreter import run_interpreter_cases, tiers
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("tier", tiers(2))
+# The fast tier runs every second case of the per-axis cover (38 CPU-s for all of it); make proofs runs
+# every case. The fused ops' fuzz and the torch / C suites cover the same ops in the fast tier.
+@pytest.mark.parametrize("tier", tiers(2, fast_runs=1))
 def test_fused_triton_kernel_passes_the_interpreter_suite(tier):
     """tests/fused/fused_triton_cases.py, run with TRITON_INTERPRET=1 in a fresh interpreter."""
     run_interpreter_cases(HERE / "fused_triton_cases.py", cwd=HERE, timeout=600, tier=tier)

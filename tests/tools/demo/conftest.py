@@ -16,6 +16,9 @@ from filelock import FileLock
 
 # Generous: --quick targets well under 90 s, but the tests share two cores with the rest of the suite.
 RUN_TIMEOUT_S = 600
+# The tests read the run's files, not its quality past "better than guessing": 60 steps, not --quick's 200
+# (16 s instead of 30 s on the 2-core VM; at 60 steps every method's perplexity at L was 17, guessing's 256).
+STEPS = ["--steps", "60"]
 
 
 def _shared_dir(tmp_path_factory) -> Path:
@@ -49,12 +52,12 @@ def _run_once(tmp_path_factory, name: str, command: list[str]) -> Path:
 @pytest.fixture(scope="session")
 def quick_report(tmp_path_factory) -> Path:
     """Output folder of `python -m ropekit demo --quick` on one process."""
-    return _run_once(tmp_path_factory, "demo-quick", [sys.executable, "-m", "ropekit", "demo", "--quick"])
+    return _run_once(tmp_path_factory, "demo-quick", [sys.executable, "-m", "ropekit", "demo", "--quick", *STEPS])
 
 
 @pytest.fixture(scope="session")
 def quick_ddp_report(tmp_path_factory) -> Path:
     """Output folder of the quick rope training on 2 processes (torchrun, gloo), without evaluation."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "ropekit", "demo", "--quick", "--variants", "rope", "--train-only"]  # fmt: skip
+               "-m", "ropekit", "demo", "--quick", *STEPS, "--variants", "rope", "--train-only"]  # fmt: skip
     return _run_once(tmp_path_factory, "demo-quick-ddp", command)
