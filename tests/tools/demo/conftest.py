@@ -52,7 +52,8 @@ def _run_once(tmp_path_factory, name: str, command: list[str]) -> Path:
 @pytest.fixture(scope="session")
 def quick_report(tmp_path_factory) -> Path:
     """Output folder of `python -m ropekit demo --quick` on one process."""
-    return _run_once(tmp_path_factory, "demo-quick", [sys.executable, "-m", "ropekit", "demo", "--quick", *STEPS])
+    command = [sys.executable, "-m", "ropekit", "demo", "--quick", *STEPS]
+    return _run_once(tmp_path_factory, "demo-quick", command)
 
 
 @pytest.fixture(scope="session")
