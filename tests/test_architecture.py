@@ -168,18 +168,9 @@ def test_imports_point_down_the_layers():
 
 # Import cycles among ropekit's modules (lazy imports included), each a strongly connected set of the import
 # map. compat/vllm + compat/vllm_variants is one module in two files (the variant classes need the cache
-# functions and vllm.get_rope constructs the variants). The backends' cycles are issue 35's to remove; a new
-# cycle fails, and a removed one must leave this list.
+# functions and vllm.get_rope constructs the variants). It is the only one; a new cycle fails.
 KNOWN_CYCLES = {
     frozenset({"ropekit.compat.vllm", "ropekit.compat.vllm_variants"}),
-    frozenset(
-        {
-            "ropekit.backends.triton.fused",
-            "ropekit.backends.triton.qk_norm",
-            "ropekit.backends.triton.qk_norm_kernel",
-            "ropekit.backends.triton.rotary",
-        }
-    ),
 }
 
 

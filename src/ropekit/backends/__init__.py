@@ -20,7 +20,7 @@ from ropekit.backends.c.rotary import CpuBackend
 from ropekit.backends.eager.backend import EagerBackend
 from ropekit.backends.kernel_op import check_device
 from ropekit.backends.plan import clear_plans
-from ropekit.backends.triton.rotary import TritonBackend
+from ropekit.backends.triton.backend import TritonBackend
 
 __all__ = [
     "AUTO_ORDER",

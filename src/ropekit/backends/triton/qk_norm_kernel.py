@@ -46,7 +46,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 80}
 # spills.
 OCCUPANCY_TARGET = 0.375
 # qkv's every load and store is 128-bit (the AOT check proves it): a block gives each thread one 16-byte
-# vector of each run (qk_norm_triton.block_sizes), the interleaved run loaded whole and rotated in its load's
+# vector of each run (qk_norm_blocks.block_sizes), the interleaved run loaded whole and rotated in its load's
 # layout.
 VECTORISED_ARGS = ("qkv_ptr",)
 
@@ -253,7 +253,7 @@ def qk_norm_rotary_kernel(
 
 
 # The shapes the AOT check compiles: (head_dim, rotary_dim, q_heads, k_heads) of Qwen3, Gemma 3, OLMo 2 and a
-# partial-rotary head. Block sizes follow ropekit.backends.triton.qk_norm.block_sizes.
+# partial-rotary head. Block sizes follow ropekit.backends.triton.qk_norm_blocks.block_sizes.
 AOT_SHAPES = ((128, 128, 32, 8), (256, 256, 8, 4), (128, 64, 16, 16))
 
 
@@ -263,7 +263,7 @@ def aot_specializations():
     The signature names every parameter in order ("constexpr" for the compile-time ones), as Triton's
     ``ASTSource`` takes it.
     """
-    from ropekit.backends.triton.qk_norm import NUM_WARPS, block_sizes
+    from ropekit.backends.triton.qk_norm_blocks import NUM_WARPS, block_sizes
 
     pointers = {"pos_ptr": "*i64", "flag_ptr": "*i32"}
     ints = {"offset", "table_len", "seq_len", "tokens", "stride_b", "stride_s"}
