@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (test_numerics.py)"
 )
 
-FAST_EXAMPLES, PROOF_EXAMPLES = 8, 300  # 8: about 6 CPU-s
+FAST_EXAMPLES, PROOF_EXAMPLES = 4, 300  # 4: about 3 CPU-s past the process start
 EXAMPLES = FAST_EXAMPLES if os.environ.get(TIER_ENV) == "fast" else PROOF_EXAMPLES
 # The C loop joins where a compiler is found (ROPEKIT_REQUIRE_C_COMPILER=1 makes its absence an error there).
 OTHER = ("triton", "torch", "cpu") if find_compiler() is not None else ("triton", "torch")
