@@ -574,3 +574,24 @@ def test_a_plan_made_in_one_numerics_mode_never_serves_another(backend, form):
         return  # the torch backend plans neither (rows it cannot check itself; packed batches)
     served = {key[-1] for key, run in plan._plans.items() if run is not None}  # a key ends with its numerics
     assert served == ({"exact", "hf"} if form == "module" else {"exact", "hf", "vllm"})
+
+
+def test_a_backend_that_declares_no_peer_numerics_gets_no_plan_for_them():
+    """rotary_plan reads what a backend serves from its declared ``numerics`` (backends.base.served_numerics):
+    a backend declaring none is never asked for a plan in "hf" / "vllm" (the checked path refuses it)."""
+    asked = []
+
+    class ExactOnly:
+        name = "exact-only"
+
+        def plan(self, q, k, cos, sin, **flags):
+            asked.append(flags)
+            return lambda *args: None
+
+    cos, sin = ropekit.RopeConfig(head_dim=8).cos_sin(8)
+    q = torch.zeros(1, 2, 1, 8)
+    flags = dict(interleaved=False, inplace=False, conjugate=False)
+    assert plan.rotary_plan(ExactOnly(), q, None, cos, sin, 0, **flags, numerics="hf") is None
+    assert asked == []
+    assert plan.rotary_plan(ExactOnly(), q, None, cos, sin, 0, **flags) is not None
+    assert asked and "numerics" not in asked[0]

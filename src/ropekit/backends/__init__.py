@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ropekit.backends.base import Backend
+from ropekit.backends.base import Backend, served_numerics
 from ropekit.backends.c.rotary import CpuBackend
 from ropekit.backends.eager.backend import EagerBackend
 from ropekit.backends.kernel_op import check_device
@@ -139,10 +139,10 @@ def _select(
 
 def _numerics_reason(backend: Backend, numerics: str) -> str | None:
     """None when backend computes in the arithmetic mode numerics, else why not."""
-    served = getattr(backend, "numerics", ("exact",))
+    served = served_numerics(backend)
     if numerics in served:
         return None
-    others = [name for name, b in BACKENDS.items() if numerics in getattr(b, "numerics", ("exact",))]
+    others = [name for name, b in BACKENDS.items() if numerics in served_numerics(b)]
     return f"it computes numerics {list(served)} only; {numerics!r} is served by {others} (and 'auto')"
 
 

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "served_numerics"]
 
 
 class Backend(Protocol):
@@ -58,3 +58,9 @@ class Backend(Protocol):
         inplace: bool,
         offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def served_numerics(backend: object) -> tuple[str, ...]:
+    """The arithmetic modes a backend computes (:data:`ropekit.validation.NUMERICS`), as it declares them in
+    a ``numerics`` attribute: "exact" alone for a backend that declares none."""
+    return tuple(getattr(backend, "numerics", ("exact",)))

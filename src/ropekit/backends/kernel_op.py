@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ropekit.backends.base import served_numerics
 from ropekit.backends.eager.rotary import rotate_qk as eager_rotate_qk
 from ropekit.dtensor_inputs import SHARDED_OPS, check_no_dtensor, is_dtensor
 from ropekit.positions import check_cu_seqlens, check_offsets_beside_positions
@@ -511,7 +512,7 @@ class KernelBackend:
         eager tensors. The registered ops compute "exact" alone; a call that traces (torch.compile, export,
         a dispatch mode, DTensors) rotates with the torch backend's ops instead, the peers' own torch
         arithmetic (the same bits in eager)."""
-        if numerics not in getattr(self, "numerics", ("exact",)):
+        if numerics not in served_numerics(self):
             raise ValueError(
                 f"numerics: the {self.name!r} backend computes 'exact' only, got {numerics!r} (the 'torch' "
                 f"and 'cpu' backends serve it)"

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ropekit.backends.base import served_numerics
 from ropekit.backends.kernel_op import KernelBackend, kernel_tables
 from ropekit.validation import byte_extent, shares_memory
 
@@ -280,7 +281,7 @@ def rotary_plan(
     if packed:
         flags["cu_seqlens"] = cu_seqlens  # its length and dtype are the key's
     if numerics != "exact":
-        if make is not None and "numerics" not in inspect.signature(make).parameters:
+        if make is not None and numerics not in served_numerics(impl):
             return None
         flags["numerics"] = numerics
     if rows:
